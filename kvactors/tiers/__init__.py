@@ -1,0 +1,1 @@
+"""Secondary tiers: the plugin interface and the built-in tiers."""

@@ -1,0 +1,66 @@
+"""Self-describing block records for tiers that persist bytes (disk, Redis).
+
+A record is a fixed header followed by the key and the payload::
+
+    magic "KVA1" | key length u16 | payload length u32 | crc32 of key+payload u32
+
+The checksum covers the key too, so a record stored under the wrong name (or a
+payload swapped between blocks) is rejected like a corrupt one.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+from kvactors.types import OffloadKey
+
+MAGIC = b"KVA1"
+_HEADER = struct.Struct("<4sHII")
+HEADER_SIZE = _HEADER.size
+
+
+class CorruptRecordError(ValueError):
+    """A record failed verification: bad header, wrong key, wrong length or checksum."""
+
+
+def checksum(key: OffloadKey, payload: bytes | memoryview) -> int:
+    """crc32 of ``key`` then ``payload`` (zlib's, several GB/s)."""
+    return zlib.crc32(payload, zlib.crc32(key))
+
+
+def encode_header(key: OffloadKey, payload: bytes | memoryview) -> bytes:
+    """The header and key that precede ``payload`` in a record."""
+    return _HEADER.pack(MAGIC, len(key), len(payload), checksum(key, payload)) + key
+
+
+def encode(key: OffloadKey, payload: bytes | memoryview) -> bytes:
+    """A whole record as one bytes object."""
+    return encode_header(key, payload) + bytes(payload)
+
+
+def decode(record: bytes | memoryview, key: OffloadKey, payload_size: int) -> memoryview:
+    """Verify ``record`` against ``key`` and the expected size; return the payload.
+
+    Raises ``CorruptRecordError`` on any mismatch: the caller must treat the
+    block as missing, never serve its bytes.
+    """
+    view = memoryview(record)
+    if len(view) < HEADER_SIZE:
+        raise CorruptRecordError(f"record truncated: {len(view)} bytes")
+    magic, key_len, payload_len, crc = _HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise CorruptRecordError("bad magic")
+    if payload_len != payload_size:
+        raise CorruptRecordError(f"payload is {payload_len} bytes, expected {payload_size}")
+    if len(view) != HEADER_SIZE + key_len + payload_len:
+        raise CorruptRecordError(
+            f"record is {len(view)} bytes, header says {HEADER_SIZE + key_len + payload_len}"
+        )
+    stored_key = bytes(view[HEADER_SIZE : HEADER_SIZE + key_len])
+    if stored_key != key:
+        raise CorruptRecordError("record holds another key")
+    payload = view[HEADER_SIZE + key_len :]
+    if checksum(key, payload) != crc:
+        raise CorruptRecordError("checksum mismatch")
+    return payload
