@@ -1,7 +1,9 @@
 """kvactors: tiered KV-cache offloading for LLM serving, on Pykka actors."""
 
 from kvactors.core.errors import LifecycleError, ManagerStoppedError, TransferError
+from kvactors.manager import TieringManager
 from kvactors.tiers.base import SecondaryTier
+from kvactors.tiers.memory import MemoryTier
 from kvactors.types import (
     JobResult,
     LoadStoreSpec,
@@ -18,12 +20,14 @@ __all__ = [
     "LifecycleError",
     "LoadStoreSpec",
     "LookupResult",
+    "MemoryTier",
     "ManagerStoppedError",
     "OffloadKey",
     "OffloadingEvent",
     "PrepareStoreOutput",
     "ReqContext",
     "SecondaryTier",
+    "TieringManager",
     "TransferError",
     "TransferJob",
 ]

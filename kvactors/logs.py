@@ -135,9 +135,9 @@ def make_event_logger(
 
 
 def null_logger() -> FilteringBoundLogger:
-    """A logger that drops everything (for cores used without a manager)."""
+    """A logger that drops all but ``critical`` (kvactors emits none) for actors used without a manager."""
     return structlog.wrap_logger(
         EventSink(None),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL + 10),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
         processors=[_hand_to_sink],
     )

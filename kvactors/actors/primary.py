@@ -1,0 +1,306 @@
+"""The primary tier actor: the CPU block pool and the frontend's door.
+
+Every public call of :class:`~kvactors.TieringManager` arrives here first, in
+the order each frontend thread made it. The primary owns the
+:class:`~kvactors.core.pool.BlockPool` and a small record per live request
+attempt, which is enough to enforce the contract at this layer:
+
+* a submit call (``lookup``, ``prepare_load``, ``prepare_store``) for an
+  unknown or finished request raises :class:`LifecycleError` to its caller and
+  changes nothing (vLLM #49635: never a ``KeyError`` deep in the runtime);
+* ``on_request_finished`` takes effect here at once (rule 3);
+* completions may arrive after it and are always accounted for.
+
+What the secondary tiers must learn, the primary tells the supervisor, as
+facts, in the order it processed them: a request started, keys became pending,
+stores completed (with cascade jobs whose rows it pinned), the request
+finished. The supervisor decides everything else.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+
+from kvactors.actors import messages as m
+from kvactors.actors.runtime import Actor, ActorRef, handles
+from kvactors.core.deadlines import DeadlineQueue
+from kvactors.core.errors import LifecycleError
+from kvactors.core.policies import make_policy
+from kvactors.core.pool import BlockPool, PoolError
+from kvactors.types import LoadStoreSpec, LookupResult, OffloadKey, PrepareStoreOutput, ReqContext, TransferJob
+
+
+class _RequestRecord:
+    """What the primary keeps per request attempt, until the supervisor finalizes it."""
+
+    __slots__ = ("ctx", "finished")
+
+    def __init__(self, ctx: ReqContext) -> None:
+        self.ctx = ctx
+        self.finished = False
+
+
+class PrimaryTier(Actor):
+    """The primary tier's logic. Runs on one actor; see the module docstring."""
+
+    name = "primary"
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        eviction: str,
+        tier_names: Sequence[str],
+        transfer_timeout_s: float,
+        work_ids: itertools.count[int],
+    ) -> None:
+        self.pool = BlockPool(num_blocks, make_policy(eviction, num_blocks))
+        self.tier_names = tuple(tier_names)
+        self.transfer_timeout_s = transfer_timeout_s
+        self.work_ids = work_ids
+        self.supervisor: ActorRef
+        self.contract_violations = 0
+        self.stores_timed_out = 0
+        self._requests: dict[tuple[str, int], _RequestRecord] = {}
+        self._store_deadlines: DeadlineQueue[tuple[ReqContext, OffloadKey]] = DeadlineQueue()
+        self._timer_due: float | None = None
+
+    def connect(self, supervisor: ActorRef) -> None:
+        self.supervisor = supervisor
+
+    # ------------------------------------------------------------ helpers
+
+    def _require_active(self, ctx: ReqContext, call: str) -> _RequestRecord:
+        record = self._requests.get(ctx.identity)
+        if record is None:
+            self.log.info("call_rejected", call=call, req_id=ctx.req_id, attempt=ctx.attempt, reason="unknown")
+            raise LifecycleError(f"{call}: request {ctx} is unknown (never started, or already finalized)")
+        if record.finished:
+            self.log.info("call_rejected", call=call, req_id=ctx.req_id, attempt=ctx.attempt, reason="finished")
+            raise LifecycleError(f"{call}: request {ctx} is finished; no submit call may follow on_request_finished")
+        return record
+
+    def _violation(self, call: str, ctx: ReqContext, reason: str) -> None:
+        """Misuse in a call that cannot raise to its caller: log, count, change nothing."""
+        self.contract_violations += 1
+        self.log.warning(
+            "contract_violation", call=call, req_id=ctx.req_id, attempt=ctx.attempt, reason=reason, tier="cpu"
+        )
+
+    def _arm_timer(self) -> None:
+        deadline = self._store_deadlines.next_deadline()
+        if deadline is None or (self._timer_due is not None and self._timer_due <= deadline):
+            return
+        self._timer_due = deadline
+        self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
+
+    # ------------------------------------------------------------ request lifecycle
+
+    @handles(m.NewRequest)
+    def _on_new_request(self, msg: m.NewRequest) -> None:
+        ctx = msg.ctx
+        record = self._requests.get(ctx.identity)
+        if record is not None:
+            state = "finishing" if record.finished else "active"
+            raise LifecycleError(f"on_new_request: request {ctx} is already {state}")
+        self._requests[ctx.identity] = _RequestRecord(ctx)
+        self.supervisor.tell(m.RequestStarted(ctx))
+        self.log.debug("request_started", req_id=ctx.req_id, attempt=ctx.attempt)
+        msg.reply.set_result(None)
+
+    @handles(m.FinishRequest)
+    def _on_finish_request(self, msg: m.FinishRequest) -> None:
+        ctx = msg.ctx
+        record = self._requests.get(ctx.identity)
+        if record is None or record.finished:
+            # Idempotent: a repeated finish, or one for a request already finalized.
+            self.log.debug("finish_ignored", req_id=ctx.req_id, attempt=ctx.attempt, known=record is not None)
+            return
+        record.finished = True
+        self.supervisor.tell(m.RequestFinished(ctx))
+        self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier="cpu")
+
+    @handles(m.RequestFinalized)
+    def _on_request_finalized(self, msg: m.RequestFinalized) -> None:
+        self._requests.pop(msg.ctx.identity, None)
+
+    # ------------------------------------------------------------ lookups and loads
+
+    @handles(m.Lookup)
+    def _on_lookup(self, msg: m.Lookup) -> None:
+        self._require_active(msg.ctx, "lookup")
+        results = self.pool.lookup(msg.keys)
+        missing = tuple(i for i, result in enumerate(results) if result is LookupResult.MISS)
+        if missing and self.tier_names:
+            lookup_id = next(self.work_ids)
+            self.supervisor.tell(m.SecondaryLookup(lookup_id, msg.ctx, msg.keys, missing, tuple(results), msg.reply))
+            return
+        msg.reply.set_result(results)
+
+    @handles(m.PrepareLoad)
+    def _on_prepare_load(self, msg: m.PrepareLoad) -> None:
+        ctx = msg.ctx
+        self._require_active(ctx, "prepare_load")
+        try:
+            rows = self.pool.pin_for_load(msg.keys, ctx.identity)
+        except PoolError as exc:
+            raise LifecycleError(f"prepare_load: {exc}") from None
+        self.log.debug("load_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(rows), tier="cpu")
+        msg.reply.set_result(LoadStoreSpec(rows))
+
+    @handles(m.CompleteLoad)
+    def _on_complete_load(self, msg: m.CompleteLoad) -> None:
+        ctx = msg.ctx
+        try:
+            self.pool.unpin_load(msg.keys, ctx.identity)
+        except PoolError as exc:
+            self._violation("complete_load", ctx, str(exc))
+            return
+        self.log.debug("load_completed", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
+
+    @handles(m.Touch)
+    def _on_touch(self, msg: m.Touch) -> None:
+        self.pool.touch(msg.keys)
+        if self.tier_names:
+            self.supervisor.tell(m.TouchTiers(msg.keys, msg.ctx))
+
+    # ------------------------------------------------------------ stores
+
+    @handles(m.PrepareStore)
+    def _on_prepare_store(self, msg: m.PrepareStore) -> None:
+        ctx = msg.ctx
+        self._require_active(ctx, "prepare_store")
+        plan = self.pool.prepare_store(msg.keys, ctx.identity)
+        if plan is None:
+            self.log.debug("store_rejected", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
+            msg.reply.set_result(None)
+            return
+        if plan.keys:
+            deadline = self.runtime.now() + self.transfer_timeout_s
+            for key in plan.keys:
+                self._store_deadlines.add((ctx, key), deadline)
+            self._arm_timer()
+            self.supervisor.tell(m.StoresPending(ctx, len(plan.keys)))
+        self.log.debug(
+            "store_prepared",
+            req_id=ctx.req_id,
+            attempt=ctx.attempt,
+            keys=len(plan.keys),
+            evicted=len(plan.evicted),
+            tier="cpu",
+        )
+        msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
+
+    @handles(m.CompleteStore)
+    def _on_complete_store(self, msg: m.CompleteStore) -> None:
+        ctx = msg.ctx
+        try:
+            outcome = self.pool.complete_store(msg.keys, ctx.identity, msg.success)
+        except PoolError as exc:
+            self._violation("complete_store", ctx, str(exc))
+            return
+        for key in msg.keys:
+            self._store_deadlines.discard((ctx, key))
+        self.log.debug(
+            "store_completed",
+            req_id=ctx.req_id,
+            attempt=ctx.attempt,
+            keys=len(msg.keys),
+            live=outcome.live,
+            stale=outcome.stale,
+            success=msg.success,
+            tier="cpu",
+        )
+        if outcome.live == 0:
+            return  # only late completions of detached writes: nothing left to count
+        cascades = []
+        for tier in self.tier_names if outcome.stored else ():
+            job_id = next(self.work_ids)
+            rows = self.pool.pin_for_job(job_id, outcome.stored)
+            cascades.append(m.CascadeJob(tier, TransferJob(job_id, outcome.stored, rows, ctx, False)))
+        self.supervisor.tell(m.StoresCompleted(ctx, outcome.live, tuple(cascades)))
+
+    @handles(m.Tick)
+    def _on_tick(self, msg: m.Tick) -> None:
+        self._timer_due = None
+        expired: Counter[ReqContext] = Counter()
+        for ctx, key in self._store_deadlines.pop_expired(self.runtime.now()):
+            if self.pool.detach_write(ctx.identity, key):
+                expired[ctx] += 1
+        for ctx, count in expired.items():
+            self.stores_timed_out += count
+            self.log.warning("job_timed_out", kind="store", req_id=ctx.req_id, attempt=ctx.attempt, keys=count, tier="cpu")
+            self.supervisor.tell(m.StoresPending(ctx, -count))
+        self._arm_timer()
+
+    # ------------------------------------------------------------ promotions and jobs
+
+    @handles(m.AllocatePromotions)
+    def _on_allocate_promotions(self, msg: m.AllocatePromotions) -> None:
+        answer: dict[OffloadKey, LookupResult] = {}
+        jobs = []
+        for tier, keys in msg.plan:
+            absent = tuple(dict.fromkeys(key for key in keys if self.pool.row_of(key) is None))
+            present = [key for key in keys if key not in absent]
+            for key, result in zip(present, self.pool.lookup(present), strict=True):
+                answer[key] = result
+            if not absent:
+                continue
+            job_id = next(self.work_ids)
+            rows = self.pool.allocate_promotion(job_id, absent)
+            if rows is None:
+                answer.update(dict.fromkeys(absent, LookupResult.MISS))  # no room to promote into
+                continue
+            answer.update(dict.fromkeys(absent, LookupResult.HIT_PENDING))
+            jobs.append(m.CascadeJob(tier, TransferJob(job_id, absent, rows, msg.ctx, True)))
+        results = [answer.get(key, result) for key, result in zip(msg.keys, msg.results, strict=True)]
+        self.supervisor.tell(m.PromotionsAllocated(msg.lookup_id, msg.ctx, msg.epoch, tuple(jobs)))
+        msg.reply.set_result(results)
+
+    @handles(m.JobEnded)
+    def _on_job_ended(self, msg: m.JobEnded) -> None:
+        if msg.is_promotion:
+            self.pool.end_promotion(msg.job_id, success=msg.success, hold=msg.hold)
+        else:
+            self.pool.end_job(msg.job_id, hold=msg.hold)
+
+    @handles(m.HoldReleased)
+    def _on_hold_released(self, msg: m.HoldReleased) -> None:
+        self.pool.release_hold(msg.job_id)
+
+    # ------------------------------------------------------------ whole-runtime calls
+
+    @handles(m.ResetCache)
+    def _on_reset_cache(self, msg: m.ResetCache) -> None:
+        removed = self.pool.reset()
+        # Detached writes are stale now; their late completions only free rows.
+        self._store_deadlines.clear()
+        self.log.info("cache_reset", tier="cpu", keys=removed)
+        self.supervisor.tell(m.SupervisorReset(msg.reply))
+
+    @handles(m.TakeEvents)
+    def _on_take_events(self, msg: m.TakeEvents) -> None:
+        self.supervisor.tell(m.CollectEvents(tuple(self.pool.take_events()), msg.reply))
+
+    @handles(m.Barrier)
+    def _on_barrier(self, msg: m.Barrier) -> None:
+        self.supervisor.tell(m.SupervisorBarrier(next(self.work_ids), msg.reply))
+
+    @handles(m.BarrierFinal)
+    def _on_barrier_final(self, msg: m.BarrierFinal) -> None:
+        msg.reply.set_result(True)
+
+    @handles(m.QueryStats)
+    def _on_query_stats(self, msg: m.QueryStats) -> None:
+        stats: dict[str, int | float] = dict(self.pool.stats())
+        stats["primary_requests"] = len(self._requests)
+        stats["primary_violations"] = self.contract_violations
+        stats["stores_timed_out"] = self.stores_timed_out
+        stats["primary_internal_errors"] = self.internal_errors
+        self.supervisor.tell(m.SupervisorStats(tuple(stats.items()), msg.reply))
+
+    @handles(m.Shutdown)
+    def _on_shutdown(self, msg: m.Shutdown) -> None:
+        self.supervisor.tell(m.SupervisorShutdown(msg.reply, msg.drain_timeout_s))

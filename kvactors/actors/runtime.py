@@ -1,0 +1,293 @@
+"""Where actors run: the runtime interface, and the pykka thread runtime.
+
+The actors' logic (:class:`Actor` subclasses) is plain code that handles one
+message at a time and talks to the world only through its :class:`Runtime`:
+``tell`` another actor, read the clock, schedule a message for later. Two
+runtimes implement that interface:
+
+* :class:`ThreadRuntime` (production): each actor on its own pykka thread;
+* :class:`kvactors.sim.SimRuntime` (tests, race hunting): every actor on the
+  caller's thread, a seeded scheduler choosing what runs next.
+
+pykka's own weak spots are kept out here:
+
+* **the stop race**: pykka's ``tell`` checks ``is_alive()`` and then puts, so a
+  message put while the actor tears down is never read. :class:`ThreadActorRef`
+  puts and closes under one lock: once ``close`` has queued the stop message,
+  every later ``tell`` raises :class:`ActorStoppedError` at its sender instead
+  of vanishing, and everything queued before it is processed;
+* **the global registry**: actors are unregistered from pykka's
+  ``ActorRegistry`` right after they start, so another library's
+  ``ActorRegistry.stop_all()`` cannot stop them, and kvactors never calls it;
+* **failures**: :meth:`Actor.deliver` catches every exception of a handler
+  (``BaseException`` included, which pykka would answer by stopping every actor
+  in the process). A failed ask gets the exception; a failed tell is logged and
+  counted, and the actor lives on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import pykka
+from structlog.typing import FilteringBoundLogger
+
+from kvactors.logs import null_logger
+
+M = TypeVar("M")
+
+
+class ActorStoppedError(RuntimeError):
+    """A message was sent to an actor that has been stopped."""
+
+
+class ActorRef(Protocol):
+    """Where to send messages to one actor. ``tell`` is thread-safe and never blocks."""
+
+    name: str
+
+    def tell(self, message: object) -> None: ...
+
+
+class Runtime(Protocol):
+    """What an actor may ask of the world it runs in."""
+
+    def spawn(self, actor: Actor, name: str) -> ActorRef: ...
+
+    def now(self) -> float:
+        """Seconds on a monotonic clock (virtual in a simulation)."""
+        ...
+
+    def call_later(self, delay_s: float, ref: ActorRef, message: object) -> None:
+        """Tell ``ref`` ``message`` after ``delay_s`` seconds (never earlier)."""
+        ...
+
+    def wait(self, future: Future[Any], timeout_s: float | None) -> bool:
+        """Block until ``future`` is done or ``timeout_s`` passed; return whether done."""
+        ...
+
+    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> None:
+        """Stop ``refs`` after the messages already queued to them, then the timers."""
+        ...
+
+
+def handles(*message_types: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Mark an :class:`Actor` method as the handler of ``message_types``."""
+
+    def mark(method: Callable[..., None]) -> Callable[..., None]:
+        method._kvactors_handles = message_types  # type: ignore[attr-defined]
+        return method
+
+    return mark
+
+
+class Actor:
+    """The logic of one actor: a message handler, free of threads and pykka.
+
+    Subclasses mark their handlers with :func:`handles`; :meth:`deliver` runs
+    the handler of a message's type. The runtime calls :meth:`deliver` for one
+    message at a time, so a subclass needs no locks for its own state.
+    """
+
+    _handlers: ClassVar[dict[type, str]] = {}
+    name: str = "actor"
+    ref: ActorRef
+    runtime: Runtime
+    log: FilteringBoundLogger = null_logger()
+    internal_errors: int = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        handlers: dict[type, str] = {}
+        for base in reversed(cls.__mro__):
+            for attr, value in vars(base).items():
+                for message_type in getattr(value, "_kvactors_handles", ()):
+                    handlers[message_type] = attr
+        cls._handlers = handlers
+
+    def bind(self, runtime: Runtime, ref: ActorRef) -> None:
+        """Called by the runtime once, before the first message."""
+        self.runtime = runtime
+        self.ref = ref
+
+    def deliver(self, message: object) -> None:
+        """Handle one message; never raises."""
+        handler = self._handlers.get(type(message))
+        try:
+            if handler is None:
+                raise TypeError(f"{self.name} has no handler for {type(message).__name__}")
+            getattr(self, handler)(message)
+        except BaseException as exc:  # noqa: BLE001 - an actor must outlive its handlers
+            reply = getattr(message, "reply", None)
+            if isinstance(reply, Future) and not reply.done():
+                reply.set_exception(exc)
+                return
+            self.internal_errors += 1
+            self.log.error(
+                "actor_handler_failed",
+                actor=self.name,
+                message=type(message).__name__,
+                error=repr(exc),
+                traceback=traceback.format_exc(),
+            )
+
+    def on_stop(self) -> None:
+        """Called once, after the last message."""
+
+
+# --------------------------------------------------------------------- threads
+
+
+class _PykkaShell(pykka.ThreadingActor):
+    """One kvactors actor on one pykka thread."""
+
+    # A tier stuck in a blocking call must not keep the interpreter alive.
+    use_daemon_thread = True
+
+    def __init__(self, actor: Actor, thread_name: str) -> None:
+        super().__init__()
+        self._actor = actor
+        self._thread_name = thread_name
+
+    def on_start(self) -> None:
+        threading.current_thread().name = self._thread_name
+
+    def on_receive(self, message: Any) -> None:
+        self._actor.deliver(message)
+
+    def on_stop(self) -> None:
+        self._actor.on_stop()
+
+
+class ThreadActorRef:
+    """A reference to an actor on a pykka thread, free of pykka's stop race."""
+
+    __slots__ = ("_closed", "_lock", "_pykka_ref", "name")
+
+    def __init__(self, name: str, pykka_ref: pykka.ActorRef[Any]) -> None:
+        self.name = name
+        self._pykka_ref = pykka_ref
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def tell(self, message: object) -> None:
+        with self._lock:
+            if self._closed:
+                raise ActorStoppedError(f"actor {self.name} is stopped")
+            self._pykka_ref.tell(message)
+
+    def close(self) -> pykka.Future[Any] | None:
+        """Queue the stop after every message already told; refuse all later ones."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._closed = True
+            return self._pykka_ref.stop(block=False)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return f"ThreadActorRef({self.name!r}, closed={self._closed})"
+
+
+class _TimerThread:
+    """One thread that delivers every delayed message of a runtime, in time order."""
+
+    def __init__(self, name: str) -> None:
+        self._heap: list[tuple[float, int, ActorRef, object]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def schedule(self, when: float, ref: ActorRef, message: object) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            heapq.heappush(self._heap, (when, next(self._seq), ref, message))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    timeout = None if not self._heap else max(self._heap[0][0] - time.monotonic(), 0)
+                    self._cond.wait(timeout)
+                if self._stopped:
+                    return
+                _, _, ref, message = heapq.heappop(self._heap)
+            try:
+                ref.tell(message)
+            except ActorStoppedError:
+                pass
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._heap.clear()
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+
+class ThreadRuntime:
+    """Actors on pykka threads: one thread per actor, plus one timer thread.
+
+    Thread count is fixed by the number of actors (tiers + 2) and never grows
+    with requests.
+    """
+
+    _instances = itertools.count()
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or f"kvactors-{next(self._instances)}"
+        self._timer = _TimerThread(f"{self.name}-timer")
+        self._refs: list[ThreadActorRef] = []
+
+    def spawn(self, actor: Actor, name: str) -> ThreadActorRef:
+        pykka_ref = _PykkaShell.start(actor, f"{self.name}-{name}")
+        # Out of the process-global registry: another library's stop_all() must not stop us.
+        pykka.ActorRegistry.unregister(pykka_ref)
+        ref = ThreadActorRef(name, pykka_ref)
+        actor.bind(self, ref)
+        self._refs.append(ref)
+        return ref
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def call_later(self, delay_s: float, ref: ActorRef, message: object) -> None:
+        self._timer.schedule(time.monotonic() + max(delay_s, 0.0), ref, message)
+
+    def wait(self, future: Future[Any], timeout_s: float | None) -> bool:
+        try:
+            future.exception(timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stops = []
+        for ref in refs:
+            assert isinstance(ref, ThreadActorRef)
+            stop_future = ref.close()
+            if stop_future is not None:
+                stops.append(stop_future)
+        for stop_future in stops:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.01)
+            try:
+                stop_future.get(timeout=remaining)
+            except pykka.Timeout:
+                pass  # a daemon thread stuck in a tier call; it cannot be killed
+        self._timer.stop()

@@ -1,0 +1,543 @@
+"""The lifecycle supervisor: every request's counts, every job, every tier call.
+
+Why no submit can overtake a finish at any tier
+-----------------------------------------------
+pykka orders messages per sender only: two actors telling a third may be
+interleaved in any order. kvactors therefore never lets two actors talk to a
+secondary tier:
+
+1. The supervisor is the **only sender** to every tier actor. Submits
+   (``submit_store`` for cascades, ``submit_load`` for promotions), hooks and
+   ``on_request_finished`` all leave from this one actor, so each tier receives
+   them in exactly the order the supervisor sent them.
+2. The supervisor sends ``on_request_finished(ctx)`` only from
+   :meth:`LifecycleSupervisor._maybe_finalize_request`, when
+   :meth:`~kvactors.core.lifecycle.LifecycleTable.maybe_finalize` finds the
+   request finished and nothing counted that could still produce a submit:
+   no pending primary store (each may cascade when it completes), no secondary
+   lookup in progress (each may promote), no promotion allocated or queued but
+   unsent, no cascade parked for a tier slot. After that the request's state
+   is gone, and :meth:`_submit` refuses any job whose request has no state.
+3. Those counts are fed by the primary, which is also a single sender: it
+   tells "keys pending" before it answers the ``prepare_store`` that caused
+   them, and "request finished" when it processes the finish. The primary
+   rejects every submit call after a finish, so no new pending count can
+   appear after the supervisor has seen the finish.
+
+Hence at every tier, for every request attempt, every submit is processed
+before the one ``on_request_finished``, and none after it. State is keyed by
+``(req_id, attempt)``, so a late completion of a preempted attempt never
+touches the next attempt's counts (vLLM #51637).
+
+Everything else here serves the same contract: deadlines fail jobs that are
+not reported in time (their rows stay held until the late report, since the
+tier may still be touching them), per-tier queues bound the jobs in flight,
+and ``reset_cache`` zeroes the counts and finalizes finished requests while
+in-flight jobs drain.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvactors.actors import messages as m
+from kvactors.actors.runtime import Actor, ActorRef, handles
+from kvactors.core.deadlines import DeadlineQueue
+from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
+from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
+
+
+@dataclass(slots=True)
+class _Job:
+    """A job from its creation until it is reported, fails or times out."""
+
+    tier: str
+    job: TransferJob
+    origin: int  # the work id wait_idle waits on: the job's own, or its lookup's
+    epoch: int
+    submitted: bool = False
+
+    @property
+    def counter(self) -> str:
+        """The request counter that holds the request open while this job is unsent."""
+        return "unsent_promotions" if self.job.is_promotion else "parked_cascades"
+
+    @property
+    def kind(self) -> str:
+        return "promotion" if self.job.is_promotion else "cascade"
+
+
+@dataclass(slots=True)
+class _PendingLookup:
+    lookup_id: int
+    ctx: ReqContext
+    keys: tuple[OffloadKey, ...]
+    missing: tuple[int, ...]
+    results: list[LookupResult]
+    reply: Future[list[LookupResult]]
+    asked: tuple[OffloadKey, ...]  # the missing keys, de-duplicated, as sent to the tiers
+    waiting: set[str]
+    answers: dict[str, tuple[LookupResult, ...] | None] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Gather:
+    waiting: set[str]
+    on_done: Callable[[dict[str, tuple[Any, ...]]], None]
+    payloads: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+
+class LifecycleSupervisor(Actor):
+    """The supervisor's logic. Runs on one actor; see the module docstring."""
+
+    name = "supervisor"
+
+    def __init__(
+        self,
+        *,
+        tier_limits: Sequence[tuple[str, int]],
+        transfer_timeout_s: float,
+        lookup_timeout_s: float,
+    ) -> None:
+        self.table = LifecycleTable()
+        self.transfer_timeout_s = transfer_timeout_s
+        self.lookup_timeout_s = lookup_timeout_s
+        self.tier_order = tuple(name for name, _ in tier_limits)
+        self.max_inflight = dict(tier_limits)
+        self.primary: ActorRef
+        self.tiers: dict[str, ActorRef] = {}
+        self.epoch = 0
+        self.stopping = False
+        self._jobs: dict[int, _Job] = {}
+        self._queues: dict[str, deque[int]] = {name: deque() for name in self.tier_order}
+        self._inflight: dict[str, int] = dict.fromkeys(self.tier_order, 0)
+        self._job_deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self._timed_out: dict[int, _Job] = {}
+        self._lookups: dict[int, _PendingLookup] = {}
+        self._lookup_deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self._allocations: dict[int, ReqContext] = {}  # lookup id -> request, while the primary allocates
+        self._barriers: list[tuple[int, Future[bool]]] = []
+        self._reset_waits: list[tuple[set[int], Future[None]]] = []
+        self._gathers: dict[int, _Gather] = {}
+        self._gather_ids = 0
+        self._timer_due: float | None = None
+        self._shutdown: tuple[Future[None], float | None] | None = None
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "jobs_submitted",
+                "jobs_succeeded",
+                "jobs_failed",
+                "jobs_timed_out",
+                "jobs_dropped",
+                "late_reports",
+                "unexpected_reports",
+                "lookups_timed_out",
+                "requests_finalized",
+                "guard_violations",
+            ),
+            0,
+        )
+
+    def connect(self, primary: ActorRef, tiers: dict[str, ActorRef]) -> None:
+        self.primary = primary
+        self.tiers = dict(tiers)
+
+    # ------------------------------------------------------------ the finalize decision
+
+    def _maybe_finalize_request(self, ctx: ReqContext) -> None:
+        """Tell every tier that ``ctx`` is finished, once, if nothing can still submit for it."""
+        state = self.table.maybe_finalize(ctx)
+        if state is not None:
+            self._finalize(state)
+
+    def _finalize(self, state: RequestState) -> None:
+        ctx = state.req_context
+        for tier in self.tier_order:
+            self.tiers[tier].tell(m.TierFinished(ctx))
+            self.log.debug("tier_finalized", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier)
+        self.primary.tell(m.RequestFinalized(ctx))
+        self.counters["requests_finalized"] += 1
+        self.log.debug("request_finalized", req_id=ctx.req_id, attempt=ctx.attempt)
+
+    def _count(self, ctx: ReqContext, counter: str, delta: int) -> RequestState | None:
+        try:
+            return self.table.add(ctx, counter, delta)
+        except InvariantError as exc:
+            self.internal_errors += 1
+            self.log.error("invariant_broken", req_id=ctx.req_id, attempt=ctx.attempt, error=str(exc))
+            return self.table.get(ctx)
+
+    # ------------------------------------------------------------ facts from the primary
+
+    @handles(m.RequestStarted)
+    def _on_request_started(self, msg: m.RequestStarted) -> None:
+        self.table.start(msg.ctx)
+        for tier in self.tier_order:
+            self.tiers[tier].tell(m.TierNewRequest(msg.ctx))
+
+    @handles(m.RequestFinished)
+    def _on_request_finished(self, msg: m.RequestFinished) -> None:
+        state = self.table.finish(msg.ctx)
+        if state is not None:
+            self.log.debug("request_finish_seen", req_id=msg.ctx.req_id, attempt=msg.ctx.attempt, **state.counts())
+            self._maybe_finalize_request(msg.ctx)
+
+    @handles(m.StoresPending)
+    def _on_stores_pending(self, msg: m.StoresPending) -> None:
+        self._count(msg.ctx, "pending_primary_stores", msg.delta)
+        if msg.delta < 0:
+            self._maybe_finalize_request(msg.ctx)
+
+    @handles(m.StoresCompleted)
+    def _on_stores_completed(self, msg: m.StoresCompleted) -> None:
+        state = self._count(msg.ctx, "pending_primary_stores", -msg.live)
+        for cascade in msg.cascades:
+            job = _Job(cascade.tier, cascade.job, origin=cascade.job.job_id, epoch=self.epoch)
+            if state is None or self.stopping:
+                self._end_unsubmitted(job, "no_request" if state is None else "stopping")
+            else:
+                self._enqueue(job)
+        self._maybe_finalize_request(msg.ctx)
+
+    @handles(m.TouchTiers)
+    def _on_touch_tiers(self, msg: m.TouchTiers) -> None:
+        for tier in self.tier_order:
+            self.tiers[tier].tell(m.TierTouch(msg.keys, msg.ctx))
+
+    # ------------------------------------------------------------ jobs
+
+    def _enqueue(self, job: _Job) -> None:
+        self._jobs[job.job.job_id] = job
+        tier = job.tier
+        if self._inflight[tier] < self.max_inflight[tier] and not self._queues[tier]:
+            self._submit(job)
+        else:
+            self._queues[tier].append(job.job.job_id)
+            self._count(job.job.req_context, job.counter, +1)
+            self.log.debug("job_queued", kind=job.kind, job_id=job.job.job_id, tier=tier,
+                           req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
+
+    def _submit(self, job: _Job) -> None:
+        ctx = job.job.req_context
+        if ctx not in self.table:
+            # Unreachable while the counts are right; the guard keeps the contract if they are not.
+            self.counters["guard_violations"] += 1
+            self.log.error("contract_violation", reason="submit_after_finalize", tier=job.tier,
+                           job_id=job.job.job_id, req_id=ctx.req_id, attempt=ctx.attempt)
+            self._jobs.pop(job.job.job_id, None)
+            self._end_unsubmitted(job, "no_request")
+            return
+        job.submitted = True
+        self._inflight[job.tier] += 1
+        self.counters["jobs_submitted"] += 1
+        self._job_deadlines.add(job.job.job_id, self.runtime.now() + self.transfer_timeout_s)
+        self._arm_timer()
+        self.tiers[job.tier].tell(m.TierSubmit(job.job))
+        self.log.debug(f"{job.kind}_submitted", job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
+                       req_id=ctx.req_id, attempt=ctx.attempt)
+
+    def _end_unsubmitted(self, job: _Job, reason: str) -> None:
+        """A job that never reached its tier fails: release its rows at once."""
+        self.counters["jobs_dropped"] += 1
+        self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=False))
+        self.log.info("job_dropped", kind=job.kind, job_id=job.job.job_id, tier=job.tier, reason=reason,
+                      req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
+
+    def _drop_queued(self, reason: str) -> list[ReqContext]:
+        """Fail every job still waiting for a tier slot; returns their requests."""
+        touched = []
+        for tier in self.tier_order:
+            queue = self._queues[tier]
+            while queue:
+                job = self._jobs.pop(queue.popleft())
+                self._count(job.job.req_context, job.counter, -1)
+                self._end_unsubmitted(job, reason)
+                touched.append(job.job.req_context)
+        return touched
+
+    def _slot_freed(self, tier: str) -> None:
+        queue = self._queues[tier]
+        while queue and self._inflight[tier] < self.max_inflight[tier]:
+            job = self._jobs[queue.popleft()]
+            self._submit(job)
+            ctx = job.job.req_context
+            self._count(ctx, job.counter, -1)
+            # The submit left before any finish can: FIFO from this actor.
+            self._maybe_finalize_request(ctx)
+
+    def _job_over(self, job: _Job) -> None:
+        """Book-keeping shared by every end of a submitted job."""
+        self._inflight[job.tier] -= 1
+        self._job_deadlines.discard(job.job.job_id)
+        for ids, reply in list(self._reset_waits):
+            ids.discard(job.job.job_id)
+            if not ids:
+                self._reset_waits.remove((ids, reply))
+                reply.set_result(None)
+        self._slot_freed(job.tier)
+        self._check_barriers()
+        self._check_shutdown()
+
+    @handles(m.JobReported)
+    def _on_job_reported(self, msg: m.JobReported) -> None:
+        result = msg.result
+        job = self._jobs.get(result.job_id)
+        if job is None or not job.submitted or job.tier != msg.tier:
+            late = self._timed_out.pop(result.job_id, None)
+            if late is not None and late.tier == msg.tier:
+                self.counters["late_reports"] += 1
+                self.primary.tell(m.HoldReleased(result.job_id))
+                self.log.warning("late_report_ignored", job_id=result.job_id, tier=msg.tier, success=result.success)
+            else:
+                self.counters["unexpected_reports"] += 1
+                self.log.warning("job_report_unexpected", job_id=result.job_id, tier=msg.tier)
+            return
+        del self._jobs[result.job_id]
+        self.counters["jobs_succeeded" if result.success else "jobs_failed"] += 1
+        self.primary.tell(m.JobEnded(result.job_id, job.job.is_promotion, success=result.success, hold=False))
+        ctx = job.job.req_context
+        log = self.log.debug if result.success else self.log.warning
+        log(f"{job.kind}_completed", job_id=result.job_id, tier=job.tier, success=result.success,
+            error=result.error, req_id=ctx.req_id, attempt=ctx.attempt)
+        self._job_over(job)
+
+    # ------------------------------------------------------------ deadlines
+
+    def _arm_timer(self) -> None:
+        deadlines = [d for d in (self._job_deadlines.next_deadline(), self._lookup_deadlines.next_deadline())
+                     if d is not None]
+        if not deadlines:
+            return
+        deadline = min(deadlines)
+        if self._timer_due is not None and self._timer_due <= deadline:
+            return
+        self._timer_due = deadline
+        self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
+
+    @handles(m.Tick)
+    def _on_tick(self, msg: m.Tick) -> None:
+        self._timer_due = None
+        now = self.runtime.now()
+        for job_id in self._job_deadlines.pop_expired(now):
+            self._time_out(self._jobs.pop(job_id))
+        for lookup_id in self._lookup_deadlines.pop_expired(now):
+            pending = self._lookups.get(lookup_id)
+            if pending is not None:
+                self.counters["lookups_timed_out"] += 1
+                self.log.warning("lookup_timed_out", req_id=pending.ctx.req_id, attempt=pending.ctx.attempt,
+                                 tiers=",".join(sorted(pending.waiting)))
+                self._resolve_lookup(pending)
+        self._arm_timer()
+
+    def _time_out(self, job: _Job) -> None:
+        """A job past its deadline fails; its rows stay held until its late report."""
+        self.counters["jobs_timed_out"] += 1
+        self._timed_out[job.job.job_id] = job
+        self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=True))
+        ctx = job.job.req_context
+        self.log.warning("job_timed_out", kind=job.kind, job_id=job.job.job_id, tier=job.tier,
+                         req_id=ctx.req_id, attempt=ctx.attempt)
+        self._job_deadlines.discard(job.job.job_id)
+        self._job_over(job)
+
+    # ------------------------------------------------------------ lookups and promotions
+
+    @handles(m.SecondaryLookup)
+    def _on_secondary_lookup(self, msg: m.SecondaryLookup) -> None:
+        results = list(msg.results)
+        if self.stopping or self._count(msg.ctx, "pending_lookups", +1) is None:
+            msg.reply.set_result(results)
+            return
+        keys = tuple(dict.fromkeys(msg.keys[i] for i in msg.missing))
+        self._lookups[msg.lookup_id] = _PendingLookup(
+            msg.lookup_id, msg.ctx, msg.keys, msg.missing, results, msg.reply, keys, set(self.tier_order)
+        )
+        self._lookup_deadlines.add(msg.lookup_id, self.runtime.now() + self.lookup_timeout_s)
+        self._arm_timer()
+        for tier in self.tier_order:
+            self.tiers[tier].tell(m.TierLookup(msg.lookup_id, keys, msg.ctx))
+
+    @handles(m.TierLookupAnswered)
+    def _on_tier_lookup_answered(self, msg: m.TierLookupAnswered) -> None:
+        pending = self._lookups.get(msg.lookup_id)
+        if pending is None:
+            return  # answered after its deadline, a reset or a stop
+        pending.answers[msg.tier] = msg.results
+        pending.waiting.discard(msg.tier)
+        if not pending.waiting:
+            self._resolve_lookup(pending)
+
+    def _resolve_lookup(self, pending: _PendingLookup, *, promote: bool = True) -> None:
+        """Combine the tiers' answers; ask the primary to allocate promotions, if any.
+
+        Per key, the first tier (in the manager's order) that answers ``HIT``
+        promotes it. Without a hit, ``RETRY`` if some tier failed, timed out or
+        said ``RETRY``, else ``MISS``.
+        """
+        del self._lookups[pending.lookup_id]
+        self._lookup_deadlines.discard(pending.lookup_id)
+        position = {key: n for n, key in enumerate(pending.asked)}
+        plan: dict[str, list[OffloadKey]] = {}
+        for i in pending.missing:
+            key = pending.keys[i]
+            verdict, source = LookupResult.MISS, None
+            for tier in self.tier_order:
+                answer = pending.answers.get(tier)
+                result = LookupResult.RETRY if answer is None else answer[position[key]]
+                if result is LookupResult.HIT:
+                    verdict, source = result, tier
+                    break
+                if result is LookupResult.RETRY:
+                    verdict = result
+            if source is not None and promote:
+                plan.setdefault(source, []).append(key)
+            else:
+                pending.results[i] = LookupResult.RETRY if verdict is LookupResult.HIT else verdict
+        ctx = pending.ctx
+        if plan:
+            self._allocations[pending.lookup_id] = ctx
+            self._count(ctx, "unsent_promotions", +1)
+            self._count(ctx, "pending_lookups", -1)
+            self.primary.tell(
+                m.AllocatePromotions(
+                    pending.lookup_id,
+                    ctx,
+                    self.epoch,
+                    tuple((tier, tuple(dict.fromkeys(keys))) for tier, keys in plan.items()),
+                    pending.keys,
+                    tuple(pending.results),
+                    pending.reply,
+                )
+            )
+        else:
+            pending.reply.set_result(pending.results)
+            self._count(ctx, "pending_lookups", -1)
+            self._maybe_finalize_request(ctx)
+        self._check_barriers()
+
+    @handles(m.PromotionsAllocated)
+    def _on_promotions_allocated(self, msg: m.PromotionsAllocated) -> None:
+        self._allocations.pop(msg.lookup_id, None)
+        stale = msg.epoch != self.epoch  # a reset zeroed this request's counts meanwhile
+        state = self.table.get(msg.ctx)
+        if not stale:
+            self._count(msg.ctx, "unsent_promotions", -1)
+        for promotion in msg.jobs:
+            job = _Job(promotion.tier, promotion.job, origin=msg.lookup_id, epoch=msg.epoch)
+            if stale or state is None or self.stopping:
+                self._end_unsubmitted(job, "reset" if stale else "stopping" if self.stopping else "no_request")
+            else:
+                self._enqueue(job)
+        self._maybe_finalize_request(msg.ctx)
+        self._check_barriers()
+        self._check_shutdown()
+
+    # ------------------------------------------------------------ whole-runtime operations
+
+    @handles(m.SupervisorReset)
+    def _on_reset(self, msg: m.SupervisorReset) -> None:
+        self.epoch += 1
+        for pending in list(self._lookups.values()):
+            self._resolve_lookup(pending, promote=False)
+        self._drop_queued("reset")
+        for state in self.table.reset():
+            self._finalize(state)
+        in_flight = {job_id for job_id, job in self._jobs.items() if job.submitted}
+        self.log.info("cache_reset_draining", jobs=len(in_flight), epoch=self.epoch)
+        if in_flight:
+            self._reset_waits.append((in_flight, msg.reply))
+        else:
+            msg.reply.set_result(None)
+        self._check_barriers()
+
+    @handles(m.CollectEvents)
+    def _on_collect_events(self, msg: m.CollectEvents) -> None:
+        def done(payloads: dict[str, tuple[Any, ...]]) -> None:
+            events: list[OffloadingEvent] = list(msg.events)
+            for tier in self.tier_order:
+                events.extend(payloads.get(tier, ()))
+            msg.reply.set_result(events)
+
+        self._gather("events", done)
+
+    def _gather(self, what: str, on_done: Callable[[dict[str, tuple[Any, ...]]], None],
+                timeout_s: float | None = None) -> None:
+        if not self.tier_order:
+            on_done({})
+            return
+        self._gather_ids += 1
+        self._gathers[self._gather_ids] = _Gather(set(self.tier_order), on_done)
+        for tier in self.tier_order:
+            self.tiers[tier].tell(m.TierGather(self._gather_ids, what, timeout_s))
+
+    @handles(m.TierGathered)
+    def _on_tier_gathered(self, msg: m.TierGathered) -> None:
+        gather = self._gathers.get(msg.gather_id)
+        if gather is None:
+            return
+        gather.payloads[msg.tier] = msg.payload
+        gather.waiting.discard(msg.tier)
+        if not gather.waiting:
+            del self._gathers[msg.gather_id]
+            gather.on_done(gather.payloads)
+
+    @handles(m.SupervisorBarrier)
+    def _on_barrier(self, msg: m.SupervisorBarrier) -> None:
+        self._barriers.append((msg.snapshot, msg.reply))
+        self._check_barriers()
+
+    def _oldest_work(self) -> int | None:
+        origins = [job.origin for job in self._jobs.values()]
+        origins.extend(self._lookups)
+        origins.extend(self._allocations)
+        return min(origins) if origins else None
+
+    def _check_barriers(self) -> None:
+        if not self._barriers:
+            return
+        oldest = self._oldest_work()
+        ready = [b for b in self._barriers if oldest is None or oldest > b[0]]
+        if not ready:
+            return
+        self._barriers = [b for b in self._barriers if b not in ready]
+        for _, reply in ready:
+            # Hooks sent before now must be processed too, then the primary's
+            # queue must pass the releases sent before now: a tier round, then the primary.
+            self._gather("barrier", lambda _, reply=reply: self.primary.tell(m.BarrierFinal(reply)))
+
+    @handles(m.SupervisorStats)
+    def _on_stats(self, msg: m.SupervisorStats) -> None:
+        stats: dict[str, int | float] = dict(msg.stats)
+        stats.update(self.counters)
+        stats["active_requests"] = len(self.table)
+        stats["requests_finished_pending"] = sum(1 for s in self.table.states() if s.is_finished)
+        stats["jobs_in_flight"] = sum(self._inflight.values())
+        stats["jobs_queued"] = sum(len(q) for q in self._queues.values())
+        stats["jobs_awaiting_late_report"] = len(self._timed_out)
+        stats["lookups_in_flight"] = len(self._lookups) + len(self._allocations)
+        stats["contract_violations"] = int(stats.pop("primary_violations", 0)) + self.counters["guard_violations"]
+        stats["internal_errors"] = int(stats.pop("primary_internal_errors", 0)) + self.internal_errors
+        msg.reply.set_result(stats)
+
+    @handles(m.SupervisorShutdown)
+    def _on_shutdown(self, msg: m.SupervisorShutdown) -> None:
+        self.stopping = True
+        self._shutdown = (msg.reply, msg.drain_timeout_s)
+        for pending in list(self._lookups.values()):
+            self._resolve_lookup(pending, promote=False)
+        for ctx in self._drop_queued("stopping"):
+            self._maybe_finalize_request(ctx)
+        self.log.info("runtime_stopping", jobs_in_flight=sum(self._inflight.values()),
+                      active_requests=len(self.table))
+        self._check_shutdown()
+
+    def _check_shutdown(self) -> None:
+        if self._shutdown is None or any(self._inflight.values()) or self._allocations:
+            return
+        reply, timeout_s = self._shutdown
+        self._shutdown = None
+        self._gather("shutdown", lambda _: reply.set_result(None), timeout_s)

@@ -1,0 +1,131 @@
+"""Per-request lifecycle state and the one finalize decision.
+
+This is the rule kvactors exists to keep (``lifecycle-contract.md``): a
+secondary tier may be told that a request is finished only when the request
+is finished **and** nothing can still submit to that tier for it. What can
+still submit, per request attempt, is counted here:
+
+* ``pending_primary_stores``: keys the request prepared in the primary pool
+  and has not completed yet; each successful completion cascades to the tiers;
+* ``pending_lookups``: secondary lookups in progress, each of which may start
+  promotions (``submit_load``) on the request's behalf;
+* ``unsent_promotions``: promotions decided or queued, not yet submitted;
+* ``parked_cascades``: cascades waiting for a tier slot, not yet submitted.
+
+:meth:`LifecycleTable.maybe_finalize` is the only place that decides. No
+threads, no I/O: the supervisor actor owns one table and is its only caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvactors.core.errors import LifecycleError
+from kvactors.types import ReqContext
+
+COUNTERS = ("pending_primary_stores", "pending_lookups", "unsent_promotions", "parked_cascades")
+
+
+class InvariantError(AssertionError):
+    """The runtime's own bookkeeping went wrong (a counter below zero): a kvactors bug."""
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One request attempt, from ``on_new_request`` until it is finalized."""
+
+    req_context: ReqContext
+    pending_primary_stores: int = 0
+    pending_lookups: int = 0
+    unsent_promotions: int = 0
+    parked_cascades: int = 0
+    is_finished: bool = False
+
+    @property
+    def may_submit(self) -> bool:
+        """Whether anything counted here can still submit to a tier for this request."""
+        return bool(
+            self.pending_primary_stores or self.pending_lookups or self.unsent_promotions or self.parked_cascades
+        )
+
+    def counts(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COUNTERS}
+
+
+class LifecycleTable:
+    """Every live request attempt's :class:`RequestState`, keyed by ``(req_id, attempt)``."""
+
+    __slots__ = ("_states",)
+
+    def __init__(self) -> None:
+        self._states: dict[tuple[str, int], RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, ctx: object) -> bool:
+        return isinstance(ctx, ReqContext) and ctx.identity in self._states
+
+    def get(self, ctx: ReqContext) -> RequestState | None:
+        return self._states.get(ctx.identity)
+
+    def states(self) -> list[RequestState]:
+        return list(self._states.values())
+
+    def start(self, ctx: ReqContext) -> RequestState:
+        """A new request attempt. ``LifecycleError`` if that identity is live."""
+        if ctx.identity in self._states:
+            raise LifecycleError(f"request {ctx} is already active")
+        state = RequestState(ctx)
+        self._states[ctx.identity] = state
+        return state
+
+    def add(self, ctx: ReqContext, counter: str, delta: int) -> RequestState | None:
+        """Change one counter of a live request; ``None`` if the request is not live.
+
+        A counter never goes below zero: that would mean an event was counted
+        twice, and raises :class:`InvariantError` without changing anything.
+        """
+        state = self._states.get(ctx.identity)
+        if state is None:
+            return None
+        value = getattr(state, counter) + delta
+        if value < 0:
+            raise InvariantError(f"{counter} of {ctx} would go to {value}")
+        setattr(state, counter, value)
+        return state
+
+    def finish(self, ctx: ReqContext) -> RequestState | None:
+        """Mark finished (idempotent); ``None`` if the request is not live."""
+        state = self._states.get(ctx.identity)
+        if state is not None:
+            state.is_finished = True
+        return state
+
+    def maybe_finalize(self, ctx: ReqContext) -> RequestState | None:
+        """The finalize decision: if the request is finished and nothing can still
+        submit for it, forget it and return its last state (the caller then tells
+        every secondary tier, once). Otherwise ``None`` and nothing changes."""
+        state = self._states.get(ctx.identity)
+        if state is None or not state.is_finished or state.may_submit:
+            return None
+        del self._states[ctx.identity]
+        return state
+
+    def reset(self) -> list[RequestState]:
+        """``reset_cache``: zero every request's counts; finalize the finished ones.
+
+        Active requests keep their (zeroed) state and can go on. Returns the
+        states finalized, in start order.
+        """
+        finalized = []
+        for identity, state in list(self._states.items()):
+            for name in COUNTERS:
+                setattr(state, name, 0)
+            if state.is_finished:
+                del self._states[identity]
+                finalized.append(state)
+        return finalized
+
+
+assert {f.name for f in fields(RequestState)} >= set(COUNTERS)

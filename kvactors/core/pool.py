@@ -1,0 +1,461 @@
+"""The primary pool's block bookkeeping: which row holds which key, in which state.
+
+No threads, no torch: the rows themselves live in a tensor owned elsewhere;
+this class decides which rows may be read, written, evicted or reused.
+
+A row is
+
+* **indexed** when its key is visible to lookups (``index[key] == row``);
+* **ready** when its bytes are complete (only ready rows are ``HIT``);
+* **busy** while someone may still touch its bytes: a *writer* (a request's
+  store, or a promotion job) until that write ends, *pins* (loads by requests,
+  cascade jobs reading it) until they are released, and *holds* (jobs that
+  timed out: their tier may still be reading, so the row waits for the late
+  report).
+
+A row is **evictable** only when indexed, ready and not busy, and it is
+**reused** only when neither indexed nor busy. ``reset`` and deadlines
+*detach* rows (unindex them, so lookups miss) without freeing rows that are
+still busy: a row being written or read is never handed out again until the
+job touching it has ended (TRT-LLM #8274).
+
+Every operation validates its whole input before changing anything: a
+:class:`PoolError` means nothing changed.
+
+Not thread-safe: one pool lives inside one actor.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from kvactors.core.policies.base import EvictionPolicy
+from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
+
+Identity: TypeAlias = tuple[str, int]
+"""A request attempt: ``(req_id, attempt)``."""
+
+Writer: TypeAlias = Identity | int
+"""Who writes a row: a request's store (its identity) or a promotion (its job id)."""
+
+
+class PoolError(ValueError):
+    """An operation's input does not match the pool's state; nothing changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """What :meth:`BlockPool.prepare_store` allocated."""
+
+    keys: tuple[OffloadKey, ...]
+    rows: tuple[int, ...]
+    evicted: tuple[OffloadKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOutcome:
+    """What :meth:`BlockPool.complete_store` did.
+
+    ``live`` writes were still indexed (they counted as the request's pending
+    stores); ``stale`` ones had been detached by a deadline or a reset and only
+    freed their rows. ``stored`` are the keys that became ready.
+    """
+
+    live: int
+    stale: int
+    stored: tuple[OffloadKey, ...]
+    rows: tuple[int, ...]
+
+
+class BlockPool:
+    """Block states, pins and eviction for ``num_blocks`` rows."""
+
+    def __init__(self, num_blocks: int, policy: EvictionPolicy, tier: str = PRIMARY_TIER_NAME) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.tier = tier
+        self._policy = policy
+        self._index: dict[OffloadKey, int] = {}
+        self._keys: list[OffloadKey | None] = [None] * num_blocks
+        self._indexed = bytearray(num_blocks)
+        self._ready = bytearray(num_blocks)
+        self._writer: list[Writer | None] = [None] * num_blocks
+        self._pins = array("i", bytes(4 * num_blocks))
+        self._holds = array("i", bytes(4 * num_blocks))
+        # Popping from the end hands out low rows first, which keeps runs contiguous.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._pending_writes: dict[tuple[Writer, OffloadKey], int] = {}
+        self._load_pins: dict[tuple[Identity, OffloadKey], list[int]] = {}  # -> [row, count]
+        self._job_pins: dict[int, tuple[int, ...]] = {}
+        self._held_jobs: dict[int, tuple[int, ...]] = {}
+        self._promotions: dict[int, tuple[tuple[OffloadKey, int], ...]] = {}
+        self._events: list[OffloadingEvent] = []
+        self._n_ready = 0
+        self._n_pending = 0
+        self._n_pinned = 0
+        self._detached: set[int] = set()  # unindexed rows that are still busy
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> list[LookupResult]:
+        """``HIT`` (ready), ``HIT_PENDING`` (being written) or ``MISS`` per key; hits count as uses."""
+        results = []
+        for key in keys:
+            row = self._index.get(key)
+            if row is None:
+                results.append(LookupResult.MISS)
+            elif self._ready[row]:
+                self._policy.access(key)
+                results.append(LookupResult.HIT)
+            else:
+                results.append(LookupResult.HIT_PENDING)
+        return results
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        """Mark ``keys`` as used (those that are present)."""
+        for key in keys:
+            self._policy.access(key)
+
+    def row_of(self, key: OffloadKey) -> int | None:
+        """The row ``key`` is indexed at, if any."""
+        return self._index.get(key)
+
+    def is_ready(self, key: OffloadKey) -> bool:
+        row = self._index.get(key)
+        return row is not None and bool(self._ready[row])
+
+    def has_pending_write(self, writer: Writer, key: OffloadKey) -> bool:
+        return (writer, key) in self._pending_writes
+
+    def pending_writes_of(self, writer: Writer) -> list[OffloadKey]:
+        """Keys ``writer`` is still writing (indexed or detached). O(pending writes)."""
+        return [key for (w, key) in self._pending_writes if w == writer]
+
+    def load_pins_of(self, identity: Identity) -> int:
+        """How many load pins ``identity`` holds. O(load pins)."""
+        return sum(count for (owner, _), (_, count) in self._load_pins.items() if owner == identity)
+
+    def stats(self) -> dict[str, int]:
+        """Row counts by state; O(1)."""
+        return {
+            "blocks_total": self.num_blocks,
+            "blocks_free": len(self._free),
+            "blocks_ready": self._n_ready,
+            "blocks_pending": self._n_pending,
+            "blocks_pinned": self._n_pinned,
+            "blocks_detached": len(self._detached),
+            "blocks_evictable": len(self._policy),
+            "jobs_pinning": len(self._job_pins),
+            "jobs_held": len(self._held_jobs),
+        }
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Stores and removals since the last call, in order."""
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ stores
+
+    def prepare_store(self, keys: Sequence[OffloadKey], writer: Identity) -> StorePlan | None:
+        """Allocate not-ready rows for the keys that are not present; evict if needed.
+
+        Left out: keys already indexed, duplicates within ``keys``, and keys
+        ``writer`` is still writing from an earlier, detached store (its late
+        completion must not be confused with a new one). Returns ``None``, and
+        changes nothing, when there is not enough free or evictable room.
+        """
+        new: list[OffloadKey] = []
+        seen: set[OffloadKey] = set()
+        for key in keys:
+            if key in self._index or key in seen or (writer, key) in self._pending_writes:
+                continue
+            seen.add(key)
+            new.append(key)
+        shortfall = len(new) - len(self._free)
+        if shortfall > 0 and len(self._policy) < shortfall:
+            return None
+        evicted = [self._evict_one() for _ in range(max(shortfall, 0))]
+        if evicted:
+            self._events.append(OffloadingEvent(tuple(evicted), self.tier, True))
+        rows = [self._free.pop() for _ in new]
+        for key, row in zip(new, rows, strict=True):
+            self._occupy(row, key, writer)
+            self._pending_writes[(writer, key)] = row
+        return StorePlan(tuple(new), tuple(rows), tuple(evicted))
+
+    def complete_store(self, keys: Sequence[OffloadKey], writer: Identity, success: bool) -> StoreOutcome:
+        """End ``writer``'s writes of ``keys``: ready on success, removed on failure.
+
+        Raises :class:`PoolError` (nothing changed) if a key has no pending
+        write by ``writer`` (never prepared, already completed, or repeated).
+        """
+        rows = []
+        for key in keys:
+            row = self._pending_writes.get((writer, key))
+            if row is None:
+                raise PoolError(f"key {key.hex()[:16]} has no pending store by {writer}")
+            rows.append(row)
+        if len(set(rows)) != len(rows):
+            raise PoolError("a key is completed twice in one call")
+        live = stale = 0
+        stored: list[OffloadKey] = []
+        for key, row in zip(keys, rows, strict=True):
+            del self._pending_writes[(writer, key)]
+            self._writer[row] = None
+            if self._indexed[row]:
+                live += 1
+                if success:
+                    self._make_ready(row)
+                    stored.append(key)
+                else:
+                    self._unindex(row)
+            else:
+                stale += 1
+            self._settle(row)
+        if stored:
+            self._events.append(OffloadingEvent(tuple(stored), self.tier, False))
+        return StoreOutcome(live, stale, tuple(stored), tuple(rows))
+
+    def detach_write(self, writer: Writer, key: OffloadKey) -> bool:
+        """A pending store passed its deadline: unindex it, keep the row for its writer.
+
+        Returns whether the write was still indexed (it counted as pending).
+        """
+        row = self._pending_writes.get((writer, key))
+        if row is None or not self._indexed[row]:
+            return False
+        self._unindex(row)
+        return True
+
+    # ------------------------------------------------------------------ loads
+
+    def pin_for_load(self, keys: Sequence[OffloadKey], owner: Identity) -> tuple[int, ...]:
+        """Pin the rows of ready ``keys`` for ``owner``; one pin per key given.
+
+        Raises :class:`PoolError` (nothing changed) if a key is not ready.
+        """
+        rows = []
+        for key in keys:
+            row = self._index.get(key)
+            if row is None or not self._ready[row]:
+                raise PoolError(f"key {key.hex()[:16]} is not ready in the pool")
+            rows.append(row)
+        for key, row in zip(keys, rows, strict=True):
+            entry = self._load_pins.get((owner, key))
+            if entry is None:
+                self._load_pins[(owner, key)] = [row, 1]
+            else:
+                entry[1] += 1
+            self._pin(row)
+            self._policy.access(key)
+        return tuple(rows)
+
+    def unpin_load(self, keys: Sequence[OffloadKey], owner: Identity) -> None:
+        """Release pins taken by :meth:`pin_for_load`; exactly one unpin per pin.
+
+        Raises :class:`PoolError` (nothing changed) if ``owner`` does not hold
+        that many pins on a key.
+        """
+        wanted = Counter(keys)
+        for key, count in wanted.items():
+            entry = self._load_pins.get((owner, key))
+            if entry is None or entry[1] < count:
+                raise PoolError(f"key {key.hex()[:16]} is not pinned by {owner}")
+        for key, count in wanted.items():
+            entry = self._load_pins[(owner, key)]
+            row = entry[0]
+            entry[1] -= count
+            if entry[1] == 0:
+                del self._load_pins[(owner, key)]
+            for _ in range(count):
+                self._unpin(row)
+            self._settle(row)
+
+    # ------------------------------------------------------------------ jobs
+
+    def pin_for_job(self, job_id: int, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
+        """Pin the rows of ready ``keys`` while a tier reads them (a cascade)."""
+        if job_id in self._job_pins or job_id in self._held_jobs:
+            raise PoolError(f"job {job_id} already pins rows")
+        rows = []
+        for key in keys:
+            row = self._index.get(key)
+            if row is None or not self._ready[row]:
+                raise PoolError(f"key {key.hex()[:16]} is not ready in the pool")
+            rows.append(row)
+        for row in rows:
+            self._pin(row)
+        self._job_pins[job_id] = tuple(rows)
+        return tuple(rows)
+
+    def end_job(self, job_id: int, *, hold: bool) -> bool:
+        """Release a cascade job's pins. ``hold``: it timed out, so keep its rows
+        unreusable until :meth:`release_hold` (its tier may still be reading).
+
+        Returns whether the job pinned rows here.
+        """
+        rows = self._job_pins.pop(job_id, None)
+        if rows is None:
+            return False
+        for row in rows:
+            self._unpin(row)
+            if hold:
+                self._holds[row] += 1
+        if hold:
+            self._held_jobs[job_id] = rows
+        for row in rows:
+            self._settle(row)
+        return True
+
+    def release_hold(self, job_id: int) -> bool:
+        """The late report of a held job arrived: its rows may be reused."""
+        rows = self._held_jobs.pop(job_id, None)
+        if rows is None:
+            return False
+        for row in rows:
+            self._holds[row] -= 1
+            self._settle(row)
+        return True
+
+    def allocate_promotion(self, job_id: int, keys: Sequence[OffloadKey]) -> tuple[int, ...] | None:
+        """Allocate not-ready rows for ``keys`` (all absent) to be loaded by job ``job_id``.
+
+        All or nothing: ``None`` (nothing changed) if a key is present or there is
+        no room.
+        """
+        if job_id in self._promotions:
+            raise PoolError(f"job {job_id} already promotes")
+        if len(set(keys)) != len(keys) or any(key in self._index for key in keys):
+            return None
+        shortfall = len(keys) - len(self._free)
+        if shortfall > 0 and len(self._policy) < shortfall:
+            return None
+        evicted = [self._evict_one() for _ in range(max(shortfall, 0))]
+        if evicted:
+            self._events.append(OffloadingEvent(tuple(evicted), self.tier, True))
+        rows = tuple(self._free.pop() for _ in keys)
+        for key, row in zip(keys, rows, strict=True):
+            self._occupy(row, key, job_id)
+        self._promotions[job_id] = tuple(zip(keys, rows, strict=True))
+        return rows
+
+    def end_promotion(self, job_id: int, *, success: bool, hold: bool = False) -> tuple[OffloadKey, ...]:
+        """A promotion ended: its rows become ready (success) or are removed.
+
+        ``hold``: it timed out; the rows are removed from lookups but stay
+        unreusable (the tier may still write them) until :meth:`release_hold`.
+        Returns the keys that became ready.
+        """
+        entries = self._promotions.pop(job_id, None)
+        if entries is None:
+            return ()
+        stored: list[OffloadKey] = []
+        for key, row in entries:
+            if hold:
+                self._holds[row] += 1
+            self._writer[row] = None
+            if self._indexed[row]:
+                if success and not hold:
+                    self._make_ready(row)
+                    stored.append(key)
+                else:
+                    self._unindex(row)
+            self._settle(row)
+        if hold:
+            self._held_jobs[job_id] = tuple(row for _, row in entries)
+        if stored:
+            self._events.append(OffloadingEvent(tuple(stored), self.tier, False))
+        return tuple(stored)
+
+    # ------------------------------------------------------------------ reset
+
+    def reset(self) -> int:
+        """Unindex every block (lookups miss from now on); free the rows nobody uses.
+
+        Rows still being written or read stay reserved until their writer or
+        reader ends, exactly as after a deadline. Returns the number of keys removed.
+        """
+        removed_ready = []
+        rows = list(self._index.values())
+        for row in rows:
+            if self._ready[row]:
+                removed_ready.append(self._keys[row])
+            self._unindex(row)
+            self._settle(row)
+        if removed_ready:
+            self._events.append(OffloadingEvent(tuple(k for k in removed_ready if k is not None), self.tier, True))
+        return len(rows)
+
+    # ------------------------------------------------------------------ internals
+
+    def _occupy(self, row: int, key: OffloadKey, writer: Writer) -> None:
+        self._keys[row] = key
+        self._indexed[row] = 1
+        self._ready[row] = 0
+        self._writer[row] = writer
+        self._index[key] = row
+        self._n_pending += 1
+
+    def _make_ready(self, row: int) -> None:
+        self._ready[row] = 1
+        self._n_pending -= 1
+        self._n_ready += 1
+
+    def _unindex(self, row: int) -> None:
+        key = self._keys[row]
+        assert key is not None and self._indexed[row]
+        del self._index[key]
+        self._indexed[row] = 0
+        self._policy.discard(key)
+        if self._ready[row]:
+            self._n_ready -= 1
+        else:
+            self._n_pending -= 1
+        self._ready[row] = 0
+        if self._busy(row):
+            self._detached.add(row)
+
+    def _evict_one(self) -> OffloadKey:
+        key = self._policy.victim()
+        assert key is not None, "caller checked there is an evictable key"
+        row = self._index[key]
+        assert self._ready[row] and not self._busy(row), "the policy only holds evictable keys"
+        self._unindex(row)
+        self._settle(row)
+        return key
+
+    def _busy(self, row: int) -> bool:
+        return self._writer[row] is not None or self._pins[row] > 0 or self._holds[row] > 0
+
+    def _pin(self, row: int) -> None:
+        if self._pins[row] == 0:
+            self._n_pinned += 1
+            key = self._keys[row]
+            if key is not None:
+                self._policy.discard(key)
+        self._pins[row] += 1
+
+    def _unpin(self, row: int) -> None:
+        assert self._pins[row] > 0, "every unpin matches one pin"
+        self._pins[row] -= 1
+        if self._pins[row] == 0:
+            self._n_pinned -= 1
+
+    def _settle(self, row: int) -> None:
+        """Put ``row`` where its state says: the policy, the free list, or neither."""
+        if self._busy(row):
+            return
+        key = self._keys[row]
+        if self._indexed[row]:
+            if self._ready[row] and key is not None and key not in self._policy:
+                self._policy.add(key)
+        elif key is not None:
+            # Unindexed and idle: nobody can reach or touch this row any more.
+            self._keys[row] = None
+            self._detached.discard(row)
+            self._free.append(row)

@@ -1,0 +1,302 @@
+"""``TieringManager``: the thread-safe facade over the actors."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import torch
+
+from kvactors.actors import messages as m
+from kvactors.actors.primary import PrimaryTier
+from kvactors.actors.runtime import ActorRef, ActorStoppedError, Runtime, ThreadRuntime
+from kvactors.actors.secondary import SecondaryTierActor
+from kvactors.actors.supervisor import LifecycleSupervisor
+from kvactors.core.errors import ManagerStoppedError
+from kvactors.core.policies import POLICIES
+from kvactors.logs import make_event_logger
+from kvactors.tiers.base import SecondaryTier
+from kvactors.types import (
+    PRIMARY_TIER_NAME,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+)
+
+T = TypeVar("T")
+
+_manager_ids = itertools.count()
+
+
+def _check_ctx(ctx: object) -> ReqContext:
+    if not isinstance(ctx, ReqContext):
+        raise ValueError(f"expected a ReqContext, got {type(ctx).__name__}")
+    return ctx
+
+
+def _check_keys(keys: Iterable[OffloadKey]) -> tuple[OffloadKey, ...]:
+    if isinstance(keys, bytes | bytearray | str):
+        raise ValueError("keys must be a sequence of bytes keys, not a single key")
+    out = tuple(keys)
+    for key in out:
+        if type(key) is not bytes:
+            raise ValueError(f"a key must be bytes, got {type(key).__name__}")
+    return out
+
+
+class TieringManager:
+    """Tiered KV-cache offloading: a primary CPU pool and secondary tiers.
+
+    Threading: any number of threads may call any method at once. Calls from
+    one thread take effect in the order they were made: a blocking call sees
+    the effect of every earlier call from the same thread. Non-blocking calls
+    (``complete_store``, ``complete_load``, ``touch``, ``on_request_finished``)
+    return once their message is queued; misuse found there is logged as a
+    ``contract_violation`` event and counted in ``stats()``, never raised.
+
+    Every call goes to the primary tier's actor first, as one message, whatever
+    the number of keys: one actor round trip per blocking call (a lookup that
+    misses in the pool continues through the supervisor and the tiers before
+    it answers, still one round trip for the caller).
+
+    Use :meth:`start` to create one; it is a context manager that stops on exit.
+    """
+
+    def __init__(self, *, runtime: Runtime, pool: torch.Tensor, primary: ActorRef,
+                 actors: Sequence[ActorRef], sink: Any, tier_names: Sequence[str]) -> None:
+        self._runtime = runtime
+        self._pool = pool
+        self._primary = primary
+        self._actors = list(actors)
+        self._sink = sink
+        self.tier_names = (PRIMARY_TIER_NAME, *tier_names)
+        self._gate = threading.Lock()
+        self._closed = False
+        self._stopped = threading.Event()
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        num_blocks: int,
+        block_bytes: int,
+        secondary_tiers: Sequence[SecondaryTier] = (),
+        eviction: str = "lru",
+        transfer_timeout_s: float = 30.0,
+        lookup_timeout_s: float = 5.0,
+        event_log: str | os.PathLike[str] | None = None,
+        runtime: Runtime | None = None,
+    ) -> TieringManager:
+        """Allocate the primary pool and start the actors.
+
+        ``num_blocks`` rows of ``block_bytes`` bytes (pinned memory when CUDA is
+        available). ``transfer_timeout_s`` is the deadline of every transfer: a
+        primary store not completed, or a tier job not reported, in that time
+        fails. ``lookup_timeout_s`` bounds how long a lookup waits for the
+        secondary tiers (keys they did not answer for are ``RETRY``).
+        ``event_log``: a file to append the lifecycle events to, as JSON lines
+        (default: the ``KVACTORS_EVENT_LOG`` environment variable, if set).
+        ``runtime``: where the actors run (default: pykka threads).
+        """
+        for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{label} must be an int > 0, got {value!r}")
+        if eviction not in POLICIES:
+            raise ValueError(f"unknown eviction policy {eviction!r}; choose one of {POLICIES}")
+        for label, value in (("transfer_timeout_s", transfer_timeout_s), ("lookup_timeout_s", lookup_timeout_s)):
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{label} must be > 0, got {value!r}")
+        tiers = list(secondary_tiers)
+        names = [PRIMARY_TIER_NAME]
+        for tier in tiers:
+            if not isinstance(tier, SecondaryTier):
+                raise ValueError(f"secondary tiers must be SecondaryTier instances, got {type(tier).__name__}")
+            if tier.name in names:
+                raise ValueError(f"tier name {tier.name!r} is used twice (or is the primary's)")
+            names.append(tier.name)
+        if len(set(map(id, tiers))) != len(tiers):
+            raise ValueError("a tier instance is given twice")
+
+        manager_id = next(_manager_ids)
+        pool = torch.zeros(
+            (num_blocks, block_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+        )
+        log, sink = make_event_logger(event_log, manager=manager_id)
+        runtime = runtime if runtime is not None else ThreadRuntime(f"kvactors-{manager_id}")
+        work_ids = itertools.count(1)
+
+        primary = PrimaryTier(num_blocks=num_blocks, eviction=eviction, tier_names=names[1:],
+                              transfer_timeout_s=float(transfer_timeout_s), work_ids=work_ids)
+        supervisor = LifecycleSupervisor(
+            tier_limits=[(tier.name, max(1, int(tier.max_inflight_jobs))) for tier in tiers],
+            transfer_timeout_s=float(transfer_timeout_s),
+            lookup_timeout_s=float(lookup_timeout_s),
+        )
+        tier_actors = [SecondaryTierActor(tier) for tier in tiers]
+        for actor in (primary, supervisor, *tier_actors):
+            actor.log = log
+        primary_ref = runtime.spawn(primary, "primary")
+        supervisor_ref = runtime.spawn(supervisor, "supervisor")
+        tier_refs = {}
+        try:
+            for actor in tier_actors:
+                # attach() runs before the tier's actor exists: it gets no message before it.
+                actor.connect(supervisor_ref, pool)
+                tier_refs[actor.tier.name] = runtime.spawn(actor, actor.name)
+        except BaseException:
+            runtime.stop([primary_ref, supervisor_ref, *tier_refs.values()], 5.0)
+            sink.close()
+            raise
+        primary.connect(supervisor_ref)
+        supervisor.connect(primary_ref, tier_refs)
+        log.info("manager_started", num_blocks=num_blocks, block_bytes=block_bytes, tiers=",".join(names),
+                 eviction=eviction, transfer_timeout_s=transfer_timeout_s)
+        return cls(runtime=runtime, pool=pool, primary=primary_ref,
+                   actors=[primary_ref, supervisor_ref, *tier_refs.values()], sink=sink, tier_names=names[1:])
+
+    # ------------------------------------------------------------ plumbing
+
+    def _send(self, message: object) -> None:
+        # The gate makes "closed" and "queued" atomic: after stop() queued its
+        # shutdown, no frontend message can land behind it.
+        with self._gate:
+            if self._closed:
+                raise ManagerStoppedError("the TieringManager is stopped")
+            try:
+                self._primary.tell(message)
+            except ActorStoppedError:
+                raise ManagerStoppedError("the TieringManager is stopped") from None
+
+    def _ask(self, message: object, reply: Future[T]) -> T:
+        self._send(message)
+        self._runtime.wait(reply, None)
+        return reply.result()
+
+    # ------------------------------------------------------------ the API
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The primary pool: ``uint8`` rows ``(num_blocks, block_bytes)``."""
+        return self._pool
+
+    def on_new_request(self, ctx: ReqContext) -> None:
+        """First sight of a request attempt. ``LifecycleError`` if it is active."""
+        reply: Future[None] = Future()
+        self._ask(m.NewRequest(_check_ctx(ctx), reply), reply)
+
+    def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
+        """One result per key. A key found only in a secondary tier starts its
+        promotion (at most one per key, on behalf of ``ctx``) and answers
+        ``HIT_PENDING``. ``LifecycleError`` if the request is unknown or finished."""
+        reply: Future[list[LookupResult]] = Future()
+        return self._ask(m.Lookup(_check_keys(keys), _check_ctx(ctx), reply), reply)
+
+    def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
+        """Pin the rows of ready ``keys`` until :meth:`complete_load`.
+
+        ``LifecycleError`` (nothing pinned) if a key is not ready or the request
+        is unknown or finished."""
+        reply: Future[LoadStoreSpec] = Future()
+        return self._ask(m.PrepareLoad(_check_keys(keys), _check_ctx(ctx), reply), reply)
+
+    def complete_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
+        """Unpin what :meth:`prepare_load` pinned (one unpin per pin). Non-blocking."""
+        self._send(m.CompleteLoad(_check_keys(keys), _check_ctx(ctx)))
+
+    def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
+        """Recency hint, passed on to every tier. Non-blocking."""
+        self._send(m.Touch(_check_keys(keys), _check_ctx(ctx)))
+
+    def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        """Allocate not-ready rows for the keys not present (evicting if needed).
+
+        ``None`` if there is no room. The rows are protected until
+        :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
+        ``LifecycleError`` if the request is unknown or finished."""
+        reply: Future[PrepareStoreOutput | None] = Future()
+        return self._ask(m.PrepareStore(_check_keys(keys), _check_ctx(ctx), reply), reply)
+
+    def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        """The copy into the prepared rows ended. Success makes the blocks ready
+        and cascades them to every secondary tier; failure removes them. Either
+        way the store is no longer pending. Non-blocking."""
+        self._send(m.CompleteStore(_check_keys(keys), _check_ctx(ctx), bool(success)))
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """No more submit calls for this attempt. Idempotent. Non-blocking.
+
+        The primary tier is told at once; each secondary tier once nothing can
+        still submit to it for this request."""
+        self._send(m.FinishRequest(_check_ctx(ctx)))
+
+    def reset_cache(self) -> None:
+        """Drain in-flight jobs, zero every request's pending counts, finalize
+        the finished requests, keep the active ones, clear the primary pool.
+        Secondary tiers keep their data."""
+        reply: Future[None] = Future()
+        self._ask(m.ResetCache(reply), reply)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Blocks stored or removed since the last call: the primary's, then each tier's."""
+        reply: Future[list[OffloadingEvent]] = Future()
+        return self._ask(m.TakeEvents(reply), reply)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """True once every call made before it, every job those calls started and
+        every tier hook they caused has been processed and reported. Stores
+        prepared but not completed by the caller do not hold it."""
+        reply: Future[bool] = Future()
+        self._send(m.Barrier(reply))
+        return self._runtime.wait(reply, timeout) and reply.result()
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters: ``active_requests``, ``blocks_ready``, ``blocks_pending``,
+        ``blocks_pinned``, ``jobs_in_flight``, ``contract_violations`` and more."""
+        reply: Future[dict[str, int | float]] = Future()
+        return self._ask(m.QueryStats(reply), reply)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Drain in-flight jobs (each ends by its deadline at the latest), finalize
+        nothing that is not finished, shut the tiers down and stop every actor.
+
+        Safe to call twice, and from several threads. Later calls of any other
+        method raise :class:`ManagerStoppedError`. With ``timeout``, gives up
+        waiting after that many seconds and stops the actors anyway.
+        """
+        with self._gate:
+            first = not self._closed
+            self._closed = True
+            if first:
+                reply: Future[None] = Future()
+                self._primary.tell(m.Shutdown(reply, timeout))
+        if not first:
+            self._stopped.wait(timeout)
+            return
+        started = time.monotonic()
+        self._runtime.wait(reply, timeout)
+        remaining = None if timeout is None else max(timeout - (time.monotonic() - started), 0.5)
+        self._runtime.stop(self._actors, remaining)
+        self._sink.close()
+        self._stopped.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def __enter__(self) -> TieringManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "stopped" if self._closed else "running"
+        return f"TieringManager(tiers={self.tier_names}, blocks={self._pool.shape[0]}, {state})"
