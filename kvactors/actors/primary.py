@@ -29,7 +29,14 @@ from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
 from kvactors.core.policies import make_policy
 from kvactors.core.pool import BlockPool, PoolError
-from kvactors.types import LoadStoreSpec, LookupResult, OffloadKey, PrepareStoreOutput, ReqContext, TransferJob
+from kvactors.types import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    TransferJob,
+)
 
 
 class _RequestRecord:
@@ -231,7 +238,9 @@ class PrimaryTier(Actor):
                 expired[ctx] += 1
         for ctx, count in expired.items():
             self.stores_timed_out += count
-            self.log.warning("job_timed_out", kind="store", req_id=ctx.req_id, attempt=ctx.attempt, keys=count, tier="cpu")
+            self.log.warning(
+                "job_timed_out", kind="store", req_id=ctx.req_id, attempt=ctx.attempt, keys=count, tier="cpu"
+            )
             self.supervisor.tell(m.StoresPending(ctx, -count))
         self._arm_timer()
 

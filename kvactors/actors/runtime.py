@@ -27,6 +27,7 @@ pykka's own weak spots are kept out here:
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
@@ -124,7 +125,7 @@ class Actor:
             if handler is None:
                 raise TypeError(f"{self.name} has no handler for {type(message).__name__}")
             getattr(self, handler)(message)
-        except BaseException as exc:  # noqa: BLE001 - an actor must outlive its handlers
+        except BaseException as exc:
             reply = getattr(message, "reply", None)
             if isinstance(reply, Future) and not reply.done():
                 reply.set_exception(exc)
@@ -226,10 +227,8 @@ class _TimerThread:
                 if self._stopped:
                     return
                 _, _, ref, message = heapq.heappop(self._heap)
-            try:
+            with contextlib.suppress(ActorStoppedError):
                 ref.tell(message)
-            except ActorStoppedError:
-                pass
 
     def stop(self) -> None:
         with self._cond:
@@ -286,8 +285,7 @@ class ThreadRuntime:
                 stops.append(stop_future)
         for stop_future in stops:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.01)
-            try:
+            # A daemon thread stuck in a tier call cannot be killed; it is left behind.
+            with contextlib.suppress(pykka.Timeout):
                 stop_future.get(timeout=remaining)
-            except pykka.Timeout:
-                pass  # a daemon thread stuck in a tier call; it cannot be killed
         self._timer.stop()

@@ -53,7 +53,7 @@ class SecondaryTierActor(Actor):
     def _on_new_request(self, msg: m.TierNewRequest) -> None:
         try:
             self.tier.on_new_request(msg.ctx)
-        except BaseException as exc:  # noqa: BLE001 - the tier's failure, not ours
+        except BaseException as exc:
             self._failed("on_new_request", exc, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
 
     @handles(m.TierFinished)
@@ -61,14 +61,14 @@ class SecondaryTierActor(Actor):
         self.log.debug("tier_finish_received", tier=self.tier.name, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
         try:
             self.tier.on_request_finished(msg.ctx)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._failed("on_request_finished", exc, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
 
     @handles(m.TierTouch)
     def _on_touch(self, msg: m.TierTouch) -> None:
         try:
             self.tier.touch(msg.keys, msg.ctx)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._failed("touch", exc)
 
     @handles(m.TierSubmit)
@@ -82,7 +82,7 @@ class SecondaryTierActor(Actor):
                 self.tier.submit_load(job)
             else:
                 self.tier.submit_store(job)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._failed("submit_load" if job.is_promotion else "submit_store", exc, job_id=job.job_id)
             self._report(JobResult(job.job_id, False, f"{type(exc).__name__}: {exc}"))
 
@@ -94,7 +94,7 @@ class SecondaryTierActor(Actor):
             results = tuple(answer)
             if len(results) != len(msg.keys) or not all(isinstance(r, LookupResult) for r in results):
                 raise TypeError(f"lookup returned {len(results)} values for {len(msg.keys)} keys")
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._failed("lookup", exc)
             results = None
         self.supervisor.tell(m.TierLookupAnswered(msg.lookup_id, self.tier.name, results))
@@ -110,6 +110,6 @@ class SecondaryTierActor(Actor):
                     self.tier.drain(msg.timeout_s)
                 finally:
                     self.tier.shutdown()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._failed(msg.what, exc)
         self.supervisor.tell(m.TierGathered(msg.gather_id, self.tier.name, payload))

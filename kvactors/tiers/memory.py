@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 from kvactors.tiers.base import SecondaryTier
+from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 
 class MemoryTier(SecondaryTier):
