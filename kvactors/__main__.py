@@ -1,0 +1,5 @@
+import sys
+
+from kvactors.cli import main
+
+sys.exit(main())

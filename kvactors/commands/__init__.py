@@ -1,0 +1,5 @@
+"""The subcommands of the ``kvactors`` command line, one module each.
+
+Each module defines ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit status).
+"""

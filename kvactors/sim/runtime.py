@@ -1,0 +1,206 @@
+"""A seeded, single-threaded runtime: the same actors, a scheduler instead of threads.
+
+:class:`SimRuntime` implements :class:`~kvactors.actors.runtime.Runtime`, so a
+``TieringManager`` (and everything behind it) runs on it unchanged. There are
+no threads: each actor has a FIFO inbox, exactly like a pykka inbox, and
+:meth:`SimRuntime.step` picks, from a seeded ``random.Random``, what happens
+next:
+
+* deliver the next message of one actor that has mail;
+* run one *deferred task* (work that would happen on another thread: a tier's
+  I/O completing, a copy finishing), registered with :meth:`defer`;
+* run one step of a *client* (a generator standing for a frontend thread,
+  registered with :meth:`spawn_client`);
+* advance virtual time to the next timer (so deadlines race with completions).
+
+A seed therefore fixes a whole interleaving, and the same seed replays it
+exactly. Real threads explore interleavings by luck; this explores them on
+purpose (``architecture-notes.md``: a planted race found in 735 of 1000 seeds,
+0 of 100 thread runs).
+
+Blocking calls made from outside any client (``manager.lookup(...)`` in a test)
+work too: :meth:`wait` keeps stepping until the reply is there.
+
+Not thread-safe: one thread drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from typing import Any
+
+from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError
+
+Client = Generator["Future[Any] | None", None, None]
+"""A simulated frontend thread: yields a future to wait for it, or ``None`` to let others run."""
+
+
+class SimActorRef:
+    """An actor's inbox in a :class:`SimRuntime`."""
+
+    __slots__ = ("actor", "closed", "inbox", "name", "runtime")
+
+    def __init__(self, runtime: SimRuntime, actor: Actor, name: str) -> None:
+        self.runtime = runtime
+        self.actor = actor
+        self.name = name
+        self.inbox: deque[object] = deque()
+        self.closed = False
+
+    def tell(self, message: object) -> None:
+        if self.closed:
+            raise ActorStoppedError(f"actor {self.name} is stopped")
+        self.inbox.append(message)
+
+    def __repr__(self) -> str:
+        return f"SimActorRef({self.name!r}, inbox={len(self.inbox)})"
+
+
+class SimulationStuck(RuntimeError):
+    """A wait can never end: nothing left to run and the future is not done."""
+
+
+class SimRuntime:
+    """The deterministic scheduler; see the module docstring.
+
+    ``time_jump_chance``: how often, when other work is possible, the scheduler
+    jumps to the next timer instead (higher makes deadlines fire "early", as a
+    slow machine would). ``trace``: keep a readable log of every choice.
+    """
+
+    def __init__(self, seed: int, *, time_jump_chance: float = 0.02, trace: bool = False) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.time_jump_chance = time_jump_chance
+        self.steps = 0
+        self.trace: list[str] | None = [] if trace else None
+        self._now = 0.0
+        self._refs: list[SimActorRef] = []
+        self._timers: list[tuple[float, int, ActorRef, object]] = []
+        self._timer_seq = itertools.count()
+        self._tasks: list[tuple[str, Callable[[], None]]] = []
+        self._clients: list[tuple[str, Client, Future[Any] | None]] = []
+
+    # ------------------------------------------------------------ the Runtime interface
+
+    def spawn(self, actor: Actor, name: str) -> SimActorRef:
+        ref = SimActorRef(self, actor, name)
+        actor.bind(self, ref)
+        self._refs.append(ref)
+        return ref
+
+    def now(self) -> float:
+        return self._now
+
+    def call_later(self, delay_s: float, ref: ActorRef, message: object) -> None:
+        heapq.heappush(self._timers, (self._now + max(delay_s, 0.0), next(self._timer_seq), ref, message))
+
+    def wait(self, future: Future[Any], timeout_s: float | None) -> bool:
+        deadline = None if timeout_s is None else self._now + timeout_s
+        while not future.done():
+            if deadline is not None and self._now >= deadline:
+                return False
+            if not self.step(until=deadline):
+                if deadline is None:
+                    # On threads this wait would hang forever: make the deadlock visible.
+                    raise SimulationStuck(f"seed {self.seed}: nothing left to run after {self.steps} steps")
+                return False
+        return True
+
+    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> None:
+        # Everything already queued to these actors is delivered first, as pykka does.
+        targets = [ref for ref in self._refs if ref in refs]
+        while any(ref.inbox for ref in targets):
+            self.step()
+        for ref in targets:
+            if not ref.closed:
+                ref.closed = True
+                ref.actor.on_stop()
+
+    # ------------------------------------------------------------ simulation-only hooks
+
+    def defer(self, label: str, task: Callable[[], None]) -> None:
+        """Run ``task`` at a later step chosen by the scheduler (work of another thread)."""
+        self._tasks.append((label, task))
+
+    def spawn_client(self, name: str, client: Client) -> None:
+        """Run ``client`` step by step, interleaved with everything else."""
+        self._clients.append((name, client, None))
+
+    @property
+    def pending_work(self) -> int:
+        """Messages, tasks and runnable clients waiting (timers not counted)."""
+        return sum(len(ref.inbox) for ref in self._refs) + len(self._tasks) + len(self._clients)
+
+    def run(self, max_steps: int = 1_000_000) -> int:
+        """Step until nothing is left to do (timers included); returns the steps taken."""
+        start = self.steps
+        while self.steps - start < max_steps and self.step():
+            pass
+        return self.steps - start
+
+    # ------------------------------------------------------------ the scheduler
+
+    def step(self, until: float | None = None) -> bool:
+        """Do one thing; ``False`` if there was nothing to do.
+
+        Timers fire only when time advances; with ``until``, time never
+        advances past it.
+        """
+        options: list[Callable[[], None]] = []
+        for ref in self._refs:
+            if ref.inbox:
+                options.append(lambda ref=ref: self._deliver(ref))
+        if self._tasks:
+            options.append(self._run_task)
+        for index, (_, _, waiting) in enumerate(self._clients):
+            if waiting is None or waiting.done():
+                options.append(lambda index=index: self._resume(index))
+        can_jump = bool(self._timers) and (until is None or self._timers[0][0] <= until)
+        if can_jump and (not options or self.rng.random() < self.time_jump_chance):
+            self._jump_time()
+        elif options:
+            options[self.rng.randrange(len(options))]()
+        else:
+            return False
+        self.steps += 1
+        return True
+
+    def _deliver(self, ref: SimActorRef) -> None:
+        message = ref.inbox.popleft()
+        if self.trace is not None:
+            self.trace.append(f"{self.steps} {ref.name} <- {type(message).__name__}")
+        ref.actor.deliver(message)
+
+    def _run_task(self) -> None:
+        label, task = self._tasks.pop(self.rng.randrange(len(self._tasks)))
+        if self.trace is not None:
+            self.trace.append(f"{self.steps} task {label}")
+        task()
+
+    def _resume(self, index: int) -> None:
+        name, client, _ = self._clients[index]
+        if self.trace is not None:
+            self.trace.append(f"{self.steps} client {name}")
+        try:
+            waiting = next(client)
+        except StopIteration:
+            del self._clients[index]
+            return
+        self._clients[index] = (name, client, waiting)
+
+    def _jump_time(self) -> None:
+        when = self._timers[0][0]
+        self._now = max(self._now, when)
+        if self.trace is not None:
+            self.trace.append(f"{self.steps} time -> {self._now:.3f}")
+        while self._timers and self._timers[0][0] <= self._now:
+            _, _, ref, message = heapq.heappop(self._timers)
+            with contextlib.suppress(ActorStoppedError):  # a timer outliving its actor
+                ref.tell(message)
