@@ -391,6 +391,64 @@ class BlockPool:
             self._events.append(OffloadingEvent(tuple(k for k in removed_ready if k is not None), self.tier, True))
         return len(rows)
 
+    def snapshot(self) -> tuple[object, ...]:
+        """A comparable copy of the whole state (tests check that errors change nothing)."""
+        return (
+            dict(self._index), list(self._keys), bytes(self._indexed), bytes(self._ready), list(self._writer),
+            self._pins.tolist(), self._holds.tolist(), list(self._free), dict(self._pending_writes),
+            {k: list(v) for k, v in self._load_pins.items()}, dict(self._job_pins), dict(self._held_jobs),
+            dict(self._promotions), len(self._policy), set(self._detached),
+        )
+
+    def check_invariants(self) -> None:
+        """Assert that every piece of state agrees with every other. O(rows); for tests."""
+        pins = Counter[int]()
+        for (_, _), (row, count) in self._load_pins.items():
+            assert count > 0
+            pins[row] += count
+        for rows in self._job_pins.values():
+            pins.update(rows)
+        holds = Counter[int]()
+        for rows in self._held_jobs.values():
+            holds.update(rows)
+        writers: dict[int, Writer] = {}
+        for (writer, key), row in self._pending_writes.items():
+            assert self._keys[row] == key and row not in writers
+            writers[row] = writer
+        for job_id, entries in self._promotions.items():
+            for key, row in entries:
+                assert self._keys[row] == key and row not in writers
+                writers[row] = job_id
+        free = set(self._free)
+        assert len(free) == len(self._free), "a row is free twice"
+        counts = Counter[str]()
+        for row in range(self.num_blocks):
+            assert self._pins[row] == pins[row], f"row {row}: pins {self._pins[row]} != {pins[row]}"
+            assert self._holds[row] == holds[row], f"row {row}: holds"
+            assert self._writer[row] == writers.get(row), f"row {row}: writer"
+            key = self._keys[row]
+            busy = self._busy(row)
+            if row in free:
+                assert key is None and not busy and not self._indexed[row], f"free row {row} in use"
+                continue
+            assert key is not None, f"row {row} is neither free nor holds a key"
+            if self._indexed[row]:
+                assert self._index[key] == row
+                assert bool(self._ready[row]) == (self._writer[row] is None), f"row {row}: ready vs writer"
+                counts["ready" if self._ready[row] else "pending"] += 1
+                evictable = self._ready[row] and not busy
+                assert (key in self._policy) == bool(evictable), f"row {row}: policy membership"
+            else:
+                assert busy, f"row {row} is unindexed and idle but not free"
+                assert row in self._detached
+                counts["detached"] += 1
+            counts["pinned"] += self._pins[row] > 0
+        assert len(self._index) == counts["ready"] + counts["pending"]
+        assert (self._n_ready, self._n_pending, self._n_pinned, len(self._detached)) == (
+            counts["ready"], counts["pending"], counts["pinned"], counts["detached"])
+        assert len(self._policy) == sum(
+            1 for row in self._index.values() if self._ready[row] and not self._busy(row))
+
     # ------------------------------------------------------------------ internals
 
     def _occupy(self, row: int, key: OffloadKey, writer: Writer) -> None:
