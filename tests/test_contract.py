@@ -1,0 +1,466 @@
+"""The lifecycle contract through the actors on real threads: one test per rule,
+and one per row of the contract's table of holes found in the anchors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvactors import LifecycleError, LookupResult, ManagerStoppedError, MemoryTier, ReqContext, TieringManager
+from tests.support import ControlledTier, RecordingTier, keys, settled, wait_for
+
+BLOCK = 32
+
+
+def start(*tiers, num_blocks: int = 16, **kwargs) -> TieringManager:
+    return TieringManager.start(num_blocks=num_blocks, block_bytes=BLOCK, secondary_tiers=list(tiers), **kwargs)
+
+
+@pytest.fixture
+def rec():
+    return RecordingTier()
+
+
+def store(manager: TieringManager, ctx: ReqContext, names, *, complete: bool = True, success: bool = True):
+    out = manager.prepare_store(keys(*names), ctx)
+    assert out is not None
+    for n, row in enumerate(out.store_spec.block_ids):
+        manager.pool[row] = n + 1
+    if complete:
+        manager.complete_store(out.keys_to_store, ctx, success)
+    return out
+
+
+# ----------------------------------------------------------------------------- rule 1
+
+
+def test_rule1_finish_once_and_no_submit_after_it(rec):
+    ctx = ReqContext("r1")
+    with start(rec) as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1, 2])
+        manager.on_request_finished(ctx)
+        manager.on_request_finished(ctx)  # idempotent
+        settled(manager)
+        for call in (manager.lookup, manager.prepare_store, manager.prepare_load):
+            with pytest.raises(LifecycleError):
+                call(keys(1), ctx)
+        stats = settled(manager)
+        assert stats["contract_violations"] == 0 and stats["active_requests"] == 0
+    assert rec.count("on_request_finished", ctx) == 1
+    assert rec.count("submit_store", ctx) == 1
+    assert rec.violations == []
+
+
+# ----------------------------------------------------------------------------- rules 2-4
+
+
+def test_rule2_secondary_finish_waits_for_pending_store(rec):
+    """vLLM's test_on_request_finished_delays_secondary_until_store_submitted."""
+    ctx = ReqContext("r")
+    with start(rec) as manager:
+        manager.on_new_request(ctx)
+        out = store(manager, ctx, [1, 2], complete=False)
+        manager.on_request_finished(ctx)
+        settled(manager)
+        assert rec.count("on_request_finished", ctx) == 0  # a store is still pending
+        assert manager.stats()["active_requests"] == 1
+        manager.complete_store(out.keys_to_store, ctx)
+        settled(manager)
+        assert rec.count("on_request_finished", ctx) == 1
+    assert [c for c, i, _ in rec.calls if i == ctx.identity] == ["on_new_request", "submit_store", "on_request_finished"]
+
+
+def test_rule3_primary_is_told_at_once(rec):
+    ctx = ReqContext("r")
+    tier = ControlledTier()
+    with start(tier) as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1])
+        tier.wait_held(1)  # the cascade is in flight
+        manager.on_request_finished(ctx)
+        # The very next call of this thread sees the finish, though tiers do not yet.
+        with pytest.raises(LifecycleError, match="finished"):
+            manager.prepare_store(keys(2), ctx)
+        tier.release_all()
+        settled(manager)
+        assert tier.count("on_request_finished", ctx) == 1
+
+
+def test_rule4_queued_promotion_holds_the_finish():
+    """PR #49022: a queued (unsent) promotion must count in the finalize gate."""
+    tier = ControlledTier(max_inflight=1)
+    seeder = ReqContext("seed")
+    with start(tier) as manager:
+        # Put two blocks in the tier, then clear the pool so lookups promote.
+        manager.on_new_request(seeder)
+        store(manager, seeder, [1])
+        store(manager, seeder, [2])
+        tier.wait_held(1)
+        tier.release_all()
+        tier.wait_held(1)
+        tier.release_all()
+        manager.on_request_finished(seeder)
+        settled(manager)
+        manager.reset_cache()
+
+        ctx = ReqContext("r")
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys(1), ctx) == [LookupResult.HIT_PENDING]
+        tier.wait_held(1)  # promotion 1 holds the tier's only slot
+        assert manager.lookup(keys(2), ctx) == [LookupResult.HIT_PENDING]  # promotion 2 is queued
+        manager.on_request_finished(ctx)
+        assert not manager.wait_idle(0.2)
+        assert tier.count("on_request_finished", ctx) == 0
+        assert manager.stats()["jobs_queued"] == 1
+        tier.release_all()  # frees the slot: promotion 2 is submitted, then the finish
+        tier.wait_held(1)
+        tier.release_all()
+        settled(manager)
+    calls = [c for c, i, _ in tier.calls if i == ctx.identity]
+    assert calls == ["on_new_request", "submit_load", "submit_load", "on_request_finished"]
+    assert tier.violations == []
+
+
+def test_rule4_lookup_in_progress_holds_the_finish():
+    """A lookup still waiting on a tier may promote: it holds the finish too."""
+    tier = ControlledTier(hold=False)
+    ctx, seeder = ReqContext("r"), ReqContext("seed")
+    with start(tier) as manager:
+        manager.on_new_request(seeder)
+        store(manager, seeder, [1])
+        manager.on_request_finished(seeder)
+        settled(manager)
+        manager.reset_cache()
+        manager.on_new_request(ctx)
+        tier.lookup_gate = threading.Event()
+        answer: list[list[LookupResult]] = []
+        looker = threading.Thread(target=lambda: answer.append(manager.lookup(keys(1), ctx)))
+        looker.start()
+        assert wait_for(lambda: manager.stats()["lookups_in_flight"] == 1)
+        manager.on_request_finished(ctx)
+        assert not manager.wait_idle(0.2)
+        tier.lookup_gate.set()
+        looker.join(10)
+        assert answer == [[LookupResult.HIT_PENDING]]
+        settled(manager)
+    calls = [c for c, i, _ in tier.calls if i == ctx.identity]
+    assert calls == ["on_new_request", "submit_load", "on_request_finished"]
+
+
+def test_rule4_parked_cascade_holds_the_finish():
+    tier = ControlledTier(max_inflight=1)
+    ctx = ReqContext("r")
+    with start(tier) as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1])
+        store(manager, ctx, [2])
+        tier.wait_held(1)
+        manager.on_request_finished(ctx)
+        assert wait_for(lambda: manager.stats()["jobs_queued"] == 1)
+        assert tier.count("on_request_finished", ctx) == 0
+        tier.release_all()
+        tier.wait_held(1)
+        tier.release_all()
+        settled(manager)
+    calls = [c for c, i, _ in tier.calls if i == ctx.identity]
+    assert calls == ["on_new_request", "submit_store", "submit_store", "on_request_finished"]
+
+
+# ----------------------------------------------------------------------------- rules 5-8
+
+
+def test_rule5_failed_store_counts_as_completed(rec):
+    ctx = ReqContext("r")
+    with start(rec) as manager:
+        manager.on_new_request(ctx)
+        out = store(manager, ctx, [1], complete=False)
+        manager.on_request_finished(ctx)
+        manager.complete_store(out.keys_to_store, ctx, success=False)
+        stats = settled(manager)
+        assert stats["active_requests"] == 0 and stats["blocks_pending"] == 0 and stats["blocks_ready"] == 0
+        other = ReqContext("o")
+        manager.on_new_request(other)
+        assert manager.lookup(keys(1), other) == [LookupResult.MISS]
+    assert rec.count("submit_store") == 0
+    assert rec.count("on_request_finished", ctx) == 1
+
+
+def test_rule6_request_without_stores_finalizes_at_once(rec):
+    ctx = ReqContext("r")
+    with start(rec) as manager:
+        manager.on_new_request(ctx)
+        manager.on_request_finished(ctx)
+        assert settled(manager)["active_requests"] == 0
+    assert rec.count("on_request_finished", ctx) == 1
+
+
+def test_rule7_reset_finalizes_finished_keeps_active_and_keeps_tier_data(rec):
+    done, active = ReqContext("done"), ReqContext("active")
+    with start(rec) as manager:
+        for ctx in (done, active):
+            manager.on_new_request(ctx)
+        store(manager, done, [1])  # cascaded to the tier
+        settled(manager)
+        done_pending = store(manager, done, [2], complete=False)
+        active_pending = store(manager, active, [3], complete=False)
+        manager.on_request_finished(done)
+        manager.reset_cache()
+        assert rec.count("on_request_finished", done) == 1  # finalized by the reset
+        assert rec.count("on_request_finished", active) == 0
+        stats = manager.stats()
+        assert stats["active_requests"] == 1 and stats["blocks_ready"] == stats["blocks_pending"] == 0
+        # Late completions of voided stores are accounted for without error.
+        manager.complete_store(done_pending.keys_to_store, done)
+        manager.complete_store(active_pending.keys_to_store, active)
+        # The active request goes on; the tier kept block 1, so it is promoted back.
+        assert manager.lookup(keys(1), active) == [LookupResult.HIT_PENDING]
+        settled(manager)
+        assert manager.lookup(keys(1), active) == [LookupResult.HIT]
+        store(manager, active, [4])
+        manager.on_request_finished(active)
+        stats = settled(manager)
+        assert stats["active_requests"] == 0 and stats["contract_violations"] == 0
+        assert stats["blocks_detached"] == 0 and stats["blocks_pinned"] == 0
+    assert rec.count("on_request_finished", done) == 1
+    assert rec.count("on_request_finished", active) == 1
+    assert rec.violations == []
+
+
+def test_rule8_no_state_after_finalize_and_late_completion_is_harmless(rec):
+    ctx = ReqContext("r")
+    with start(rec, transfer_timeout_s=0.2) as manager:
+        manager.on_new_request(ctx)
+        out = store(manager, ctx, [1], complete=False)
+        manager.on_request_finished(ctx)
+        assert wait_for(lambda: manager.stats()["active_requests"] == 0)  # the store's deadline passed
+        stats = manager.stats()
+        assert stats["primary_requests"] == 0 and stats["stores_timed_out"] == 1
+        manager.complete_store(out.keys_to_store, ctx)  # late: accounted for, no error
+        stats = settled(manager)
+        assert stats["contract_violations"] == 0 and stats["blocks_detached"] == 0
+        assert stats["blocks_free"] == 16
+    assert rec.count("on_request_finished", ctx) == 1 and rec.count("submit_store") == 0
+
+
+# ----------------------------------------------------------------------------- the holes table
+
+
+def test_submit_after_finish_is_an_error_to_that_caller_only(rec):
+    """vLLM #49635 / #49671: a KeyError killed the engine. Here: LifecycleError, and the runtime serves on."""
+    ctx, other = ReqContext("r"), ReqContext("o")
+    with start(rec) as manager:
+        manager.on_new_request(ctx)
+        manager.on_request_finished(ctx)
+        settled(manager)
+        before = manager.stats()
+        with pytest.raises(LifecycleError):
+            manager.prepare_store(keys(1), ctx)
+        with pytest.raises(LifecycleError, match="unknown"):
+            manager.lookup(keys(1), ReqContext("never-started"))
+        manager.on_new_request(other)
+        with pytest.raises(LifecycleError, match="already active"):
+            manager.on_new_request(other)
+        after = manager.stats()
+        assert {k: after[k] for k in ("blocks_ready", "blocks_pending", "contract_violations")} == {
+            k: before[k] for k in ("blocks_ready", "blocks_pending", "contract_violations")}
+        store(manager, other, [1])
+        manager.on_request_finished(other)
+        assert settled(manager)["blocks_ready"] == 1
+
+
+def test_attempts_have_separate_state():
+    """vLLM #51637: late completions of attempt 0 must not decrement attempt 1's counter."""
+    rec = RecordingTier()
+    old, new = ReqContext("r", 0), ReqContext("r", 1)
+    with start(rec) as manager:
+        manager.on_new_request(old)
+        old_out = store(manager, old, [1], complete=False)
+        manager.on_request_finished(old)  # preempted
+        manager.on_new_request(new)
+        new_out = store(manager, new, [2], complete=False)
+        manager.on_request_finished(new)
+        manager.complete_store(old_out.keys_to_store, old)  # the old attempt's late completion
+        settled(manager)
+        assert rec.count("on_request_finished", old) == 1
+        assert rec.count("on_request_finished", new) == 0  # still has its own pending store
+        with pytest.raises(LifecycleError):
+            manager.prepare_store(keys(3), old)
+        manager.complete_store(new_out.keys_to_store, new)
+        stats = settled(manager)
+        assert stats["active_requests"] == 0 and stats["contract_violations"] == 0
+    assert rec.count("on_request_finished", new) == 1
+
+
+def test_complete_with_the_wrong_attempt_is_a_counted_violation():
+    old, new = ReqContext("r", 0), ReqContext("r", 1)
+    with start() as manager:
+        manager.on_new_request(old)
+        manager.on_new_request(new)
+        out = store(manager, old, [1], complete=False)
+        manager.complete_store(out.keys_to_store, new)  # not new's store
+        stats = settled(manager)
+        assert stats["contract_violations"] == 1 and stats["blocks_pending"] == 1
+        manager.complete_store(out.keys_to_store, old)
+        assert settled(manager)["blocks_ready"] == 1
+
+
+def test_stalled_tier_job_times_out_and_releases_the_request():
+    """vLLM #49829 / Mooncake #974: in-progress work has an owner and a deadline."""
+    tier = ControlledTier()
+    ctx = ReqContext("r")
+    with start(tier, transfer_timeout_s=0.3) as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1])
+        (job,) = tier.wait_held(1)
+        manager.on_request_finished(ctx)
+        assert wait_for(lambda: manager.stats()["jobs_timed_out"] == 1)
+        stats = settled(manager)
+        assert stats["active_requests"] == 0 and stats["jobs_in_flight"] == 0
+        assert stats["jobs_held"] == 1  # the tier may still read the row: held, not reused
+        assert tier.count("on_request_finished", ctx) == 1
+        tier.release(job.job_id)  # the late report
+        stats = settled(manager)
+        assert stats["late_reports"] == 1 and stats["jobs_held"] == 0 and stats["blocks_pinned"] == 0
+
+
+def test_stalled_tier_lookup_answers_retry():
+    tier = ControlledTier(hold=False)
+    tier.lookup_gate = threading.Event()
+    ctx = ReqContext("r")
+    with start(tier, lookup_timeout_s=0.2) as manager:
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys(1), ctx) == [LookupResult.RETRY]
+        tier.lookup_gate.set()
+        manager.on_request_finished(ctx)
+        stats = settled(manager)
+        assert stats["lookups_timed_out"] == 1 and stats["active_requests"] == 0
+
+
+def test_failed_promotion_is_never_served():
+    """Dynamo #8057: a failure is never a success."""
+    tier = ControlledTier()
+    seeder, ctx = ReqContext("seed"), ReqContext("r")
+    with start(tier) as manager:
+        manager.on_new_request(seeder)
+        store(manager, seeder, [1])
+        tier.wait_held(1)
+        tier.release_all()
+        manager.on_request_finished(seeder)
+        settled(manager)
+        manager.reset_cache()
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys(1), ctx) == [LookupResult.HIT_PENDING]
+        tier.wait_held(1)
+        tier.release_all(success=False)
+        settled(manager)
+        stats = manager.stats()
+        assert stats["blocks_ready"] == 0 and stats["jobs_failed"] == 1
+        with pytest.raises(LifecycleError, match="not ready"):
+            manager.prepare_load(keys(1), ctx)
+        manager.on_request_finished(ctx)
+        assert settled(manager)["active_requests"] == 0
+
+
+def test_raising_tier_fails_its_job_and_spares_the_others():
+    bad = ControlledTier(name="bad", raise_on=["submit_store", "lookup"])
+    good = RecordingTier(name="good")
+    ctx = ReqContext("r")
+    with start(bad, good) as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1])
+        manager.on_request_finished(ctx)
+        stats = settled(manager)
+        assert stats["jobs_failed"] == 1 and stats["jobs_succeeded"] == 1 and stats["active_requests"] == 0
+        manager.reset_cache()
+        other = ReqContext("o")
+        manager.on_new_request(other)
+        assert manager.lookup(keys(1), other) == [LookupResult.HIT_PENDING]  # good tier has it
+    assert bad.count("on_request_finished", ctx) == good.count("on_request_finished", ctx) == 1
+    assert len(good) == 1
+
+
+def test_completions_release_pins_without_memory_pressure():
+    """SGLang #32455 / LMCache #2942: pins are released as completions arrive."""
+    ctx = ReqContext("r")
+    with start() as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1, 2])
+        settled(manager)
+        spec = manager.prepare_load(keys(1, 2), ctx)
+        assert len(spec.block_ids) == 2 and manager.stats()["blocks_pinned"] == 2
+        manager.complete_load(keys(1, 2), ctx)
+        assert settled(manager)["blocks_pinned"] == 0
+        manager.complete_load(keys(1), ctx)  # a double unpin is refused and counted
+        stats = settled(manager)
+        assert stats["contract_violations"] == 1 and stats["blocks_pinned"] == 0
+
+
+def test_eviction_never_takes_pinned_or_pending_blocks():
+    ctx = ReqContext("r")
+    with start(num_blocks=3) as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1, 2])
+        settled(manager)
+        manager.prepare_load(keys(1), ctx)
+        pending = store(manager, ctx, [3], complete=False)
+        assert manager.prepare_store(keys(4, 5), ctx) is None
+        out = manager.prepare_store(keys(4), ctx)
+        assert out is not None and out.evicted_keys == keys(2)
+        assert manager.prepare_store(keys(5), ctx) is None
+        manager.complete_load(keys(1), ctx)
+        manager.complete_store(pending.keys_to_store, ctx)
+        manager.complete_store(out.keys_to_store, ctx)
+        manager.on_request_finished(ctx)
+        assert settled(manager)["contract_violations"] == 0
+
+
+def test_finish_of_aborted_request_releases_its_reservations():
+    """SGLang #9874: an aborted request's reservations are released (by their deadline)."""
+    ctx = ReqContext("r")
+    with start(num_blocks=2, transfer_timeout_s=0.2) as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1, 2], complete=False)  # aborted: never completed
+        manager.on_request_finished(ctx)
+        assert wait_for(lambda: manager.stats()["active_requests"] == 0)
+        other = ReqContext("o")
+        manager.on_new_request(other)
+        # The rows come back only once the abandoned writes end; until then they stay reserved.
+        assert manager.prepare_store(keys(3), other) is None
+        manager.complete_store(keys(1, 2), ctx, success=False)
+        settled(manager)
+        assert manager.prepare_store(keys(3), other) is not None
+
+
+def test_bad_input_is_a_value_error_that_changes_nothing():
+    ctx = ReqContext("r")
+    with start() as manager:
+        manager.on_new_request(ctx)
+        before = manager.stats()
+        with pytest.raises(ValueError):
+            manager.lookup([b"ok", "not-bytes"], ctx)
+        with pytest.raises(ValueError):
+            manager.prepare_store(b"a-single-key", ctx)
+        with pytest.raises(ValueError):
+            manager.complete_store(keys(1), ("r", 0))
+        assert manager.stats() == before
+    with pytest.raises(ValueError):
+        TieringManager.start(num_blocks=0, block_bytes=8)
+    with pytest.raises(ValueError):
+        TieringManager.start(num_blocks=1, block_bytes=8, eviction="fifo")
+    with pytest.raises(ValueError):
+        TieringManager.start(num_blocks=1, block_bytes=8,
+                             secondary_tiers=[MemoryTier(capacity_blocks=1), MemoryTier(capacity_blocks=1)])
+    with pytest.raises(ValueError):
+        ReqContext("r", attempt=-1)
+
+
+def test_calls_after_stop_raise_and_stop_is_idempotent(rec):
+    manager = start(rec)
+    manager.stop()
+    manager.stop()
+    with pytest.raises(ManagerStoppedError):
+        manager.on_new_request(ReqContext("r"))
+    with pytest.raises(ManagerStoppedError):
+        manager.complete_store(keys(1), ReqContext("r"))
