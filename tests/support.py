@@ -144,3 +144,49 @@ class ControlledTier(RecordingTier):
             ids = list(self.held)
         for job_id in ids:
             self.release(job_id, success)
+
+
+class FlakyTier(RecordingTier):
+    """A RecordingTier that reports from its own worker threads and fails some jobs.
+
+    ``fail_rate`` of the jobs fail (seeded), ``raise_rate`` raise inside
+    ``submit_*``. Reports come from a bounded pool of ``workers`` threads, so
+    completions race with everything else, as real I/O does.
+    """
+
+    def __init__(self, *, name: str = "flaky", seed: int = 0, fail_rate: float = 0.1, raise_rate: float = 0.02,
+                 workers: int = 2, capacity_blocks: int = 1 << 20) -> None:
+        import random
+        from concurrent.futures import ThreadPoolExecutor
+
+        super().__init__(name=name, capacity_blocks=capacity_blocks)
+        self._rng = random.Random(seed)
+        self.fail_rate = fail_rate
+        self.raise_rate = raise_rate
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix=f"flaky-{name}")
+
+    def _roll(self) -> float:
+        with self._record_lock:
+            return self._rng.random()
+
+    def _async(self, job: TransferJob, run: Callable[[TransferJob], None]) -> None:
+        if self._roll() < self.raise_rate:
+            raise RuntimeError("planted submit failure")
+        if self._roll() < self.fail_rate:
+            self._executor.submit(self.report, JobResult(job.job_id, False, "planted failure"))
+        else:
+            self._executor.submit(run, job)
+
+    def submit_store(self, job: TransferJob) -> None:
+        self._record("submit_store", job.req_context, job.job_id)
+        self._async(job, lambda j: MemoryTier.submit_store(self, j))
+
+    def submit_load(self, job: TransferJob) -> None:
+        self._record("submit_load", job.req_context, job.job_id)
+        self._async(job, lambda j: MemoryTier.submit_load(self, j))
+
+    def drain(self, timeout: float | None) -> None:
+        self._executor.shutdown(wait=True)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
