@@ -39,6 +39,21 @@ def encode(key: OffloadKey, payload: bytes | memoryview) -> bytes:
     return encode_header(key, payload) + bytes(payload)
 
 
+def decode_header(header: bytes | memoryview) -> tuple[int, int]:
+    """``(key length, payload length)`` from the first ``HEADER_SIZE`` bytes of a record.
+
+    Checks the magic only: it lets a reader size its buffer (or find a record's
+    key) before :func:`decode` verifies the whole record. Raises
+    ``CorruptRecordError`` when the header is short or the magic is wrong.
+    """
+    if len(header) < HEADER_SIZE:
+        raise CorruptRecordError(f"header truncated: {len(header)} bytes")
+    magic, key_len, payload_len, _ = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise CorruptRecordError("bad magic")
+    return key_len, payload_len
+
+
 def decode(record: bytes | memoryview, key: OffloadKey, payload_size: int) -> memoryview:
     """Verify ``record`` against ``key`` and the expected size; return the payload.
 
