@@ -573,3 +573,23 @@ def test_worker_threads_named(make) -> None:
     assert h.store([b"a"], [0]).success
     assert any(t.name == "kvactors-disk-d2-0" for t in threading.enumerate())
     assert all(e.tier == "d2" for e in h.tier.take_events())
+
+
+def test_short_reads_and_writes_still_byte_exact(make, monkeypatch) -> None:
+    h = make()
+    keys = keys_of(3)
+    original = h.pool[:3].clone()
+    real_readv, real_writev = os.readv, os.writev
+
+    def short_readv(fd: int, buffers: Sequence[memoryview]) -> int:
+        return real_readv(fd, [memoryview(buffers[0])[:1000]])
+
+    def short_writev(fd: int, buffers: Sequence[bytes]) -> int:
+        return real_writev(fd, [memoryview(buffers[0])[:5]])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    assert h.store(keys, range(3)).success
+    monkeypatch.setattr(os, "readv", short_readv)
+    h.pool.zero_()
+    assert h.load(keys, range(3, 6)).success
+    assert torch.equal(h.pool[3:6], original)

@@ -54,6 +54,28 @@ def decode_header(header: bytes | memoryview) -> tuple[int, int]:
     return key_len, payload_len
 
 
+def verify_split(
+    head: bytes | memoryview, payload: bytes | memoryview, key: OffloadKey, payload_size: int
+) -> None:
+    """Verify a record read in two parts: ``head`` (header and key) and ``payload``.
+
+    The same checks as :func:`decode`, for readers that put the payload
+    straight into its destination buffer. Raises ``CorruptRecordError``: the
+    caller must then treat ``payload`` as garbage.
+    """
+    key_len, payload_len = decode_header(head)
+    if payload_len != payload_size:
+        raise CorruptRecordError(f"payload is {payload_len} bytes, expected {payload_size}")
+    if len(head) != HEADER_SIZE + key_len or len(payload) != payload_len:
+        raise CorruptRecordError(
+            f"record is {len(head) + len(payload)} bytes, header says {HEADER_SIZE + key_len + payload_len}"
+        )
+    if bytes(head[HEADER_SIZE:]) != key:
+        raise CorruptRecordError("record holds another key")
+    if checksum(key, payload) != _HEADER.unpack_from(head)[3]:
+        raise CorruptRecordError("checksum mismatch")
+
+
 def decode(record: bytes | memoryview, key: OffloadKey, payload_size: int) -> memoryview:
     """Verify ``record`` against ``key`` and the expected size; return the payload.
 

@@ -528,22 +528,20 @@ class DiskTier(SecondaryTier):
             size = os.fstat(fd).st_size
             if size != expected:
                 raise codec.CorruptRecordError(f"file is {size} bytes, expected {expected}")
-            buf = self._buffer(expected)
-            _read_exact(fd, buf)
+            head = self._buffer(codec.HEADER_SIZE + len(key))
+            # Straight into the pool row, checked there: no bounce buffer, and a
+            # failed check fails the job, whose rows the runtime then discards.
+            row_view = self.pool[row].numpy().data
+            _read_exact(fd, [head, row_view])
+            codec.verify_split(head, row_view, key, block_bytes)
         except codec.CorruptRecordError as exc:
             self._drop(key, entry)
             raise DiskTierError(f"block {key.hex()[:32]}: corrupt file {entry.name}: {exc}") from None
         finally:
             os.close(fd)
-        try:
-            payload = codec.decode(buf, key, block_bytes)
-        except codec.CorruptRecordError as exc:
-            self._drop(key, entry)
-            raise DiskTierError(f"block {key.hex()[:32]}: corrupt file {entry.name}: {exc}") from None
-        self.pool[row].copy_(torch.frombuffer(payload, dtype=torch.uint8))
 
     def _buffer(self, size: int) -> memoryview:
-        """This worker's read buffer, reused across reads: no allocation per block."""
+        """This worker's header buffer, reused across reads: no allocation per block."""
         buf: bytearray | None = getattr(self._tls, "buf", None)
         if buf is None or len(buf) < size:
             buf = bytearray(size)
@@ -575,10 +573,21 @@ def _write_all(fd: int, header: bytes, payload: memoryview) -> None:
         rest = rest[n:]
 
 
-def _read_exact(fd: int, buf: memoryview) -> None:
-    got = 0
-    while got < len(buf):
-        n = os.readv(fd, [buf[got:]])
+def _read_exact(fd: int, bufs: list[memoryview]) -> None:
+    """Fill ``bufs`` from ``fd``; ``CorruptRecordError`` if the file ends first."""
+    total = sum(b.nbytes for b in bufs)
+    got = os.readv(fd, bufs)
+    while got < total:
+        # Short read: go on from where it stopped, one buffer at a time.
+        skip = got
+        rest: list[memoryview] = []
+        for b in bufs:
+            if skip >= b.nbytes:
+                skip -= b.nbytes
+            else:
+                rest.append(b[skip:])
+                skip = 0
+        n = os.readv(fd, rest)
         if n == 0:
-            raise codec.CorruptRecordError(f"file truncated at {got} of {len(buf)} bytes")
+            raise codec.CorruptRecordError(f"file truncated at {got} of {total} bytes")
         got += n
