@@ -122,6 +122,9 @@ class DiskTier(SecondaryTier):
     checksum fails the load and is removed from the tier: a later lookup is a
     miss, and bad bytes are never reported as a success.
 
+    One live tier per directory: two tiers (or processes) sharing a root keep
+    separate indexes and would evict and clean up each other's files.
+
     Events: ``take_events`` returns the keys stored (``removed=False``) and
     removed (evicted or dropped as corrupt, ``removed=True``) since the last
     call, in the order they happened. Blocks found or discarded when a tier
@@ -158,6 +161,9 @@ class DiskTier(SecondaryTier):
         self._events: list[tuple[bool, list[OffloadKey]]] = []
         self._inflight: set[_JobState] = set()
         self._closed = False
+        # Unique temp names without a syscall per file: a random tag per tier, then a counter.
+        self._tmp_tag = uuid.uuid4().hex[:16]
+        self._tmp_seq = itertools.count()
 
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._scan()
@@ -471,7 +477,7 @@ class DiskTier(SecondaryTier):
             self._reserve(size)
         assert self.pool is not None
         final = file_name(key)
-        tmp = self._path(f"{TMP_PREFIX}{uuid.uuid4().hex}")
+        tmp = self._path(f"{TMP_PREFIX}{self._tmp_tag}-{next(self._tmp_seq)}")
         renamed = False
         try:
             payload = self.pool[row].numpy().data  # zero-copy view of the pinned row
