@@ -55,11 +55,10 @@ def tier_run(root: str, pool: torch.Tensor, per_job: int, workers: int) -> tuple
     ctx = ReqContext("bench")
 
     def run(promotion: bool, rows_base: int) -> float:
-        jobs = [
-            TransferJob(j, tuple(keys[j : j + per_job]), tuple(range(rows_base + j, rows_base + min(j + per_job, half))),
-                        ctx, promotion)
-            for j in range(0, half, per_job)
-        ]
+        jobs = []
+        for j in range(0, half, per_job):
+            rows = tuple(range(rows_base + j, rows_base + min(j + per_job, half)))
+            jobs.append(TransferJob(j, tuple(keys[j : j + per_job]), rows, ctx, promotion))
         t0 = time.perf_counter()
         for job in jobs:
             (tier.submit_load if promotion else tier.submit_store)(job)
@@ -93,7 +92,8 @@ def main() -> None:
         rows: dict[str, list[tuple[float, float]]] = {"plain": [], "tier 1 job": [], "tier 1 job/block": []}
         for r in range(args.repeats):
             rows["plain"].append(plain(os.path.join(base, f"p{r}"), pool_plain))
-            rows["tier 1 job"].append(tier_run(os.path.join(base, f"a{r}"), pool_tier, args.blocks, args.workers))
+            one_job = tier_run(os.path.join(base, f"a{r}"), pool_tier, args.blocks, args.workers)
+            rows["tier 1 job"].append(one_job)
             rows["tier 1 job/block"].append(tier_run(os.path.join(base, f"b{r}"), pool_tier, 1, args.workers))
         gbps = {
             name: (nbytes / min(w for w, _ in v) / 1e9, nbytes / min(r for _, r in v) / 1e9)
