@@ -397,6 +397,16 @@ def test_truncated_file_fails_load_then_miss(make, tmp_path: Path) -> None:
     assert "bytes" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", truncate)
 
 
+def test_extended_file_fails_load_then_miss(make, tmp_path: Path) -> None:
+    h = make()
+
+    def extend(path: Path) -> None:
+        with open(path, "ab") as f:
+            f.write(b"\0")
+
+    assert "expected" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", extend)
+
+
 def test_deleted_file_fails_load_then_miss(make, tmp_path: Path) -> None:
     h = make()
     assert "missing" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", Path.unlink)
