@@ -55,8 +55,11 @@ class EventSink:
     stdlib only.
     """
 
-    def __init__(self, json_path: str | os.PathLike[str] | None) -> None:
+    def __init__(
+        self, json_path: str | os.PathLike[str] | None, stdlib_logger: logging.Logger | None = None
+    ) -> None:
         self._lock = threading.Lock()
+        self._stdlib = stdlib_logger if stdlib_logger is not None else _stdlib_logger
         self._seq = itertools.count()
         self._file: IO[str] | None = None
         self.path = os.fspath(json_path) if json_path is not None else None
@@ -70,10 +73,10 @@ class EventSink:
             event_dict["seq"] = next(self._seq)
             if self._file is not None:
                 self._file.write(json.dumps(event_dict, default=str, separators=(",", ":")) + "\n")
-        if _stdlib_logger.isEnabledFor(numeric):
+        if self._stdlib.isEnabledFor(numeric):
             event = event_dict.get("event", "")
             rest = " ".join(f"{k}={v}" for k, v in event_dict.items() if k not in ("event", "level"))
-            _stdlib_logger.log(numeric, "%s %s", event, rest)
+            self._stdlib.log(numeric, "%s %s", event, rest)
 
     def close(self) -> None:
         with self._lock:
@@ -141,3 +144,21 @@ def null_logger() -> FilteringBoundLogger:
         wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
         processors=[_hand_to_sink],
     )
+
+
+def tier_logger(tier_module: str, **context: Any) -> FilteringBoundLogger:
+    """A structured logger for one tier implementation's own events.
+
+    Events go to the stdlib logger ``kvactors.tiers.<tier_module>`` (a child of
+    ``kvactors``, so routed like every other kvactors log); there is no JSON
+    file. As with :func:`make_event_logger`, the level is the stdlib logger's
+    effective level when this is called, so build it when the tier is built.
+    Thread-safe: any thread may log through it.
+    """
+    stdlib = logging.getLogger(f"{LOGGER_NAME}.tiers.{tier_module}")
+    logger = structlog.wrap_logger(
+        EventSink(None, stdlib),
+        wrapper_class=structlog.make_filtering_bound_logger(stdlib.getEffectiveLevel()),
+        processors=[_stamp, _hand_to_sink],
+    )
+    return logger.bind(**context) if context else logger

@@ -39,6 +39,43 @@ def encode(key: OffloadKey, payload: bytes | memoryview) -> bytes:
     return encode_header(key, payload) + bytes(payload)
 
 
+def decode_header(header: bytes | memoryview) -> tuple[int, int]:
+    """``(key length, payload length)`` from the first ``HEADER_SIZE`` bytes of a record.
+
+    Checks the magic only: it lets a reader size its buffer (or find a record's
+    key) before :func:`decode` verifies the whole record. Raises
+    ``CorruptRecordError`` when the header is short or the magic is wrong.
+    """
+    if len(header) < HEADER_SIZE:
+        raise CorruptRecordError(f"header truncated: {len(header)} bytes")
+    magic, key_len, payload_len, _ = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise CorruptRecordError("bad magic")
+    return key_len, payload_len
+
+
+def verify_split(
+    head: bytes | memoryview, payload: bytes | memoryview, key: OffloadKey, payload_size: int
+) -> None:
+    """Verify a record read in two parts: ``head`` (header and key) and ``payload``.
+
+    The same checks as :func:`decode`, for readers that put the payload
+    straight into its destination buffer. Raises ``CorruptRecordError``: the
+    caller must then treat ``payload`` as garbage.
+    """
+    key_len, payload_len = decode_header(head)
+    if payload_len != payload_size:
+        raise CorruptRecordError(f"payload is {payload_len} bytes, expected {payload_size}")
+    if len(head) != HEADER_SIZE + key_len or len(payload) != payload_len:
+        raise CorruptRecordError(
+            f"record is {len(head) + len(payload)} bytes, header says {HEADER_SIZE + key_len + payload_len}"
+        )
+    if bytes(head[HEADER_SIZE:]) != key:
+        raise CorruptRecordError("record holds another key")
+    if checksum(key, payload) != _HEADER.unpack_from(head)[3]:
+        raise CorruptRecordError("checksum mismatch")
+
+
 def decode(record: bytes | memoryview, key: OffloadKey, payload_size: int) -> memoryview:
     """Verify ``record`` against ``key`` and the expected size; return the payload.
 

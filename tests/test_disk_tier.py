@@ -1,0 +1,605 @@
+"""DiskTier driven directly: a pool, a report queue, TransferJobs."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import itertools
+import os
+import queue
+import shutil
+import stat
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvactors.tiers import codec
+from kvactors.tiers.disk import SUFFIX, DiskTier, file_name
+from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
+
+N_ROWS = 16
+BLOCK = 4096
+CTX = ReqContext("r")
+WAIT = 10.0
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+_job_ids = itertools.count(1)
+
+
+def record_size(key: OffloadKey, block: int = BLOCK) -> int:
+    return codec.HEADER_SIZE + len(key) + block
+
+
+class Harness:
+    """A tier attached to a random pool, with its reports in a queue."""
+
+    def __init__(self, tier: DiskTier, rows: int = N_ROWS, block: int = BLOCK, seed: int = 0) -> None:
+        self.tier = tier
+        gen = torch.Generator().manual_seed(seed)
+        self.pool = torch.randint(0, 256, (rows, block), dtype=torch.uint8, generator=gen)
+        self.results: queue.Queue[JobResult] = queue.Queue()
+        tier.attach(self.pool, self.results.put)
+
+    def job(self, keys: Sequence[OffloadKey], rows: Sequence[int], promotion: bool) -> TransferJob:
+        return TransferJob(next(_job_ids), tuple(keys), tuple(rows), CTX, promotion)
+
+    def run(self, keys: Sequence[OffloadKey], rows: Sequence[int], promotion: bool) -> JobResult:
+        job = self.job(keys, rows, promotion)
+        if promotion:
+            self.tier.submit_load(job)
+        else:
+            self.tier.submit_store(job)
+        result = self.results.get(timeout=WAIT)
+        assert result.job_id == job.job_id
+        return result
+
+    def store(self, keys: Sequence[OffloadKey], rows: Sequence[int]) -> JobResult:
+        return self.run(keys, rows, promotion=False)
+
+    def load(self, keys: Sequence[OffloadKey], rows: Sequence[int]) -> JobResult:
+        return self.run(keys, rows, promotion=True)
+
+    def assert_no_more_reports(self) -> None:
+        self.tier.drain(WAIT)
+        assert self.results.empty()
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator:
+    tiers: list[DiskTier] = []
+
+    def factory(root: Path | None = None, *, rows: int = N_ROWS, block: int = BLOCK, seed: int = 0,
+                **kwargs: object) -> Harness:
+        kwargs.setdefault("capacity_bytes", 1 << 30)
+        tier = DiskTier(root if root is not None else tmp_path / "tier", **kwargs)  # type: ignore[arg-type]
+        tiers.append(tier)
+        return Harness(tier, rows=rows, block=block, seed=seed)
+
+    yield factory
+    for tier in tiers:
+        tier.shutdown()
+
+
+def keys_of(n: int, prefix: bytes = b"k") -> list[OffloadKey]:
+    return [prefix + i.to_bytes(4, "big") for i in range(n)]
+
+
+def block_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.name.endswith(SUFFIX))
+
+
+def disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.iterdir())
+
+
+def flatten(events: list[OffloadingEvent], removed: bool) -> list[OffloadKey]:
+    return [k for e in events if e.removed == removed for k in e.keys]
+
+
+# ---------------------------------------------------------------- basics
+
+
+def test_round_trip_is_byte_exact(make, tmp_path: Path) -> None:
+    h = make()
+    keys = keys_of(8)
+    original = h.pool[:8].clone()
+    assert h.store(keys, range(8)).success
+    h.pool.zero_()
+    res = h.load(keys, range(8, 16))
+    assert res.success, res.error
+    assert torch.equal(h.pool[8:16], original)
+    assert torch.count_nonzero(h.pool[:8]) == 0  # only the target rows were written
+    h.assert_no_more_reports()
+
+
+def test_store_reports_success_once(make) -> None:
+    h = make()
+    res = h.store(keys_of(3), [0, 1, 2])
+    assert res.success and res.error is None
+    h.assert_no_more_reports()
+
+
+def test_lookup_hit_and_miss_without_io(make, tmp_path: Path) -> None:
+    h = make()
+    keys = keys_of(4)
+    assert h.tier.lookup(keys, CTX) == [MISS] * 4
+    assert h.store(keys[:2], [0, 1]).success
+    assert h.tier.lookup(keys, CTX) == [HIT, HIT, MISS, MISS]
+    # The index answers, not the disk: the directory moved away changes nothing.
+    os.rename(tmp_path / "tier", tmp_path / "moved")
+    assert h.tier.lookup(keys, CTX) == [HIT, HIT, MISS, MISS]
+
+
+def test_store_of_present_key_skips_write(make, tmp_path: Path) -> None:
+    h = make()
+    key = b"same"
+    assert h.store([key], [0]).success
+    path = tmp_path / "tier" / file_name(key)
+    inode = path.stat().st_ino
+    assert h.store([key], [1]).success  # different row: not rewritten
+    assert path.stat().st_ino == inode
+    assert flatten(h.tier.take_events(), removed=False) == [key]
+    h.pool[0].zero_()
+    assert h.load([key], [0]).success
+    assert not torch.equal(h.pool[0], h.pool[1])
+
+
+def test_load_of_missing_key_fails(make) -> None:
+    h = make()
+    res = h.load([b"absent"], [0])
+    assert not res.success
+    assert "not in tier" in (res.error or "")
+    h.assert_no_more_reports()
+
+
+def test_events_stored_then_taken_once(make) -> None:
+    h = make()
+    keys = keys_of(3)
+    assert h.store(keys, [0, 1, 2]).success
+    events = h.tier.take_events()
+    assert all(e.tier == "disk" for e in events)
+    assert sorted(flatten(events, removed=False)) == sorted(keys)
+    assert flatten(events, removed=True) == []
+    assert h.tier.take_events() == []
+
+
+def test_constructor_validation(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        DiskTier(tmp_path / "a", capacity_bytes=0)
+    with pytest.raises(ValueError):
+        DiskTier(tmp_path / "b", capacity_bytes=-5)
+    with pytest.raises(ValueError):
+        DiskTier(tmp_path / "c", capacity_bytes=100, io_workers=0)
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_dir_created_0700_and_files_0600(make, tmp_path: Path) -> None:
+    root = tmp_path / "deep" / "tier"
+    h = make(root)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert h.store(keys_of(2), [0, 1]).success
+    files = block_files(root)
+    assert len(files) == 2
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+
+
+def test_odd_keys_stay_inside_root_with_hex_names(make, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    h = make(root)
+    odd = [b"../../x", b"\x00/", b"/etc/passwd", b"."]
+    assert h.store(odd, range(4)).success
+    names = {p.name for p in root.iterdir()}
+    assert names == {k.hex() + SUFFIX for k in odd}
+    assert not (tmp_path / "x").exists()
+    h.pool[:4].zero_()
+    assert h.load(odd, range(4, 8)).success
+
+
+def test_long_key_uses_hashed_name(make, tmp_path: Path) -> None:
+    h = make()
+    key = bytes(range(256)) * 2
+    expected = h.pool[3].clone()
+    assert h.store([key], [3]).success
+    (name,) = [p.name for p in block_files(tmp_path / "tier")]
+    assert name == file_name(key) and name.startswith("h-") and len(name) < 200
+    h.pool.zero_()
+    assert h.load([key], [0]).success
+    assert torch.equal(h.pool[0], expected)
+
+
+def test_no_temp_files_left_and_leftovers_removed_on_open(make, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    h = make(root)
+    assert h.store(keys_of(4), range(4)).success
+    assert all(p.name.endswith(SUFFIX) for p in root.iterdir())
+    h.tier.shutdown()
+    (root / ".tmp-deadbeef").write_bytes(b"partial")
+    (root / "unrelated.txt").write_bytes(b"not ours")
+    make(root)
+    assert not (root / ".tmp-deadbeef").exists()
+    assert (root / "unrelated.txt").exists()
+
+
+# ---------------------------------------------------------------- capacity
+
+
+def test_capacity_evicts_lru_and_never_exceeded(make, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    keys = keys_of(8)
+    cap = 3 * record_size(keys[0]) + 10
+    h = make(root, capacity_bytes=cap)
+    for i, key in enumerate(keys[:3]):
+        assert h.store([key], [i]).success
+        assert disk_bytes(root) <= cap
+    # Recency: lookup hit on k0, touch k1 -> k2 is the LRU.
+    assert h.tier.lookup([keys[0]], CTX) == [HIT]
+    h.tier.touch([keys[1]], CTX)
+    h.tier.take_events()
+    assert h.store([keys[3]], [3]).success
+    assert disk_bytes(root) <= cap
+    assert flatten(h.tier.take_events(), removed=True) == [keys[2]]
+    assert h.tier.lookup(keys[:4], CTX) == [HIT, HIT, MISS, HIT]
+    # A load refreshes recency too: load k0, then k1 is the LRU.
+    assert h.load([keys[0]], [8]).success
+    assert h.store([keys[4]], [4]).success
+    assert flatten(h.tier.take_events(), removed=True) == [keys[1]]
+    assert h.tier.used_bytes == 3 * record_size(keys[0]) == disk_bytes(root)
+
+
+def test_capacity_under_concurrent_stores(make, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    keys = keys_of(64)
+    cap = 5 * record_size(keys[0])
+    h = make(root, capacity_bytes=cap, io_workers=4)
+    stop = threading.Event()
+    peak = [0]
+
+    def watch() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(FileNotFoundError):  # a file vanished between listing and stat
+                peak[0] = max(peak[0], disk_bytes(root))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        jobs = [h.job([k], [i % N_ROWS], promotion=False) for i, k in enumerate(keys)]
+        for job in jobs:
+            h.tier.submit_store(job)
+        results = [h.results.get(timeout=WAIT) for _ in jobs]
+    finally:
+        stop.set()
+        watcher.join()
+    assert all(r.success for r in results)
+    assert peak[0] <= cap
+    assert len(h.tier) == 5 and disk_bytes(root) == 5 * record_size(keys[0])
+    events = h.tier.take_events()
+    assert len(flatten(events, removed=False)) == 64
+    assert len(flatten(events, removed=True)) == 59
+
+
+def test_block_larger_than_capacity_fails(make) -> None:
+    h = make(capacity_bytes=BLOCK // 2)
+    res = h.store([b"big"], [0])
+    assert not res.success and "exceeds capacity" in (res.error or "")
+    assert h.tier.lookup([b"big"], CTX) == [MISS]
+
+
+# ---------------------------------------------------------------- restart
+
+
+def test_restart_finds_blocks_byte_exact(make, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    h1 = make(root)
+    keys = keys_of(6)
+    original = h1.pool[:6].clone()
+    assert h1.store(keys, range(6)).success
+    h1.tier.shutdown()
+
+    h2 = make(root, seed=1)
+    assert h2.tier.lookup([*keys, b"other"], CTX) == [HIT] * 6 + [MISS]
+    assert h2.tier.used_bytes == 6 * record_size(keys[0])
+    assert h2.load(keys, range(10, 16)).success
+    assert torch.equal(h2.pool[10:16], original)
+    assert h2.tier.take_events() == []
+
+
+def test_restart_over_capacity_evicts_oldest(make, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    h1 = make(root)
+    keys = keys_of(4)
+    for i, key in enumerate(keys):
+        assert h1.store([key], [i]).success
+        path = root / file_name(key)
+        os.utime(path, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))  # distinct, increasing mtimes
+    h1.tier.shutdown()
+    h2 = make(root, capacity_bytes=2 * record_size(keys[0]))
+    assert h2.tier.lookup(keys, CTX) == [MISS] * 2 + [HIT] * 2
+    assert disk_bytes(root) == 2 * record_size(keys[0])
+
+
+def test_restart_discards_invalid_files(make, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    h1 = make(root)
+    keys = keys_of(3)
+    assert h1.store(keys, range(3)).success
+    h1.tier.shutdown()
+    (root / file_name(keys[0])).write_bytes(b"garbage")  # bad header
+    # A valid record under another key's name.
+    os.replace(root / file_name(keys[1]), root / file_name(b"elsewhere"))
+    h2 = make(root)
+    assert h2.tier.lookup([*keys, b"elsewhere"], CTX) == [MISS] * 2 + [HIT, MISS]
+    assert [p.name for p in block_files(root)] == [file_name(keys[2])]
+
+
+def test_restart_with_other_block_size_discards(make, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    h1 = make(root)
+    assert h1.store([b"a"], [0]).success
+    h1.tier.shutdown()
+    h2 = make(root, block=BLOCK * 2)
+    assert h2.tier.lookup([b"a"], CTX) == [MISS]
+    assert block_files(root) == []
+
+
+# ---------------------------------------------------------------- corruption
+
+
+def _corrupt_then_expect_miss(h: Harness, root: Path, key: OffloadKey, damage) -> str:
+    assert h.store([key], [0]).success
+    h.tier.take_events()
+    path = root / file_name(key)
+    damage(path)
+    h.pool[5].fill_(7)
+    res = h.load([key], [5])
+    assert not res.success
+    assert h.tier.lookup([key], CTX) == [MISS]
+    assert not path.exists()
+    assert flatten(h.tier.take_events(), removed=True) == [key]
+    h.assert_no_more_reports()
+    return res.error or ""
+
+
+def test_flipped_byte_fails_load_then_miss(make, tmp_path: Path) -> None:
+    h = make()
+
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x01
+        path.write_bytes(data)
+
+    assert "checksum" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", flip)
+
+
+def test_flipped_key_byte_fails_load(make, tmp_path: Path) -> None:
+    h = make()
+
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[codec.HEADER_SIZE] ^= 0x01
+        path.write_bytes(data)
+
+    assert "corrupt" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", flip)
+
+
+def test_truncated_file_fails_load_then_miss(make, tmp_path: Path) -> None:
+    h = make()
+
+    def truncate(path: Path) -> None:
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size - 1)
+
+    assert "bytes" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", truncate)
+
+
+def test_extended_file_fails_load_then_miss(make, tmp_path: Path) -> None:
+    h = make()
+
+    def extend(path: Path) -> None:
+        with open(path, "ab") as f:
+            f.write(b"\0")
+
+    assert "expected" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", extend)
+
+
+def test_deleted_file_fails_load_then_miss(make, tmp_path: Path) -> None:
+    h = make()
+    assert "missing" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", Path.unlink)
+
+
+def test_one_bad_block_fails_whole_job(make, tmp_path: Path) -> None:
+    h = make()
+    keys = keys_of(4)
+    assert h.store(keys, range(4)).success
+    with open(tmp_path / "tier" / file_name(keys[2]), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+    res = h.load(keys, range(4, 8))
+    assert not res.success
+    assert h.tier.lookup(keys, CTX) == [HIT, HIT, MISS, HIT]
+
+
+# ---------------------------------------------------------------- I/O errors
+
+
+def _assert_failed_once(h: Harness, res: JobResult, caplog: pytest.LogCaptureFixture, needle: str) -> None:
+    assert not res.success
+    assert needle in (res.error or ""), res.error
+    h.assert_no_more_reports()
+    warnings = [
+        r for r in caplog.records if r.name == "kvactors.tiers.disk" and "job_failed" in r.getMessage()
+    ]
+    assert warnings and f"job_id={res.job_id}" in warnings[-1].getMessage()
+
+
+def test_enospc_fails_store_cleanly(make, monkeypatch, caplog, tmp_path: Path) -> None:
+    h = make()
+    real_writev = os.writev
+
+    def full(fd: int, buffers: Sequence[bytes]) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "writev", full)
+    res = h.store([b"a", b"b"], [0, 1])
+    monkeypatch.setattr(os, "writev", real_writev)
+    _assert_failed_once(h, res, caplog, "ENOSPC")
+    assert h.tier.lookup([b"a", b"b"], CTX) == [MISS] * 2
+    assert list((tmp_path / "tier").iterdir()) == []  # temp file removed
+    assert h.tier.used_bytes == 0
+    assert h.store([b"a"], [0]).success  # the reservation was released
+
+
+def test_enospc_on_open_fails_store(make, monkeypatch, caplog) -> None:
+    h = make()
+    real_open = os.open
+
+    def fail_create(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fail_create)
+    res = h.store([b"a"], [0])
+    _assert_failed_once(h, res, caplog, "No space left")
+
+
+def test_directory_removed_under_tier(make, caplog, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    h = make(root)
+    assert h.store([b"a"], [0]).success
+    shutil.rmtree(root)
+    root.write_bytes(b"now a regular file")
+    _assert_failed_once(h, h.store([b"b"], [1]), caplog, "Error")
+    caplog.clear()
+    _assert_failed_once(h, h.load([b"a"], [2]), caplog, "missing")
+    assert h.tier.lookup([b"a", b"b"], CTX) == [MISS] * 2
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
+def test_permission_denied(make, caplog, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    h = make(root)
+    os.chmod(root, 0o500)
+    try:
+        _assert_failed_once(h, h.store([b"a"], [0]), caplog, "EACCES")
+    finally:
+        os.chmod(root, 0o700)
+
+
+def test_report_raising_does_not_break_the_worker(make, tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "t", capacity_bytes=1 << 20, io_workers=1)
+    seen: list[JobResult] = []
+
+    def report(result: JobResult) -> None:
+        seen.append(result)
+        raise RuntimeError("manager gone")
+
+    tier.attach(torch.zeros((2, BLOCK), dtype=torch.uint8), report)
+    for i in range(3):
+        tier.submit_store(TransferJob(i, (bytes([i]),), (0,), CTX, False))
+    tier.drain(WAIT)
+    tier.shutdown()
+    assert sorted(r.job_id for r in seen) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def test_many_concurrent_jobs_reported_exactly_once(make) -> None:
+    h = make(rows=64, block=1024, io_workers=4)
+    keys = keys_of(300)
+    stores = [h.job([k], [i % 32], promotion=False) for i, k in enumerate(keys)]
+    for job in stores:
+        h.tier.submit_store(job)
+    got = [h.results.get(timeout=WAIT) for _ in stores]
+    assert sorted(r.job_id for r in got) == sorted(j.job_id for j in stores)
+    assert all(r.success for r in got)
+    loads = [h.job([k], [32 + i % 32], promotion=True) for i, k in enumerate(keys)]
+    # Interleave with lookups on this (the actor's) thread while the workers run.
+    for job in loads:
+        h.tier.submit_load(job)
+        assert h.tier.lookup([job.keys[0]], CTX) == [HIT]
+    got = [h.results.get(timeout=WAIT) for _ in loads]
+    counts = collections.Counter(r.job_id for r in got)
+    assert counts == collections.Counter(j.job_id for j in loads)
+    assert all(r.success for r in got)
+    h.tier.drain(WAIT)
+    assert h.results.empty()
+
+
+def test_large_job_split_across_workers_is_byte_exact(make) -> None:
+    h = make(rows=128, block=64 * 1024, io_workers=4)
+    keys = keys_of(64)
+    original = h.pool[:64].clone()
+    assert h.store(keys, range(64)).success
+    h.assert_no_more_reports()
+    res = h.load(keys, range(64, 128))
+    assert res.success
+    assert torch.equal(h.pool[64:128], original)
+    h.assert_no_more_reports()
+
+
+def test_shutdown_with_queued_jobs_reports_each_once(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "t", capacity_bytes=1 << 24, io_workers=1)
+    results: queue.Queue[JobResult] = queue.Queue()
+    entered, release = threading.Event(), threading.Event()
+
+    def report(result: JobResult) -> None:
+        if result.job_id == 0:  # hold the only worker inside job 0's report
+            entered.set()
+            assert release.wait(WAIT)
+        results.put(result)
+
+    tier.attach(torch.zeros((4, BLOCK), dtype=torch.uint8), report)
+    jobs = [TransferJob(i, (b"k%d" % i,), (i % 4,), CTX, False) for i in range(50)]
+    for job in jobs:
+        tier.submit_store(job)
+    assert entered.wait(WAIT)
+    closer = threading.Thread(target=tier.shutdown, kwargs={"timeout": 0})
+    closer.start()
+    cancelled = [results.get(timeout=WAIT) for _ in range(49)]  # reported by the closing thread
+    release.set()
+    closer.join(WAIT)
+    assert not closer.is_alive()
+    first = results.get(timeout=WAIT)
+    assert first == JobResult(0, True)
+    assert sorted(r.job_id for r in cancelled) == list(range(1, 50))
+    assert not any(r.success for r in cancelled)
+    assert all("shut down" in (r.error or "") for r in cancelled)
+    # After shutdown: a submit is reported failed at once, exactly once.
+    tier.submit_load(TransferJob(99, (b"k1",), (0,), CTX, True))
+    assert results.get(timeout=WAIT) == JobResult(99, False, "tier 'disk' is shut down")
+    tier.shutdown()
+    assert results.empty()
+
+
+def test_worker_threads_named(make) -> None:
+    h = make(name="d2")
+    assert h.store([b"a"], [0]).success
+    assert any(t.name == "kvactors-disk-d2-0" for t in threading.enumerate())
+    assert all(e.tier == "d2" for e in h.tier.take_events())
+
+
+def test_short_reads_and_writes_still_byte_exact(make, monkeypatch) -> None:
+    h = make()
+    keys = keys_of(3)
+    original = h.pool[:3].clone()
+    real_readv, real_writev = os.readv, os.writev
+
+    def short_readv(fd: int, buffers: Sequence[memoryview]) -> int:
+        return real_readv(fd, [memoryview(buffers[0])[:1000]])
+
+    def short_writev(fd: int, buffers: Sequence[bytes]) -> int:
+        return real_writev(fd, [memoryview(buffers[0])[:5]])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    assert h.store(keys, range(3)).success
+    monkeypatch.setattr(os, "readv", short_readv)
+    h.pool.zero_()
+    assert h.load(keys, range(3, 6)).success
+    assert torch.equal(h.pool[3:6], original)
