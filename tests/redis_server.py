@@ -154,7 +154,9 @@ class RedisServer:
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
         self.kill()
-        raise TimeoutError(f"redis-server did not answer PING within {self.start_timeout}s:\n" + self.log_tail())
+        raise TimeoutError(
+            f"redis-server did not answer PING within {self.start_timeout}s:\n" + self.log_tail()
+        )
 
     def kill(self) -> None:
         """SIGKILL the server (no shutdown, no save) and reap it."""
