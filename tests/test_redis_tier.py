@@ -322,6 +322,8 @@ def test_bad_job_and_unattached_are_reported_not_raised(redis_server: RedisServe
         tier.submit_store(TransferJob(7, (b"a", b"b"), (0,), CTX, False))
         res = reports.get(timeout=WAIT)
         assert res.job_id == 7 and not res.success
+        tier.submit_load(TransferJob(8, (), (), CTX, True))  # empty: succeeds, no I/O
+        assert reports.get(timeout=WAIT) == JobResult(8, True, None)
     finally:
         tier.shutdown()
     with pytest.raises(ValueError):

@@ -27,6 +27,9 @@ LOGGER_NAME = "kvactors.tiers.redis"
 
 _stdlib_logger = logging.getLogger(LOGGER_NAME)
 
+# Bytes read per recv: blocks are large (hundreds of KiB), so fewer, larger reads.
+_SOCKET_READ_SIZE = 1 << 20
+
 # Evicts the ``ARGV[1]`` least recently used members of the namespace's LRU
 # sorted set (``KEYS[1]``) and unlinks their blocks (``ARGV[2]`` is the key
 # prefix). Atomic, so concurrent writers never evict one member twice. The
@@ -179,6 +182,7 @@ class RedisTier(SecondaryTier):
             socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s,
             socket_keepalive=True,
+            socket_read_size=_SOCKET_READ_SIZE,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
             max_connections=io_workers + 2,
@@ -342,6 +346,9 @@ class RedisTier(SecondaryTier):
             self._finish_inline(state, "tier shut down")
         elif len(job.keys) != len(job.block_ids):
             self._finish_inline(state, f"{len(job.keys)} keys for {len(job.block_ids)} rows")
+        elif not job.keys:  # nothing to move
+            self._complete(state, True, None)
+            self._done_busy()
         elif self._backing_off():
             self._finish_inline(state, "unavailable: server unreachable, retrying later")
         else:
@@ -394,7 +401,7 @@ class RedisTier(SecondaryTier):
         self._mark_up()
         events = [OffloadingEvent(keys=tuple(job.keys), tier=self.name, removed=False)]
         if capacity is not None:
-            limit = max(1, capacity // max(1, len(records[0]) if records else 1))
+            limit = max(1, capacity // len(records[0]))
             excess = int(replies[-1]) - limit
             if excess > 0:
                 evicted = self._evict(excess, job.job_id)
