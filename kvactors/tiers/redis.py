@@ -387,7 +387,7 @@ class RedisTier(SecondaryTier):
                 return
             records = []
             for key, row in zip(job.keys, job.block_ids, strict=True):
-                payload = memoryview(pool[row].numpy())
+                payload = pool[row].numpy().data  # zero-copy memoryview of the row
                 records.append(b"".join((codec.encode_header(key, payload), payload)))
         pipe = self._client.pipeline(transaction=False)
         for key, record in zip(job.keys, records, strict=True):
