@@ -1,0 +1,575 @@
+"""``RedisTier``: a secondary tier on a Redis server shared by processes and machines."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import redis
+import structlog
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
+
+from kvactors.tiers import codec
+from kvactors.tiers.base import ReportFn, SecondaryTier
+from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
+
+LOGGER_NAME = "kvactors.tiers.redis"
+
+_stdlib_logger = logging.getLogger(LOGGER_NAME)
+
+# Bytes read per recv: blocks are large (hundreds of KiB), so fewer, larger reads.
+_SOCKET_READ_SIZE = 1 << 20
+
+# Evicts the ``ARGV[1]`` least recently used members of the namespace's LRU
+# sorted set (``KEYS[1]``) and unlinks their blocks (``ARGV[2]`` is the key
+# prefix). Atomic, so concurrent writers never evict one member twice. The
+# block keys are built inside the script: standalone Redis only, not Cluster.
+_EVICT_LUA = """
+local popped = redis.call('ZPOPMIN', KEYS[1], ARGV[1])
+local out = {}
+for i = 1, #popped, 2 do
+  redis.call('UNLINK', ARGV[2] .. popped[i])
+  out[#out + 1] = popped[i]
+end
+return out
+"""
+
+
+def _render(_: WrappedLogger, __: str, event_dict: EventDict) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Hand the event to the stdlib logger as ``"event k=v ..."``, the dict in ``record.structured``."""
+    event = event_dict.get("event", "")
+    rest = " ".join(f"{k}={v}" for k, v in event_dict.items() if k != "event")
+    return ("%s %s", event, rest), {"extra": {"structured": dict(event_dict)}}
+
+
+def _make_logger(**context: Any) -> FilteringBoundLogger:
+    """A structlog logger over the stdlib logger ``kvactors.tiers.redis``.
+
+    Built locally with ``structlog.wrap_logger`` (never ``structlog.configure``);
+    the level is the stdlib logger's effective level when the tier is built.
+    """
+    logger = structlog.wrap_logger(
+        _stdlib_logger,
+        wrapper_class=structlog.make_filtering_bound_logger(_stdlib_logger.getEffectiveLevel()),
+        processors=[_render],
+        cache_logger_on_first_use=True,
+    )
+    return logger.bind(**context)
+
+
+class _JobState:
+    """One submitted job. ``lock`` guards ``done`` and every access to the job's pool rows
+    after submission, so that once the job is reported (by its worker, or as failed by
+    ``shutdown``) nothing touches those rows any more."""
+
+    __slots__ = ("done", "future", "job", "lock")
+
+    def __init__(self, job: TransferJob) -> None:
+        self.job = job
+        self.lock = threading.Lock()
+        self.done = False
+        self.future: Future[None] | None = None
+
+
+class RedisTier(SecondaryTier):
+    """A tier on a Redis server, shared by any number of processes and machines.
+
+    Connection
+        ``url`` is passed to ``redis.Redis.from_url``: ``redis://[[user]:password@]host:port/db``
+        for TCP, ``rediss://...`` for TLS (certificate options as query parameters,
+        e.g. ``?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem``), ``unix:///path.sock?db=0``.
+        Authentication and TLS therefore need nothing beyond the URL. Every socket
+        operation is bounded by ``timeout_s`` (connect and read/write); redis-py's own
+        retries are turned off, the tier decides what a failure means. One connection
+        pool (at most ``io_workers + 2`` connections) is shared by the tier actor's
+        thread (lookups) and ``io_workers`` I/O threads named ``kvactors-redis-<name>-N``
+        (stores, loads, touches).
+
+    Degraded mode
+        Constructing never contacts the server, so it never fails because the server
+        is down. While the server cannot be reached, jobs are reported failed
+        (``success=False``) and lookups answer ``MISS`` (``RETRY`` when the last
+        attempt timed out rather than being refused). After a connection error or a
+        timeout the tier does not try again for ``retry_after_s`` (lookups answer at
+        once, jobs fail at once), so a dead server does not cost a connect timeout on
+        every call; after that, the next call tries again and the tier recovers by
+        itself as soon as the server answers.
+
+    Keys
+        A block ``key`` (bytes) is stored under the Redis key
+        ``namespace + ":" + key.hex()`` (ASCII). Hex keeps ``redis-cli`` output
+        readable and makes namespaces disjoint: a block key's suffix never holds ``:``,
+        so tenants with different namespaces never see each other's blocks, whatever
+        the namespaces are. Values are :mod:`kvactors.tiers.codec` records (header,
+        key, payload, crc32 of key+payload); a load verifies the record, and a record
+        that fails verification fails the job and is deleted (a later lookup misses).
+
+    Capacity
+        Redis is the authority: run the server with ``maxmemory`` and
+        ``maxmemory-policy allkeys-lru`` (or ``volatile-lru``/``allkeys-lfu``) so that it
+        evicts; a block evicted by Redis is simply a ``MISS`` (or a failed load, never an
+        exception). When ``capacity_bytes`` is given, the tier additionally bounds its
+        namespace: every block stored is recorded in the sorted set
+        ``namespace + ":__lru__"`` (member: the hex key, score: wall-clock time of last
+        use, refreshed by loads and :meth:`touch`); after a store, if the set holds more
+        than ``capacity_bytes // record_size`` members, the oldest are removed together
+        with their blocks by one atomic Lua script, so any number of processes sharing
+        the namespace enforce one bound. The accounting is approximate: blocks that
+        Redis evicted on its own stay counted until they are the oldest. The tier emits
+        ``OffloadingEvent(removed=False)`` for the blocks it stores and
+        ``removed=True`` for the blocks it removes (capacity evictions, corrupt
+        records); evictions made by Redis itself are not seen. Standalone Redis (or a
+        primary with replicas) only, not Redis Cluster.
+
+    Threading
+        As for every ``SecondaryTier``, the methods are called on the tier actor's
+        thread, one at a time. ``lookup`` is synchronous there (one pipelined round
+        trip, bounded by ``timeout_s``); ``submit_store``/``submit_load``/``touch``
+        return at once and the I/O runs on the I/O threads. Each job is reported
+        exactly once, from an I/O thread (or from the calling thread when it fails
+        before reaching one), even when the worker raises or the tier shuts down.
+        After a job is reported the tier no longer reads or writes its pool rows.
+        ``take_events`` is thread-safe.
+    """
+
+    max_inflight_jobs = 16
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str = "redis",
+        namespace: str = "kvactors",
+        capacity_bytes: int | None = None,
+        timeout_s: float = 1.0,
+        io_workers: int = 4,
+        retry_after_s: float = 0.5,
+    ) -> None:
+        super().__init__(name=name)
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0 or None, got {capacity_bytes!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if io_workers < 1:
+            raise ValueError(f"io_workers must be >= 1, got {io_workers!r}")
+        if retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s!r}")
+        self.url = url
+        self.namespace = namespace
+        self.capacity_bytes = capacity_bytes
+        self.timeout_s = float(timeout_s)
+        self.retry_after_s = float(retry_after_s)
+        self._prefix = namespace.encode() + b":"
+        self._lru_key = self._prefix + b"__lru__"
+        self._log = _make_logger(tier=name)
+
+        # Raises only on a malformed URL (a configuration error), never on an
+        # unreachable server: redis-py connects lazily.
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            socket_keepalive=True,
+            socket_read_size=_SOCKET_READ_SIZE,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            max_connections=io_workers + 2,
+        )
+        self._evict_script = self._client.register_script(_EVICT_LUA)
+
+        thread_ids = itertools.count()
+
+        def _name_thread() -> None:
+            threading.current_thread().name = f"kvactors-redis-{name}-{next(thread_ids)}"
+
+        self._executor = ThreadPoolExecutor(max_workers=io_workers, initializer=_name_thread)
+
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._jobs: set[_JobState] = set()  # submitted, not reported
+        self._busy = 0  # jobs and touches submitted and not finished
+        self._events: list[OffloadingEvent] = []
+        self._closed = False
+        # Degraded mode: no server calls before _down_until (monotonic); answer _down_answer.
+        self._down_until = 0.0
+        self._down_answer = LookupResult.MISS
+        self._degraded = False
+
+    # ------------------------------------------------------------------ keys
+
+    def redis_key(self, key: OffloadKey) -> bytes:
+        """The Redis key a block is stored under: ``namespace:`` + hex of ``key``."""
+        return self._prefix + key.hex().encode()
+
+    # ------------------------------------------------------------- lifecycle
+
+    def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.device.type != "cpu":
+            raise ValueError(f"pool must be a 2-D uint8 CPU tensor, got {pool.dtype} {tuple(pool.shape)}")
+        if not pool.is_contiguous():
+            raise ValueError("pool must be contiguous")
+        super().attach(pool, report)
+
+    def drain(self, timeout: float | None) -> None:
+        """Wait until every submitted job (and touch) has finished, or ``timeout`` passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                self._idle.wait(remaining)
+
+    def shutdown(self) -> None:
+        """Drain briefly (``timeout_s``), report every job still unreported as failed
+        (exactly once: queued jobs are cancelled), close the connections and join the
+        I/O threads. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.drain(self.timeout_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            leftover = list(self._jobs)
+        for state in leftover:
+            self._complete(state, False, "tier shut down")
+        # Wakes workers blocked on a socket (shutdown(SHUT_RDWR) on every connection).
+        try:
+            self._client.connection_pool.disconnect()
+        except Exception as exc:  # pragma: no cover - best effort
+            self._log.warning("disconnect_failed", error=repr(exc))
+        self._executor.shutdown(wait=True)
+        # Cancelled jobs and touches never ran their bookkeeping: nothing is busy now.
+        with self._idle:
+            self._busy = 0
+            self._idle.notify_all()
+        with contextlib.suppress(Exception):
+            self._client.close()
+
+    # ---------------------------------------------------------------- lookup
+
+    def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
+        """``HIT``/``MISS`` per key from one pipelined round trip of ``EXISTS``.
+
+        Runs on the caller's thread, bounded by ``timeout_s``: a timeout answers
+        ``RETRY`` for every key, any other failure ``MISS``. Never raises.
+        """
+        n = len(keys)
+        if n == 0:
+            return []
+        if self._closed:
+            return [LookupResult.MISS] * n
+        if self._backing_off():
+            return [self._down_answer] * n
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.redis_key(key))
+            replies = pipe.execute()
+        except Exception as exc:
+            answer = self._failed(exc)
+            self._log.warning("lookup_failed", req_id=ctx.req_id, keys=n, error=_describe(exc))
+            return [answer] * n
+        self._mark_up()
+        return [LookupResult.HIT if r else LookupResult.MISS for r in replies]
+
+    # ---------------------------------------------------------------- touch
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        """Refresh recency (Redis ``TOUCH``, and the LRU set when ``capacity_bytes`` is
+        set) on an I/O thread. Best effort: never raises, failures are logged at debug."""
+        if not keys or self._closed or self._backing_off():
+            return
+        rkeys = [self.redis_key(k) for k in keys]
+        with self._lock:
+            self._busy += 1
+        try:
+            self._executor.submit(self._run_touch, rkeys)
+        except Exception:
+            self._done_busy()
+
+    def _run_touch(self, rkeys: list[bytes]) -> None:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.touch(*rkeys)
+            if self.capacity_bytes is not None:
+                now = time.time()
+                pipe.zadd(self._lru_key, {k[len(self._prefix):]: now for k in rkeys}, xx=True)
+            pipe.execute()
+            self._mark_up()
+        except Exception as exc:
+            self._failed(exc)
+            self._log.debug("touch_failed", keys=len(rkeys), error=_describe(exc))
+        finally:
+            self._done_busy()
+
+    # ----------------------------------------------------------------- jobs
+
+    def submit_store(self, job: TransferJob) -> None:
+        """Store ``pool[job.block_ids]`` under ``job.keys`` (one pipeline of ``SET``) on an
+        I/O thread; returns at once. Reports exactly once."""
+        self._submit(job, self._do_store)
+
+    def submit_load(self, job: TransferJob) -> None:
+        """Load ``job.keys`` into ``pool[job.block_ids]`` (one pipeline of ``GET``, each
+        record verified) on an I/O thread; returns at once. Reports exactly once; a
+        missing or corrupt block fails the job and no row is written."""
+        self._submit(job, self._do_load)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Blocks stored or removed by this tier since the last call; thread-safe."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _submit(self, job: TransferJob, work: Callable[[_JobState], None]) -> None:
+        state = _JobState(job)
+        with self._lock:
+            self._jobs.add(state)
+            self._busy += 1
+        if self.pool is None:
+            self._finish_inline(state, "tier is not attached")
+        elif self._closed:
+            self._finish_inline(state, "tier shut down")
+        elif len(job.keys) != len(job.block_ids):
+            self._finish_inline(state, f"{len(job.keys)} keys for {len(job.block_ids)} rows")
+        elif not job.keys:  # nothing to move
+            self._complete(state, True, None)
+            self._done_busy()
+        elif self._backing_off():
+            self._finish_inline(state, "unavailable: server unreachable, retrying later")
+        else:
+            try:
+                state.future = self._executor.submit(self._run, state, work)
+            except Exception as exc:  # executor shut down under us
+                self._finish_inline(state, f"not submitted: {exc!r}")
+
+    def _finish_inline(self, state: _JobState, error: str) -> None:
+        self._complete(state, False, error)
+        self._done_busy()
+
+    def _run(self, state: _JobState, work: Callable[[_JobState], None]) -> None:
+        """Worker entry: ``work`` completes the job; anything it raises fails it."""
+        try:
+            if not state.done:
+                work(state)
+        except BaseException as exc:
+            self._failed(exc)
+            self._complete(state, False, _describe(exc))
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if not state.done:  # work returned without completing: a bug, still report once
+                self._complete(state, False, "internal error: job not completed")
+            self._done_busy()
+
+    def _do_store(self, state: _JobState) -> None:
+        job = state.job
+        pool = self.pool
+        assert pool is not None
+        # Copy the rows out (one memcpy per block, into the record) while holding the
+        # job lock: once the job is reported, its rows may be reused.
+        with state.lock:
+            if state.done:
+                return
+            records = []
+            for key, row in zip(job.keys, job.block_ids, strict=True):
+                payload = pool[row].numpy().data  # zero-copy memoryview of the row
+                records.append(b"".join((codec.encode_header(key, payload), payload)))
+        pipe = self._client.pipeline(transaction=False)
+        for key, record in zip(job.keys, records, strict=True):
+            pipe.set(self.redis_key(key), record)
+        capacity = self.capacity_bytes
+        if capacity is not None:
+            now = time.time()
+            pipe.zadd(self._lru_key, {key.hex(): now for key in job.keys})
+            pipe.zcard(self._lru_key)
+        replies = pipe.execute()
+        self._mark_up()
+        events = [OffloadingEvent(keys=tuple(job.keys), tier=self.name, removed=False)]
+        if capacity is not None:
+            limit = max(1, capacity // len(records[0]))
+            excess = int(replies[-1]) - limit
+            if excess > 0:
+                evicted = self._evict(excess, job.job_id)
+                if evicted:
+                    events.append(OffloadingEvent(keys=tuple(evicted), tier=self.name, removed=True))
+        self._complete(state, True, None, events)
+
+    def _evict(self, count: int, job_id: int) -> list[OffloadKey]:
+        """Remove the ``count`` least recently used blocks of the namespace. A failure
+        here does not fail the store that triggered it."""
+        try:
+            members = self._evict_script(keys=[self._lru_key], args=[count, self._prefix])
+        except Exception as exc:
+            self._failed(exc)
+            self._log.warning("evict_failed", job_id=job_id, error=_describe(exc))
+            return []
+        evicted: list[OffloadKey] = []
+        for member in members:
+            try:
+                evicted.append(bytes.fromhex(member.decode()))
+            except ValueError:  # not one of ours: ignore
+                continue
+        return evicted
+
+    def _do_load(self, state: _JobState) -> None:
+        job = state.job
+        pool = self.pool
+        assert pool is not None
+        rkeys = [self.redis_key(key) for key in job.keys]
+        pipe = self._client.pipeline(transaction=False)
+        for rkey in rkeys:
+            pipe.get(rkey)
+        if self.capacity_bytes is not None:
+            pipe.zadd(self._lru_key, {key.hex(): time.time() for key in job.keys}, xx=True)
+        replies = pipe.execute()
+        self._mark_up()
+        block_bytes = int(pool.shape[1])
+        payloads: list[memoryview] = []
+        missing: list[OffloadKey] = []
+        corrupt: list[tuple[OffloadKey, str]] = []
+        for key, record in zip(job.keys, replies, strict=False):
+            if record is None:
+                missing.append(key)
+                continue
+            try:
+                payloads.append(codec.decode(record, key, block_bytes))
+            except codec.CorruptRecordError as exc:
+                corrupt.append((key, str(exc)))
+        if missing or corrupt:
+            removed = self._forget(missing, [k for k, _ in corrupt], job.job_id)
+            parts = []
+            if missing:
+                parts.append(f"missing: {len(missing)} of {len(job.keys)} blocks")
+            if corrupt:
+                parts.append(f"corrupt: {len(corrupt)} blocks ({corrupt[0][1]})")
+            events = [OffloadingEvent(keys=tuple(removed), tier=self.name, removed=True)] if removed else []
+            self._complete(state, False, "; ".join(parts), events)
+            return
+
+        def copy_rows() -> None:
+            for row, payload in zip(job.block_ids, payloads, strict=True):
+                pool[row].numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+
+        self._complete(state, True, None, None, copy_rows)
+
+    def _forget(self, missing: list[OffloadKey], corrupt: list[OffloadKey], job_id: int) -> list[OffloadKey]:
+        """Delete corrupt blocks and drop missing/corrupt ones from the LRU set (best
+        effort). Returns the keys this tier deleted."""
+        if not corrupt and (not missing or self.capacity_bytes is None):
+            return []
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in corrupt:
+                pipe.unlink(self.redis_key(key))
+            if self.capacity_bytes is not None:
+                pipe.zrem(self._lru_key, *[k.hex() for k in (*missing, *corrupt)])
+            pipe.execute()
+        except Exception as exc:
+            self._failed(exc)
+            self._log.warning("forget_failed", job_id=job_id, error=_describe(exc))
+            return []
+        return list(corrupt)
+
+    # ----------------------------------------------------------- completion
+
+    def _complete(
+        self,
+        state: _JobState,
+        success: bool,
+        error: str | None,
+        events: list[OffloadingEvent] | None = None,
+        before: Callable[[], None] | None = None,
+    ) -> bool:
+        """Report ``state``'s job once. ``before`` (pool writes) and the events run only
+        if this call is the one that reports. Returns whether it reported."""
+        with state.lock:
+            if state.done:
+                return False
+            if before is not None:
+                try:
+                    before()
+                except Exception as exc:
+                    success, error, events = False, f"copy into pool failed: {exc!r}", None
+            state.done = True
+        with self._lock:
+            self._jobs.discard(state)
+            if events:
+                self._events.extend(events)
+        job = state.job
+        if not success:
+            self._log.warning(
+                "job_failed",
+                job_id=job.job_id,
+                kind="load" if job.is_promotion else "store",
+                req_id=job.req_context.req_id,
+                keys=len(job.keys),
+                error=error,
+            )
+        try:
+            self.report(JobResult(job_id=job.job_id, success=success, error=error))
+        except Exception as exc:
+            self._log.warning("report_failed", job_id=job.job_id, error=repr(exc))
+        return True
+
+    def _done_busy(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            if self._busy <= 0:
+                self._busy = 0
+                self._idle.notify_all()
+
+    # ------------------------------------------------------- degraded mode
+
+    def _backing_off(self) -> bool:
+        return self._degraded and time.monotonic() < self._down_until
+
+    def _failed(self, exc: BaseException) -> LookupResult:
+        """Classify a failure; connection errors and timeouts start a back-off.
+        Returns the lookup answer for it."""
+        if isinstance(exc, redis.TimeoutError):
+            answer = LookupResult.RETRY
+        elif isinstance(exc, (redis.ConnectionError, OSError)):
+            answer = LookupResult.MISS
+        else:
+            return LookupResult.MISS
+        self._down_answer = answer
+        self._down_until = time.monotonic() + self.retry_after_s
+        if not self._degraded:
+            self._degraded = True
+            self._log.warning("tier_degraded", url=_redact(self.url), error=_describe(exc))
+        return answer
+
+    def _mark_up(self) -> None:
+        if self._degraded:
+            self._degraded = False
+            self._log.info("tier_recovered", url=_redact(self.url))
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _redact(url: str) -> str:
+    """``url`` without its password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    userinfo, _, hostpart = rest.rpartition("@")
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{hostpart}" if user else f"{scheme}://:***@{hostpart}"

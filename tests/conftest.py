@@ -1,0 +1,46 @@
+"""Shared pytest fixtures.
+
+Each section is self-contained (its own imports and helpers); add new sections
+below rather than editing existing ones.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------
+# Redis: a real redis-server per test (tests marked ``@pytest.mark.redis``)
+# ---------------------------------------------------------------------------
+from collections.abc import Callable, Iterator
+
+import pytest
+from redis_server import RedisServer, find_redis_server
+
+
+@pytest.fixture
+def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
+    """Make ``RedisServer`` objects (not started); every one is stopped afterwards.
+
+    Skips the test when no ``redis-server`` binary is installed. Pass ``port=``
+    to put a server on a port chosen earlier (for "the server comes up later").
+    """
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("redis-server binary not found (apt-get install redis-server)")
+    made: list[RedisServer] = []
+
+    def make(**kwargs: object) -> RedisServer:
+        server = RedisServer(binary=binary, **kwargs)  # type: ignore[arg-type]
+        made.append(server)
+        return server
+
+    yield make
+    for server in made:
+        server.stop()
+
+
+@pytest.fixture
+def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    """A started ``redis-server`` on a free loopback port (64 MiB, allkeys-lru), empty.
+
+    Function scope: tests kill and restart it. Skips without a binary.
+    """
+    return redis_server_factory().start()
