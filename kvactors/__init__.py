@@ -3,7 +3,9 @@
 from kvactors.core.errors import LifecycleError, ManagerStoppedError, TransferError
 from kvactors.manager import TieringManager
 from kvactors.tiers.base import SecondaryTier
+from kvactors.tiers.disk import DiskTier
 from kvactors.tiers.memory import MemoryTier
+from kvactors.tiers.redis import RedisTier
 from kvactors.types import (
     JobResult,
     LoadStoreSpec,
@@ -16,6 +18,7 @@ from kvactors.types import (
 )
 
 __all__ = [
+    "DiskTier",
     "JobResult",
     "LifecycleError",
     "LoadStoreSpec",
@@ -25,6 +28,7 @@ __all__ = [
     "OffloadKey",
     "OffloadingEvent",
     "PrepareStoreOutput",
+    "RedisTier",
     "ReqContext",
     "SecondaryTier",
     "TieringManager",

@@ -30,10 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 import redis
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from redis_server import RedisServer
+from tests.redis_server import RedisServer
 
 from kvactors.tiers.redis import RedisTier
 from kvactors.types import JobResult, ReqContext, TransferJob

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import redis
 import torch
-from redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer, free_port
 
 from kvactors.tiers.redis import RedisTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, ReqContext, TransferJob

@@ -277,7 +277,7 @@ class LifecycleSupervisor(Actor):
             ids.discard(job.job.job_id)
             if not ids:
                 self._reset_waits.remove((ids, reply))
-                reply.set_result(None)
+                self._reset_done(reply)
         self._slot_freed(job.tier)
         self._check_barriers()
         self._check_shutdown()
@@ -451,8 +451,12 @@ class LifecycleSupervisor(Actor):
         if in_flight:
             self._reset_waits.append((in_flight, msg.reply))
         else:
-            msg.reply.set_result(None)
+            self._reset_done(msg.reply)
         self._check_barriers()
+
+    def _reset_done(self, reply: Future[None]) -> None:
+        # A round through the tiers: when reset_cache returns, they have processed its finishes.
+        self._gather("barrier", lambda _: reply.set_result(None))
 
     @handles(m.CollectEvents)
     def _on_collect_events(self, msg: m.CollectEvents) -> None:
