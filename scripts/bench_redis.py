@@ -32,10 +32,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tests.redis_server import RedisServer
-
 from kvactors.tiers.redis import RedisTier
 from kvactors.types import JobResult, ReqContext, TransferJob
+from tests.redis_server import RedisServer
 
 GB = 1e9
 

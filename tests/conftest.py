@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+
 from tests.redis_server import RedisServer, find_redis_server
 
 

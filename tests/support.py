@@ -61,6 +61,11 @@ class RecordingTier(MemoryTier):
         with self._record_lock:
             return sum(1 for c, ident, _ in self.calls if c == call and (ctx is None or ident == ctx.identity))
 
+    def calls_of(self, ctx: ReqContext) -> list[str]:
+        """The calls this tier received for ``ctx``, in order."""
+        with self._record_lock:
+            return [call for call, identity, _ in self.calls if identity == ctx.identity]
+
     def on_new_request(self, ctx: ReqContext) -> None:
         self._record("on_new_request", ctx)
         with self._record_lock:

@@ -52,7 +52,7 @@ def frontend(manager: TieringManager, seed: int, completions: queue.Queue, error
                 if rng.random() < 0.05:
                     with pytest.raises(LifecycleError):
                         manager.prepare_store(wanted, ctx)  # misuse: submit after finish
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:
             errors.append(exc)
             return
 

@@ -69,7 +69,7 @@ def test_rule2_secondary_finish_waits_for_pending_store(rec):
         manager.complete_store(out.keys_to_store, ctx)
         settled(manager)
         assert rec.count("on_request_finished", ctx) == 1
-    assert [c for c, i, _ in rec.calls if i == ctx.identity] == ["on_new_request", "submit_store", "on_request_finished"]
+    assert rec.calls_of(ctx) == ["on_new_request", "submit_store", "on_request_finished"]
 
 
 def test_rule3_primary_is_told_at_once(rec):
@@ -118,7 +118,7 @@ def test_rule4_queued_promotion_holds_the_finish():
         tier.wait_held(1)
         tier.release_all()
         settled(manager)
-    calls = [c for c, i, _ in tier.calls if i == ctx.identity]
+    calls = tier.calls_of(ctx)
     assert calls == ["on_new_request", "submit_load", "submit_load", "on_request_finished"]
     assert tier.violations == []
 
@@ -145,7 +145,7 @@ def test_rule4_lookup_in_progress_holds_the_finish():
         looker.join(10)
         assert answer == [[LookupResult.HIT_PENDING]]
         settled(manager)
-    calls = [c for c, i, _ in tier.calls if i == ctx.identity]
+    calls = tier.calls_of(ctx)
     assert calls == ["on_new_request", "submit_load", "on_request_finished"]
 
 
@@ -164,7 +164,7 @@ def test_rule4_parked_cascade_holds_the_finish():
         tier.wait_held(1)
         tier.release_all()
         settled(manager)
-    calls = [c for c, i, _ in tier.calls if i == ctx.identity]
+    calls = tier.calls_of(ctx)
     assert calls == ["on_new_request", "submit_store", "submit_store", "on_request_finished"]
 
 

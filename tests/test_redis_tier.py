@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import redis
 import torch
-from tests.redis_server import RedisServer, free_port
 
 from kvactors.tiers.redis import RedisTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, ReqContext, TransferJob
+from tests.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
