@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up kvactors on a fresh machine: a virtual environment in .venv with the
+# CPU build of torch (when no torch is there yet), the package and its test
+# dependencies, and a redis-server binary for the Redis tests (Debian/Ubuntu).
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing redis-server" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null \
+      || echo "setup: could not install redis-server; the Redis tests will be skipped" >&2
+  else
+    echo "setup: no redis-server; the Redis tests will be skipped" >&2
+  fi
+fi
+
+PYTHON=${PYTHON:-python3}
+# This workplace's pip configuration warns about every package it looks up locally: keep the noise out.
+pip_install() { .venv/bin/python -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv" >&2
+  "$PYTHON" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  # A bare torch requirement would pull a multi-GB CUDA build: take the CPU build first.
+  echo "setup: installing torch (CPU build)" >&2
+  pip_install "torch==2.13.0"
+fi
+if ! .venv/bin/python -c "import kvactors, pytest, hypothesis, pytest_timeout" >/dev/null 2>&1 \
+   || [ pyproject.toml -nt .venv/.kvactors-installed ]; then
+  echo "setup: installing kvactors and its test dependencies" >&2
+  pip_install -e ".[test,plot,fast]"
+  touch .venv/.kvactors-installed
+fi
