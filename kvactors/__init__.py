@@ -4,6 +4,7 @@ from kvactors.core.errors import LifecycleError, ManagerStoppedError, TransferEr
 from kvactors.manager import TieringManager
 from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.memory import MemoryTier
+from kvactors.transfer import TransferEngine
 from kvactors.types import (
     JobResult,
     LoadStoreSpec,
@@ -28,6 +29,7 @@ __all__ = [
     "ReqContext",
     "SecondaryTier",
     "TieringManager",
+    "TransferEngine",
     "TransferError",
     "TransferJob",
 ]
