@@ -25,6 +25,10 @@ from kvactors.transfer.jobs import CopyJob, Direction, FaultInjector, JobDone
 
 _copier_ids = itertools.count()
 
+# A worker takes the queued jobs behind the one it waited for, up to these bounds.
+_MAX_BATCH_JOBS = 32
+_MAX_BATCH_BYTES = 256 << 20
+
 
 class CpuCopier:
     """``workers`` threads copying between ``device_cache`` and ``pool`` (both on the CPU)."""
@@ -67,26 +71,79 @@ class CpuCopier:
             if thread is not current:
                 thread.join()
 
-    def _copy(self, job: CopyJob) -> None:
+    def _copy_alone(self, job: CopyJob) -> None:
+        """One job with a deadline: checked before the copy and between its runs."""
         job.check_deadline()
         if self._inject is not None:
             self._inject(job.direction, job.ctx, job.keys)
         src, dst = self._tensors[job.direction]
-        timed = job.deadline is not None
         for s, d, n in job.runs:
             dst[d : d + n].copy_(src[s : s + n])
-            if timed:
-                job.check_deadline()
+            job.check_deadline()
+
+    def _copy_batch(self, direction: Direction, jobs: list[CopyJob]) -> list[tuple[CopyJob, BaseException | None]]:
+        """Jobs without a deadline, copied together: runs that continue each other across jobs merge."""
+        outcome: list[tuple[CopyJob, BaseException | None]] = []
+        runs: list[list[int]] = []
+        for job in jobs:
+            if self._inject is not None:
+                try:
+                    self._inject(direction, job.ctx, job.keys)
+                except Exception as exc:
+                    outcome.append((job, exc))
+                    continue
+            outcome.append((job, None))
+            for s, d, n in job.runs:
+                if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                    runs[-1][2] += n
+                else:
+                    runs.append([s, d, n])
+        src, dst = self._tensors[direction]
+        try:
+            for s, d, n in runs:
+                dst[d : d + n].copy_(src[s : s + n])
+        except Exception as exc:  # which job's rows failed is unknown: fail them all
+            return [(job, error or exc) for job, error in outcome]
+        return outcome
+
+    def _take_batch(self, first: CopyJob) -> tuple[list[CopyJob], bool]:
+        """``first`` and the jobs queued behind it (up to a bound); whether a stop sentinel was taken."""
+        batch = [first]
+        nbytes = first.nbytes
+        while len(batch) < _MAX_BATCH_JOBS and nbytes < _MAX_BATCH_BYTES:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                return batch, True
+            batch.append(job)
+            nbytes += job.nbytes
+        return batch, False
 
     def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
                 return
-            error: BaseException | None = None
-            try:
-                self._copy(job)
-            except Exception as exc:
-                error = exc
-            self._done(job, error)
-
+            batch, stop = self._take_batch(first)
+            # In queue order; consecutive jobs without a deadline, of one direction, copy together.
+            i = 0
+            while i < len(batch):
+                job = batch[i]
+                if job.deadline is not None:
+                    error: BaseException | None = None
+                    try:
+                        self._copy_alone(job)
+                    except Exception as exc:
+                        error = exc
+                    self._done(job, error)
+                    i += 1
+                    continue
+                j = i + 1
+                while j < len(batch) and batch[j].deadline is None and batch[j].direction == job.direction:
+                    j += 1
+                for done_job, done_error in self._copy_batch(job.direction, batch[i:j]):
+                    self._done(done_job, done_error)
+                i = j
