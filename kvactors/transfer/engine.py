@@ -180,7 +180,7 @@ class TransferEngine:
             out = self._manager.prepare_store(keys_t, ctx)
             if out is None or not out.keys_to_store:
                 return _resolved([])
-            row_of = {}
+            row_of: dict[OffloadKey, int] = {}
             for key, row in zip(keys_t, ids, strict=True):
                 row_of.setdefault(key, row)
             src = [row_of[key] for key in out.keys_to_store]
