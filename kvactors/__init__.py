@@ -6,6 +6,7 @@ from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.disk import DiskTier
 from kvactors.tiers.memory import MemoryTier
 from kvactors.tiers.redis import RedisTier
+from kvactors.transfer import TransferEngine
 from kvactors.types import (
     JobResult,
     LoadStoreSpec,
@@ -32,6 +33,7 @@ __all__ = [
     "ReqContext",
     "SecondaryTier",
     "TieringManager",
+    "TransferEngine",
     "TransferError",
     "TransferJob",
 ]

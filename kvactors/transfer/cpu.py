@@ -1,0 +1,149 @@
+"""The CPU copier: a small, fixed pool of copy threads fed by one FIFO queue.
+
+Used when the device cache lives in host memory. Each worker takes the oldest
+job, calls the fault injector, copies the job's coalesced runs with slice
+``copy_`` calls (torch releases the GIL while copying, so copies overlap with
+the frontend's Python work and with each other), and reports the job. Jobs
+start in submission order; with several workers they may end out of order.
+
+A copy in progress is never abandoned: with a deadline, a job not started by
+its deadline fails without copying, one that passes it fails between two runs
+(after the rows written so far) or right after its last run. Either way the
+job is reported only once nothing touches its rows any more, so the rows are
+released (``complete_store``/``complete_load``) only when they are quiet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+
+import torch
+
+from kvactors.transfer.jobs import CopyJob, Direction, FaultInjector, JobDone
+
+_copier_ids = itertools.count()
+
+# A worker takes the queued jobs behind the one it waited for, up to these bounds.
+_MAX_BATCH_JOBS = 32
+_MAX_BATCH_BYTES = 256 << 20
+
+
+class CpuCopier:
+    """``workers`` threads copying between ``device_cache`` and ``pool`` (both on the CPU)."""
+
+    def __init__(
+        self,
+        *,
+        device_cache: torch.Tensor,
+        pool: torch.Tensor,
+        workers: int,
+        done: JobDone,
+        fault_injector: FaultInjector | None,
+    ) -> None:
+        self._tensors: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {
+            "offload": (device_cache, pool),
+            "onboard": (pool, device_cache),
+        }
+        self._done = done
+        self._inject = fault_injector
+        self._queue: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
+        copier_id = next(_copier_ids)
+        self._threads = [
+            threading.Thread(target=self._work, name=f"kvactors-copy-{copier_id}.{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: CopyJob) -> None:
+        self._queue.put(job)
+
+    def owns_current_thread(self) -> bool:
+        return threading.current_thread() in self._threads
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        current = threading.current_thread()
+        for thread in self._threads:
+            if thread is not current:
+                thread.join()
+
+    def _copy_alone(self, job: CopyJob) -> None:
+        """One job with a deadline: checked before the copy and between its runs."""
+        job.check_deadline()
+        if self._inject is not None:
+            self._inject(job.direction, job.ctx, job.keys)
+        src, dst = self._tensors[job.direction]
+        for s, d, n in job.runs:
+            dst[d : d + n].copy_(src[s : s + n])
+            job.check_deadline()
+
+    def _copy_batch(self, direction: Direction, jobs: list[CopyJob]) -> list[tuple[CopyJob, BaseException | None]]:
+        """Jobs without a deadline, copied together: runs that continue each other across jobs merge."""
+        outcome: list[tuple[CopyJob, BaseException | None]] = []
+        runs: list[list[int]] = []
+        for job in jobs:
+            if self._inject is not None:
+                try:
+                    self._inject(direction, job.ctx, job.keys)
+                except Exception as exc:
+                    outcome.append((job, exc))
+                    continue
+            outcome.append((job, None))
+            for s, d, n in job.runs:
+                if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                    runs[-1][2] += n
+                else:
+                    runs.append([s, d, n])
+        src, dst = self._tensors[direction]
+        try:
+            for s, d, n in runs:
+                dst[d : d + n].copy_(src[s : s + n])
+        except Exception as exc:  # which job's rows failed is unknown: fail them all
+            return [(job, error or exc) for job, error in outcome]
+        return outcome
+
+    def _take_batch(self, first: CopyJob) -> tuple[list[CopyJob], bool]:
+        """``first`` and the jobs queued behind it (up to a bound); whether a stop sentinel was taken."""
+        batch = [first]
+        nbytes = first.nbytes
+        while len(batch) < _MAX_BATCH_JOBS and nbytes < _MAX_BATCH_BYTES:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                return batch, True
+            batch.append(job)
+            nbytes += job.nbytes
+        return batch, False
+
+    def _work(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, stop = self._take_batch(first)
+            # In queue order; consecutive jobs without a deadline, of one direction, copy together.
+            i = 0
+            while i < len(batch):
+                job = batch[i]
+                if job.deadline is not None:
+                    error: BaseException | None = None
+                    try:
+                        self._copy_alone(job)
+                    except Exception as exc:
+                        error = exc
+                    self._done(job, error)
+                    i += 1
+                    continue
+                j = i + 1
+                while j < len(batch) and batch[j].deadline is None and batch[j].direction == job.direction:
+                    j += 1
+                for done_job, done_error in self._copy_batch(job.direction, batch[i:j]):
+                    self._done(done_job, done_error)
+                i = j

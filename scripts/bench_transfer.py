@@ -1,0 +1,279 @@
+#!/usr/bin/env python
+"""Transfer bandwidth: TransferEngine vs one plain copy, DiskTier vs plain files.
+
+Measured in one run, on the same bytes:
+
+* offload (device cache -> pool) and onboard (pool -> device cache) GB/s
+  through :class:`kvactors.TransferEngine` with a CPU device cache: many
+  requests of ``--blocks-per-request`` blocks of ``--block-kib`` KiB, at most
+  ``--window`` in flight, timed from the first submit until the last future
+  resolved (so ``prepare_*``, the copies and ``complete_*`` are all counted);
+* the baseline: one contiguous ``copy_`` of the same total size between the
+  same two tensors (device cache and pool), in each direction;
+* if ``kvactors.tiers.disk.DiskTier`` is importable: its store/load GB/s,
+  driven through the ``SecondaryTier`` interface with jobs of the same size,
+  vs writing/reading the same bytes as plain files, one file per block. If it
+  is not importable, the disk figures and ratios are ``null``.
+
+Every figure is the median of ``--trials`` trials; every engine trial is
+checked byte-exact. ``--json`` makes the last line of stdout one JSON object.
+``--quick`` finishes in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from kvactors import ReqContext, TieringManager, TransferEngine
+from kvactors.transfer.runs import copy_runs
+from kvactors.types import JobResult, TransferJob
+
+GB = 1e9
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / GB if seconds > 0 else float("inf")
+
+
+def baseline_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    start = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - start
+
+
+def engine_trial(manager: TieringManager, engine: TransferEngine, device: torch.Tensor, reference: torch.Tensor,
+                 trial: int, requests: int, per_request: int, window: int) -> tuple[float, float, float]:
+    """One offload pass and one onboard pass over every request; returns (t_offload, t_onboard, blocks/run)."""
+    ctx = ReqContext(f"bench-{trial}")
+    manager.on_new_request(ctx)
+    keys = [[f"t{trial}.r{i}.b{j}".encode() for j in range(per_request)] for i in range(requests)]
+    rows = [list(range(i * per_request, (i + 1) * per_request)) for i in range(requests)]
+
+    inflight: deque[Future[Any]] = deque()
+    stored = 0
+    start = time.perf_counter()
+    for i in range(requests):
+        if len(inflight) >= window:
+            stored += len(inflight.popleft().result(60))
+        inflight.append(engine.offload(ctx, keys[i], rows[i]))
+    while inflight:
+        stored += len(inflight.popleft().result(60))
+    t_offload = time.perf_counter() - start
+    if stored != requests * per_request:
+        raise SystemExit(f"offload stored {stored} of {requests * per_request} blocks (pool too small?)")
+
+    # How well did the rows coalesce? (pool rows as the manager handed them out)
+    runs = 0
+    for i in range(requests):
+        spec = manager.prepare_load(keys[i], ctx)
+        runs += len(copy_runs(rows[i], spec.block_ids))
+        manager.complete_load(keys[i], ctx)
+
+    used = requests * per_request
+    device[:used].zero_()
+    start = time.perf_counter()
+    for i in range(requests):
+        if len(inflight) >= window:
+            inflight.popleft().result(60)
+        inflight.append(engine.onboard(ctx, keys[i], rows[i]))
+    while inflight:
+        inflight.popleft().result(60)
+    t_onboard = time.perf_counter() - start
+    if not torch.equal(device[:used], reference[:used]):
+        raise SystemExit(f"trial {trial}: the onboarded bytes differ from the offloaded ones")
+    manager.on_request_finished(ctx)
+    manager.reset_cache()
+    return t_offload, t_onboard, requests * per_request / runs
+
+
+# ---------------------------------------------------------------- disk
+
+
+def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int) -> dict[str, Any]:
+    try:
+        from kvactors.tiers.disk import DiskTier  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        return {"disk_tier_available": False, "disk_note": f"DiskTier not importable ({exc}); disk ratios are null"}
+
+    block_bytes = int(pool.shape[1])
+    total_blocks = requests * per_request
+    nbytes = total_blocks * block_bytes
+    store_t, load_t, write_t, read_t = [], [], [], []
+    for trial in range(trials):
+        root = tempfile.mkdtemp(prefix="kvactors-bench-")
+        try:
+            tier = DiskTier(os.path.join(root, "tier"), capacity_bytes=4 * nbytes + (64 << 20))
+            pending: dict[int, threading.Event] = {}
+            results: dict[int, JobResult] = {}
+            lock = threading.Lock()
+
+            def report(result: JobResult, pending: dict[int, threading.Event] = pending,
+                       results: dict[int, JobResult] = results, lock: threading.Lock = lock) -> None:
+                with lock:
+                    results[result.job_id] = result
+                    pending[result.job_id].set()
+
+            tier.attach(pool, report)
+            ctx = ReqContext(f"disk-{trial}")
+            tier.on_new_request(ctx)
+            keys = [[f"d{trial}.r{i}.b{j}".encode() for j in range(per_request)] for i in range(requests)]
+
+            def run_jobs(promotion: bool, first_id: int, tier: Any = tier, keys: list[list[bytes]] = keys,
+                         pending: dict[int, threading.Event] = pending, ctx: ReqContext = ctx) -> float:
+                start = time.perf_counter()
+                for i in range(requests):
+                    job_id = first_id + i
+                    pending[job_id] = threading.Event()
+                    block_ids = tuple(range(i * per_request, (i + 1) * per_request))
+                    job = TransferJob(job_id, tuple(keys[i]), block_ids, ctx, promotion)
+                    (tier.submit_load if promotion else tier.submit_store)(job)
+                for i in range(requests):
+                    if not pending[first_id + i].wait(120):
+                        raise SystemExit("DiskTier job not reported in 120 s")
+                return time.perf_counter() - start
+
+            reference = pool[:total_blocks].clone()
+            store_t.append(run_jobs(False, 1))
+            pool[:total_blocks].zero_()
+            load_t.append(run_jobs(True, 1 + requests))
+            failed = [r for r in results.values() if not r.success]
+            if failed:
+                raise SystemExit(f"DiskTier jobs failed: {failed[:3]}")
+            if not torch.equal(pool[:total_blocks], reference):
+                raise SystemExit("DiskTier load returned different bytes")
+            tier.on_request_finished(ctx)
+            tier.drain(10.0)
+            tier.shutdown()
+
+            # Plain files: one per block, same bytes, same block size, no fsync.
+            plain = os.path.join(root, "plain")
+            os.makedirs(plain)
+            arr = pool.numpy()
+            start = time.perf_counter()
+            for b in range(total_blocks):
+                with open(os.path.join(plain, f"{b}.blk"), "wb") as f:
+                    f.write(memoryview(arr[b]))
+            write_t.append(time.perf_counter() - start)
+            pool[:total_blocks].zero_()
+            start = time.perf_counter()
+            for b in range(total_blocks):
+                with open(os.path.join(plain, f"{b}.blk"), "rb", buffering=0) as f:
+                    f.readinto(memoryview(arr[b]))
+            read_t.append(time.perf_counter() - start)
+            if not torch.equal(pool[:total_blocks], reference):
+                raise SystemExit("plain file read returned different bytes")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    store, load = gbps(nbytes, statistics.median(store_t)), gbps(nbytes, statistics.median(load_t))
+    write, read = gbps(nbytes, statistics.median(write_t)), gbps(nbytes, statistics.median(read_t))
+    return {"disk_tier_available": True, "disk_store_gbps": store, "disk_load_gbps": load,
+            "file_write_gbps": write, "file_read_gbps": read,
+            "disk_write_ratio": store / write, "disk_read_ratio": load / read}
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    parser.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
+    parser.add_argument("--requests", type=int, default=None, help="requests per pass (default 256, quick 64)")
+    parser.add_argument("--blocks-per-request", type=int, default=16)
+    parser.add_argument("--block-kib", type=int, default=256)
+    parser.add_argument("--window", type=int, default=8, help="requests in flight")
+    parser.add_argument("--copy-workers", type=int, default=2)
+    parser.add_argument("--trials", type=int, default=None, help="default 7, quick 5")
+    parser.add_argument("--disk-requests", type=int, default=None, help="default 64, quick 16")
+    args = parser.parse_args(argv)
+
+    requests = args.requests or (64 if args.quick else 256)
+    trials = args.trials or (5 if args.quick else 7)
+    disk_requests = args.disk_requests or (16 if args.quick else 64)
+    per_request = args.blocks_per_request
+    block_bytes = args.block_kib * 1024
+    total_blocks = requests * per_request
+    nbytes = total_blocks * block_bytes
+
+    # Random bytes, cheaply: 64 random rows, repeated, each row shifted by its index (so rows differ).
+    seed_rows = torch.randint(0, 256, (64, block_bytes), dtype=torch.uint8)
+    device = seed_rows.repeat((total_blocks + 63) // 64, 1)[:total_blocks].contiguous()
+    device += torch.arange(total_blocks).to(torch.uint8)[:, None]
+    reference = device.clone()
+    offload_t, onboard_t, base_off_t, base_on_t, per_run = [], [], [], [], []
+    with TieringManager.start(num_blocks=total_blocks, block_bytes=block_bytes) as manager:
+        pool = manager.pool
+        with TransferEngine(manager, device, copy_workers=args.copy_workers) as engine:
+            engine_trial(manager, engine, device, reference, -1, min(requests, 8), per_request, args.window)  # warm
+            for trial in range(trials):
+                base_off_t.append(baseline_copy(pool, device))
+                base_on_t.append(baseline_copy(device, pool))
+                t_off, t_on, blocks_per_run = engine_trial(
+                    manager, engine, device, reference, trial, requests, per_request, args.window)
+                offload_t.append(t_off)
+                onboard_t.append(t_on)
+                per_run.append(blocks_per_run)
+        disk = disk_bench(pool, min(disk_requests, requests), per_request, max(1, trials // 2))
+
+    offload = gbps(nbytes, statistics.median(offload_t))
+    onboard = gbps(nbytes, statistics.median(onboard_t))
+    base_off = gbps(nbytes, statistics.median(base_off_t))
+    base_on = gbps(nbytes, statistics.median(base_on_t))
+    baseline = (base_off + base_on) / 2
+    result: dict[str, Any] = {
+        "offload_gbps": offload,
+        "onboard_gbps": onboard,
+        "baseline_copy_gbps": baseline,
+        "baseline_offload_dir_gbps": base_off,
+        "baseline_onboard_dir_gbps": base_on,
+        "offload_ratio": offload / base_off,
+        "onboard_ratio": onboard / base_on,
+        "disk_write_ratio": None,
+        "disk_read_ratio": None,
+        **disk,
+        "blocks_per_copy_run": statistics.median(per_run),
+        "config": {"requests": requests, "blocks_per_request": per_request, "block_bytes": block_bytes,
+                   "total_bytes": nbytes, "window": args.window, "copy_workers": args.copy_workers,
+                   "trials": trials, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
+    }
+
+    def fmt(value: Any) -> str:
+        return "null" if value is None else f"{value:7.2f}"
+
+    print(f"TransferEngine bench: {requests} requests x {per_request} blocks x {args.block_kib} KiB "
+          f"= {nbytes / 2**20:.0f} MiB per pass, window {args.window}, {args.copy_workers} copy workers, "
+          f"median of {trials}")
+    print(f"{'path':<34}{'GB/s':>9}{'ratio':>9}")
+    print(f"{'baseline copy_ device->pool':<34}{fmt(base_off):>9}")
+    print(f"{'baseline copy_ pool->device':<34}{fmt(base_on):>9}")
+    print(f"{'engine offload':<34}{fmt(offload):>9}{fmt(result['offload_ratio']):>9}")
+    print(f"{'engine onboard':<34}{fmt(onboard):>9}{fmt(result['onboard_ratio']):>9}")
+    print(f"{'blocks per coalesced copy':<34}{fmt(result['blocks_per_copy_run']):>9}")
+    if disk.get("disk_tier_available"):
+        print(f"{'plain files write':<34}{fmt(disk['file_write_gbps']):>9}")
+        print(f"{'DiskTier store':<34}{fmt(disk['disk_store_gbps']):>9}{fmt(disk['disk_write_ratio']):>9}")
+        print(f"{'plain files read':<34}{fmt(disk['file_read_gbps']):>9}")
+        print(f"{'DiskTier load':<34}{fmt(disk['disk_load_gbps']):>9}{fmt(disk['disk_read_ratio']):>9}")
+    else:
+        print(f"disk: {disk['disk_note']}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
