@@ -33,14 +33,17 @@ class RecordingTier(MemoryTier):
     """A MemoryTier that records every call and checks the tier-side contract.
 
     ``violations`` lists every breach seen: a submit for a request attempt after
-    its ``on_request_finished``, or a second finish for one attempt. Thread-safe.
+    its ``on_request_finished``, a second finish, or a second start while the
+    attempt is open. An identity finished and started again begins a new
+    lifetime (the runtime forgets an attempt once it is finalized). Thread-safe.
     """
 
     def __init__(self, *, name: str = "rec", capacity_blocks: int = 1 << 20) -> None:
         super().__init__(name=name, capacity_blocks=capacity_blocks)
         self.calls: list[tuple[str, tuple[str, int] | None, int | None]] = []
-        self.finished: dict[tuple[str, int], int] = {}
+        self.finished: dict[tuple[str, int], int] = {}  # finishes per identity, over all its lifetimes
         self.started: set[tuple[str, int]] = set()
+        self.closed: set[tuple[str, int]] = set()  # finished in their current lifetime
         self.violations: list[str] = []
         self._record_lock = threading.Lock()
 
@@ -50,11 +53,18 @@ class RecordingTier(MemoryTier):
             self.calls.append((call, identity, job_id))
             if identity is None:
                 return
-            if call == "on_request_finished":
-                if identity in self.finished:
+            if call == "on_new_request":
+                # An identity may be used again once finalized: a new lifetime starts.
+                if identity in self.started and identity not in self.closed:
+                    self.violations.append(f"{identity} started twice")
+                self.started.add(identity)
+                self.closed.discard(identity)
+            elif call == "on_request_finished":
+                if identity in self.closed:
                     self.violations.append(f"second finish of {identity}")
+                self.closed.add(identity)
                 self.finished[identity] = self.finished.get(identity, 0) + 1
-            elif call in ("submit_store", "submit_load") and identity in self.finished:
+            elif call in ("submit_store", "submit_load") and identity in self.closed:
                 self.violations.append(f"{call} job {job_id} for {identity} after its finish")
 
     def count(self, call: str, ctx: ReqContext | None = None) -> int:
@@ -68,8 +78,6 @@ class RecordingTier(MemoryTier):
 
     def on_new_request(self, ctx: ReqContext) -> None:
         self._record("on_new_request", ctx)
-        with self._record_lock:
-            self.started.add(ctx.identity)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._record("on_request_finished", ctx)
