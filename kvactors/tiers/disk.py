@@ -2,7 +2,7 @@
 
 Layout: one file per block, named after its key (``<key hex>.kvb``, or
 ``h-<blake2b of key>.kvb`` when the hex name would be too long), holding one
-record of :mod:`kvactors.tiers.codec` (header, key, payload, crc32). A file
+record of :mod:`kvactors.tiers.codec` (header, key, payload, XXH3-64 checksum). A file
 appears under its final name only once it is complete (temporary file plus
 ``os.replace``), so a crash leaves either the whole record or a ``.tmp-*``
 file that the next tier opening the directory deletes.

@@ -111,7 +111,7 @@ class RedisTier(SecondaryTier):
         readable and makes namespaces disjoint: a block key's suffix never holds ``:``,
         so tenants with different namespaces never see each other's blocks, whatever
         the namespaces are. Values are :mod:`kvactors.tiers.codec` records (header,
-        key, payload, crc32 of key+payload); a load verifies the record, and a record
+        key, payload, XXH3-64 checksum of key+payload); a load verifies the record, and a record
         that fails verification fails the job and is deleted (a later lookup misses).
 
     Capacity
