@@ -76,7 +76,7 @@ class EventSink:
         if self._stdlib.isEnabledFor(numeric):
             event = event_dict.get("event", "")
             rest = " ".join(f"{k}={v}" for k, v in event_dict.items() if k not in ("event", "level"))
-            self._stdlib.log(numeric, "%s %s", event, rest)
+            self._stdlib.log(numeric, "%s %s", event, rest, extra={"kvactors_event": dict(event_dict)})
 
     def close(self) -> None:
         with self._lock:
@@ -146,16 +146,17 @@ def null_logger() -> FilteringBoundLogger:
     )
 
 
-def tier_logger(tier_module: str, **context: Any) -> FilteringBoundLogger:
-    """A structured logger for one tier implementation's own events.
+def component_logger(component: str, **context: Any) -> FilteringBoundLogger:
+    """A structured logger for one component's own events (a tier, the transfer engine).
 
-    Events go to the stdlib logger ``kvactors.tiers.<tier_module>`` (a child of
-    ``kvactors``, so routed like every other kvactors log); there is no JSON
-    file. As with :func:`make_event_logger`, the level is the stdlib logger's
-    effective level when this is called, so build it when the tier is built.
+    Events go to the stdlib logger ``kvactors.<component>`` (a child of
+    ``kvactors``, so routed like every other kvactors log; each record carries
+    the event dict as ``record.kvactors_event``); there is no JSON file. As with
+    :func:`make_event_logger`, the level is the stdlib logger's effective level
+    when this is called, so build it when the component is built.
     Thread-safe: any thread may log through it.
     """
-    stdlib = logging.getLogger(f"{LOGGER_NAME}.tiers.{tier_module}")
+    stdlib = logging.getLogger(f"{LOGGER_NAME}.{component}")
     logger = structlog.wrap_logger(
         EventSink(None, stdlib),
         wrapper_class=structlog.make_filtering_bound_logger(stdlib.getEffectiveLevel()),

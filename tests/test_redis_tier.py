@@ -182,8 +182,8 @@ def test_corrupt_record_fails_load_then_misses(
     assert h.tier.take_events() == [OffloadingEvent((keys[1],), "redis", removed=True)]
     assert h.tier.lookup(keys, CTX) == [HIT, MISS, HIT]
     assert client.exists(victim) == 0
-    failed = [r for r in caplog.records if getattr(r, "structured", {}).get("event") == "job_failed"]
-    assert failed and failed[0].structured["tier"] == "redis" and failed[0].structured["job_id"] == res.job_id
+    failed = [r for r in caplog.records if getattr(r, "kvactors_event", {}).get("event") == "job_failed"]
+    assert failed and failed[0].kvactors_event["tier"] == "redis" and failed[0].kvactors_event["job_id"] == res.job_id
     client.close()
 
 

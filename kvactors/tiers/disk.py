@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.logs import tier_logger
+from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers.base import ReportFn, SecondaryTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
@@ -149,7 +149,7 @@ class DiskTier(SecondaryTier):
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self._io_workers = io_workers
-        self._log: FilteringBoundLogger = tier_logger("disk", tier=name)
+        self._log: FilteringBoundLogger = component_logger("tiers.disk", tier=name)
 
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)

@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import redis
-import structlog
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
 
+from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers.base import ReportFn, SecondaryTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
-
-LOGGER_NAME = "kvactors.tiers.redis"
-
-_stdlib_logger = logging.getLogger(LOGGER_NAME)
 
 # Bytes read per recv: blocks are large (hundreds of KiB), so fewer, larger reads.
 _SOCKET_READ_SIZE = 1 << 20
@@ -43,28 +36,6 @@ for i = 1, #popped, 2 do
 end
 return out
 """
-
-
-def _render(_: WrappedLogger, __: str, event_dict: EventDict) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Hand the event to the stdlib logger as ``"event k=v ..."``, the dict in ``record.structured``."""
-    event = event_dict.get("event", "")
-    rest = " ".join(f"{k}={v}" for k, v in event_dict.items() if k != "event")
-    return ("%s %s", event, rest), {"extra": {"structured": dict(event_dict)}}
-
-
-def _make_logger(**context: Any) -> FilteringBoundLogger:
-    """A structlog logger over the stdlib logger ``kvactors.tiers.redis``.
-
-    Built locally with ``structlog.wrap_logger`` (never ``structlog.configure``);
-    the level is the stdlib logger's effective level when the tier is built.
-    """
-    logger = structlog.wrap_logger(
-        _stdlib_logger,
-        wrapper_class=structlog.make_filtering_bound_logger(_stdlib_logger.getEffectiveLevel()),
-        processors=[_render],
-        cache_logger_on_first_use=True,
-    )
-    return logger.bind(**context)
 
 
 class _JobState:
@@ -173,7 +144,7 @@ class RedisTier(SecondaryTier):
         self.retry_after_s = float(retry_after_s)
         self._prefix = namespace.encode() + b":"
         self._lru_key = self._prefix + b"__lru__"
-        self._log = _make_logger(tier=name)
+        self._log = component_logger("tiers.redis", tier=name)
 
         # Raises only on a malformed URL (a configuration error), never on an
         # unreachable server: redis-py connects lazily.

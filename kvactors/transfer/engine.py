@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvactors.core.errors import ManagerStoppedError, TransferError
+from kvactors.logs import component_logger
 from kvactors.transfer.cpu import CpuCopier
 from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, CopyJob, Direction, FaultInjector
-from kvactors.transfer.logs import make_transfer_logger
 from kvactors.transfer.runs import copy_runs
 from kvactors.types import OffloadKey, ReqContext
 
@@ -122,7 +122,7 @@ class TransferEngine:
         self._block_bytes = int(pool.shape[1])
         self._copy_timeout_s = None if copy_timeout_s is None else float(copy_timeout_s)
         engine_id = next(_engine_ids)
-        self._log = make_transfer_logger(engine=engine_id)
+        self._log = component_logger("transfer", engine=engine_id)
         self._job_ids = itertools.count(1)
         self._cond = threading.Condition()
         self._closed = False
