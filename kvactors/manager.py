@@ -111,9 +111,9 @@ class TieringManager:
                 raise ValueError(f"{label} must be an int > 0, got {value!r}")
         if eviction not in POLICIES:
             raise ValueError(f"unknown eviction policy {eviction!r}; choose one of {POLICIES}")
-        for label, value in (("transfer_timeout_s", transfer_timeout_s), ("lookup_timeout_s", lookup_timeout_s)):
-            if not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{label} must be > 0, got {value!r}")
+        for label, timeout in (("transfer_timeout_s", transfer_timeout_s), ("lookup_timeout_s", lookup_timeout_s)):
+            if not isinstance(timeout, int | float) or not timeout > 0:
+                raise ValueError(f"{label} must be > 0, got {timeout!r}")
         tiers = list(secondary_tiers)
         names = [PRIMARY_TIER_NAME]
         for tier in tiers:

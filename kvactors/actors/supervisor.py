@@ -38,6 +38,7 @@ in-flight jobs drain.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -511,7 +512,10 @@ class LifecycleSupervisor(Actor):
         for _, reply in ready:
             # Hooks sent before now must be processed too, then the primary's
             # queue must pass the releases sent before now: a tier round, then the primary.
-            self._gather("barrier", lambda _, reply=reply: self.primary.tell(m.BarrierFinal(reply)))
+            self._gather("barrier", functools.partial(self._finish_barrier, reply))
+
+    def _finish_barrier(self, reply: Future[bool], _: dict[str, tuple[Any, ...]]) -> None:
+        self.primary.tell(m.BarrierFinal(reply))
 
     @handles(m.SupervisorStats)
     def _on_stats(self, msg: m.SupervisorStats) -> None:

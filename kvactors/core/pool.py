@@ -426,12 +426,13 @@ class BlockPool:
             assert self._pins[row] == pins[row], f"row {row}: pins {self._pins[row]} != {pins[row]}"
             assert self._holds[row] == holds[row], f"row {row}: holds"
             assert self._writer[row] == writers.get(row), f"row {row}: writer"
-            key = self._keys[row]
+            held_key = self._keys[row]
             busy = self._busy(row)
             if row in free:
-                assert key is None and not busy and not self._indexed[row], f"free row {row} in use"
+                assert held_key is None and not busy and not self._indexed[row], f"free row {row} in use"
                 continue
-            assert key is not None, f"row {row} is neither free nor holds a key"
+            assert held_key is not None, f"row {row} is neither free nor holds a key"
+            key = held_key
             if self._indexed[row]:
                 assert self._index[key] == row
                 assert bool(self._ready[row]) == (self._writer[row] is None), f"row {row}: ready vs writer"

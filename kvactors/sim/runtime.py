@@ -27,6 +27,7 @@ Not thread-safe: one thread drives it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import random
@@ -156,12 +157,12 @@ class SimRuntime:
         options: list[Callable[[], None]] = []
         for ref in self._refs:
             if ref.inbox:
-                options.append(lambda ref=ref: self._deliver(ref))
+                options.append(functools.partial(self._deliver, ref))
         if self._tasks:
             options.append(self._run_task)
         for index, (_, _, waiting) in enumerate(self._clients):
             if waiting is None or waiting.done():
-                options.append(lambda index=index: self._resume(index))
+                options.append(functools.partial(self._resume, index))
         can_jump = bool(self._timers) and (until is None or self._timers[0][0] <= until)
         if can_jump and (not options or self.rng.random() < self.time_jump_chance):
             self._jump_time()
