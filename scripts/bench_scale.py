@@ -8,7 +8,8 @@
    (allocated inside the measured window, 65 bytes each: a 32-byte ``bytes``)
    and without them (the pool's own structures).
 2. ``lookup`` and ``prepare_store`` time per key at that size against a pool of
-   1,000 blocks, through the pool directly (no actors) and through a
+   1,000 blocks (1,000 distinct keys probed, spread over the pool, at both
+   sizes; every lookup hit), through the pool directly (no actors) and through a
    ``TieringManager`` (one actor round trip per call of 16 keys). Pools full:
    every ``prepare_store`` evicts.
 3. 10,000 concurrent active requests in a ``TieringManager`` with two
@@ -32,6 +33,7 @@ from kvactors.core.policies import make_policy
 from kvactors.core.pool import BlockPool
 
 BATCH = 1000
+PROBES = 1000  # the same number of distinct keys probed at every pool size
 
 
 def key(i: int, tag: bytes = b"k") -> bytes:
@@ -66,10 +68,10 @@ def memory_per_block(n: int) -> dict[str, float]:
 def per_key_times(n: int, rounds: int) -> dict[str, float]:
     pool = BlockPool(n, make_policy("lru", n))
     fill(pool, n)
-    keys = [key(i) for i in range(0, n, max(1, n // 4096))][:4096]
+    keys = [key(i) for i in range(0, n, max(1, n // PROBES))][:PROBES]
     t0 = time.perf_counter()
     done = 0
-    for r in range(rounds):
+    for _ in range(rounds):
         for s in range(0, len(keys), 16):
             done += len(pool.lookup(keys[s:s + 16]))
     lookup = (time.perf_counter() - t0) / done
@@ -93,7 +95,7 @@ def manager_times(n: int, calls: int) -> dict[str, float]:
             mgr.prepare_store(keys, ctx)
             mgr.complete_store(keys, ctx)
         mgr.take_events()
-        probe = [key(i) for i in range(0, n, max(1, n // 4096))][:4096]
+        probe = [key(i) for i in range(0, n, max(1, n // PROBES))][:PROBES]
         t0 = time.perf_counter()
         for c in range(calls):
             s = (c * 16) % len(probe)
