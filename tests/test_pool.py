@@ -309,7 +309,7 @@ class _Twin:
             for pool in (self.a, self.b):
                 try:
                     outcome.append(("ok", getattr(pool, name)(*args, **kwargs)))
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     outcome.append(("raised", type(exc)))
             assert outcome[0] == outcome[1], f"{name}{args}: {outcome}"
             if outcome[0][0] == "raised":
