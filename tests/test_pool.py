@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvactors import LookupResult
-from kvactors.core.policies import make_policy
+from kvactors.core.policies import LRUPolicy, make_policy
 from kvactors.core.pool import BlockPool, PoolError
 
 A, B = ("a", 0), ("b", 0)
@@ -288,3 +288,48 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class _KeyLRU(LRUPolicy):
+    """The standalone (OrderedDict) LRU: the pool cannot bind it to its rows."""
+
+    __slots__ = ()
+    bind_rows = None  # type: ignore[assignment]
+
+
+class _Twin:
+    """Two pools driven alike: every call must return the same or raise the same."""
+
+    def __init__(self, a: BlockPool, b: BlockPool) -> None:
+        self.a, self.b = a, b
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            outcome = []
+            for pool in (self.a, self.b):
+                try:
+                    outcome.append(("ok", getattr(pool, name)(*args, **kwargs)))
+                except Exception as exc:
+                    outcome.append(("raised", type(exc)))
+            assert outcome[0] == outcome[1], f"{name}{args}: {outcome}"
+            if outcome[0][0] == "raised":
+                raise outcome[0][1]("raised by both pools")
+            return outcome[0][1]
+        return call
+
+
+class RowLRUMachine(PoolMachine):
+    """The pool with its row-bound LRU behaves exactly as with the OrderedDict LRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = _Twin(BlockPool(4, make_policy("lru", 4)), BlockPool(4, _KeyLRU()))  # type: ignore[assignment]
+
+    @invariant()
+    def same_state(self):
+        assert self.pool.a.snapshot() == self.pool.b.snapshot()
+        assert list(self.pool.a._policy._key_of) == list(self.pool.a._keys)
+
+
+TestRowLRUMachine = RowLRUMachine.TestCase
+TestRowLRUMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

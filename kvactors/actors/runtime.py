@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import queue
 import threading
 import time
 import traceback
@@ -156,6 +157,11 @@ class _PykkaShell(pykka.ThreadingActor):
         super().__init__()
         self._actor = actor
         self._thread_name = thread_name
+
+    @staticmethod
+    def _create_actor_inbox() -> Any:
+        # A C-level queue: put/get without queue.Queue's Python-level Condition.
+        return queue.SimpleQueue()
 
     def on_start(self) -> None:
         threading.current_thread().name = self._thread_name

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from kvactors.core.policies.base import EvictionPolicy
+from kvactors.core.policies.lru import LRUPolicy
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
 
 Identity: TypeAlias = tuple[str, int]
@@ -99,21 +100,33 @@ class BlockPool:
         self._n_pending = 0
         self._n_pinned = 0
         self._detached: set[int] = set()  # unindexed rows that are still busy
+        # A policy that can order rows itself (LRU) does so through our index
+        # instead of keeping its own map of keys; the hot paths then call it by row.
+        self._rows: LRUPolicy | None = None
+        bind_rows = getattr(policy, "bind_rows", None)
+        if callable(bind_rows):
+            bind_rows(self._index.get, self._keys, num_blocks)
+            self._rows = policy  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ queries
 
     def lookup(self, keys: Iterable[OffloadKey]) -> list[LookupResult]:
         """``HIT`` (ready), ``HIT_PENDING`` (being written) or ``MISS`` per key; hits count as uses."""
         results = []
+        index_get, ready, rows = self._index.get, self._ready, self._rows
+        miss, hit, pending = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
         for key in keys:
-            row = self._index.get(key)
+            row = index_get(key)
             if row is None:
-                results.append(LookupResult.MISS)
-            elif self._ready[row]:
-                self._policy.access(key)
-                results.append(LookupResult.HIT)
+                results.append(miss)
+            elif ready[row]:
+                if rows is not None:
+                    rows.access_row(row)
+                else:
+                    self._policy.access(key)
+                results.append(hit)
             else:
-                results.append(LookupResult.HIT_PENDING)
+                results.append(pending)
         return results
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
@@ -468,9 +481,12 @@ class BlockPool:
     def _unindex(self, row: int) -> None:
         key = self._keys[row]
         assert key is not None and self._indexed[row]
+        if self._rows is not None:
+            self._rows.discard_row(row)
+        else:
+            self._policy.discard(key)
         del self._index[key]
         self._indexed[row] = 0
-        self._policy.discard(key)
         if self._ready[row]:
             self._n_ready -= 1
         else:
@@ -494,9 +510,12 @@ class BlockPool:
     def _pin(self, row: int) -> None:
         if self._pins[row] == 0:
             self._n_pinned += 1
-            key = self._keys[row]
-            if key is not None:
-                self._policy.discard(key)
+            if self._rows is not None:
+                self._rows.discard_row(row)
+            else:
+                key = self._keys[row]
+                if key is not None:
+                    self._policy.discard(key)
         self._pins[row] += 1
 
     def _unpin(self, row: int) -> None:
@@ -511,7 +530,10 @@ class BlockPool:
             return
         key = self._keys[row]
         if self._indexed[row]:
-            if self._ready[row] and key is not None and key not in self._policy:
+            if self._rows is not None:
+                if self._ready[row]:
+                    self._rows.add_row(row)
+            elif self._ready[row] and key is not None and key not in self._policy:
                 self._policy.add(key)
         elif key is not None:
             # Unindexed and idle: nobody can reach or touch this row any more.

@@ -1,0 +1,318 @@
+"""Request lifecycles through kvactors' actors against the same core behind one lock.
+
+    PYTHONPATH=. python scripts/bench_lifecycle.py [--quick] [--json] [--plot docs/bench_lifecycle.png]
+
+Reference: :class:`kvactors.baseline.LockedManager` (BlockPool + LifecycleTable
+behind one ``threading.RLock``, tier calls made synchronously inside it, as
+vLLM does). Candidate: :class:`kvactors.TieringManager` (pykka actors).
+
+Workload, per frontend thread (K = 1, 2, 4, 8), back to back until the phase ends:
+``on_new_request``; ``lookup`` of 16 keys (8 hot keys resident in the primary
+pool, 8 new ones: half hits; the new ones also go to the secondary tiers);
+``prepare_store`` of the 8 new keys; the store is handed to one completion
+thread, which calls ``complete_store`` (as copy workers would; a frontend has
+at most 2 stores handed over and not yet completed, as a copy engine of bounded
+depth, and waits for a slot otherwise); then ``on_request_finished``. Two secondary tiers. Variants: ``instant`` (tiers
+report at once) and ``slow`` (``submit_store`` does 1 ms of blocking work,
+``time.sleep(0.001)`` standing for a disk or Redis call, then reports).
+
+Reported per variant and thread count, for both implementations (phases
+interleaved: lock, kvactors, lock, kvactors, ... so other load on the machine
+hits both alike): requests/s and the ratio kvactors/lock; p50/p99 of each call
+as the calling thread sees it (``complete_store`` on the completion thread);
+finalize latency: from the ``complete_store`` call of a request to the moment
+the last tier's ``on_request_finished`` hook ran for it. Requests whose
+``prepare_store`` stored nothing (no room) have no finalize sample; the share
+of stores accepted is reported.
+
+``--json``: the last line is a JSON object with ``throughput_ratio`` (instant,
+8 threads), ``slow_tier_p99_ratio`` (slow, 8 threads, p99 of the frontend
+threads' calls pooled), ``finalize_p99_ms`` (instant, 8 threads),
+``finalize_p99_ms_slow`` and every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvactors import JobResult, LookupResult, ReqContext, SecondaryTier, TieringManager, TransferJob
+from kvactors.baseline import LockedManager
+
+NUM_BLOCKS = 8192
+BLOCK_BYTES = 64
+HOT_KEYS = 512
+STORES_IN_FLIGHT = 2
+FRONTEND_CALLS = ("on_new_request", "lookup", "prepare_store", "on_request_finished")
+
+
+class BenchTier(SecondaryTier):
+    """Holds nothing (every lookup misses); records when ``on_request_finished`` ran."""
+
+    def __init__(self, name: str, submit_cost_s: float, finalized: dict[tuple[str, int], float]) -> None:
+        super().__init__(name=name)
+        self.submit_cost_s = submit_cost_s
+        self.finalized = finalized
+
+    def lookup(self, keys: Sequence[bytes], ctx: ReqContext) -> list[LookupResult]:
+        return [LookupResult.MISS] * len(keys)
+
+    def submit_store(self, job: TransferJob) -> None:
+        if self.submit_cost_s:
+            time.sleep(self.submit_cost_s)  # the blocking I/O of a disk or Redis write
+        self.report(JobResult(job.job_id, True))
+
+    def submit_load(self, job: TransferJob) -> None:
+        self.report(JobResult(job.job_id, False, "bench tier holds nothing"))
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        # Dict item assignment is atomic; each tier writes its own dict.
+        self.finalized[ctx.identity] = time.perf_counter()
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_phase(impl: str, variant: str, threads: int, duration_s: float) -> dict[str, Any]:
+    """One phase: ``threads`` frontends for ``duration_s``; returns its figures."""
+    cost = 0.001 if variant == "slow" else 0.0
+    fin = [{}, {}]  # per tier: identity -> perf_counter at its on_request_finished
+    tiers = [BenchTier(f"t{i}", cost, fin[i]) for i in range(2)]
+    if impl == "kvactors":
+        mgr: Any = TieringManager.start(num_blocks=NUM_BLOCKS, block_bytes=BLOCK_BYTES, secondary_tiers=tiers)
+    else:
+        mgr = LockedManager(num_blocks=NUM_BLOCKS, pool=torch.zeros((NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8),
+                            secondary_tiers=tiers)
+    hot = [f"hot-{i:08d}".encode().ljust(32, b".") for i in range(HOT_KEYS)]
+    warm = ReqContext("warmup")
+    mgr.on_new_request(warm)
+    for start in range(0, HOT_KEYS, 64):
+        out = mgr.prepare_store(hot[start:start + 64], warm)
+        mgr.complete_store(out.keys_to_store, warm)
+    mgr.on_request_finished(warm)
+    if impl == "kvactors":
+        mgr.wait_idle(30)
+
+    completions: queue.SimpleQueue[tuple[ReqContext, list[bytes], threading.Semaphore] | None] = queue.SimpleQueue()
+    completed_at: dict[tuple[str, int], float] = {}
+    lat: dict[str, list[float]] = {name: [] for name in (*FRONTEND_CALLS, "complete_store")}
+    per_thread: list[dict[str, list[float]]] = []
+    counts = [0] * threads
+    stored = [0] * threads
+    copy_waits = [0.0] * threads
+    stop = threading.Event()
+    start_barrier = threading.Barrier(threads + 1)
+
+    def completer() -> None:
+        mine: list[float] = []
+        clock = time.perf_counter
+        while (item := completions.get()) is not None:
+            ctx, keys, slots = item
+            t0 = clock()
+            mgr.complete_store(keys, ctx)
+            mine.append(clock() - t0)
+            completed_at[ctx.identity] = t0
+            slots.release()
+        lat["complete_store"] = mine
+
+    def frontend(n: int) -> None:
+        mine: dict[str, list[float]] = {name: [] for name in FRONTEND_CALLS}
+        per_thread.append(mine)
+        l_new, l_look, l_prep, l_fin = (mine[name] for name in FRONTEND_CALLS)
+        clock = time.perf_counter
+        waited = 0.0
+        hot_at = n * 97
+        slots = threading.Semaphore(STORES_IN_FLIGHT)
+        start_barrier.wait()
+        for i in itertools.count():
+            if stop.is_set():
+                break
+            ctx = ReqContext(f"r{n}-{i}")
+            fresh = [f"new-{n}-{i}-{j}".encode().ljust(32, b".") for j in range(8)]
+            keys = [hot[(hot_at + j * 61) % HOT_KEYS] for j in range(8)] + fresh
+            hot_at += 13
+            t0 = clock()
+            mgr.on_new_request(ctx)
+            t1 = clock()
+            mgr.lookup(keys, ctx)
+            t2 = clock()
+            out = mgr.prepare_store(fresh, ctx)
+            t3 = clock()
+            if out is not None and out.keys_to_store:
+                t_wait = clock()
+                slots.acquire()  # the copy engine's depth: at most STORES_IN_FLIGHT per frontend
+                waited += clock() - t_wait
+                completions.put((ctx, out.keys_to_store, slots))
+                stored[n] += 1
+            t4 = clock()
+            mgr.on_request_finished(ctx)
+            t5 = clock()
+            l_new.append(t1 - t0)
+            l_look.append(t2 - t1)
+            l_prep.append(t3 - t2)
+            l_fin.append(t5 - t4)
+            counts[n] += 1
+        copy_waits[n] = waited
+
+    gc.collect()
+    done_thread = threading.Thread(target=completer, name="completer")
+    done_thread.start()
+    workers = [threading.Thread(target=frontend, args=(n,), name=f"frontend-{n}") for n in range(threads)]
+    for w in workers:
+        w.start()
+    start_barrier.wait()
+    t_start = time.perf_counter()
+    time.sleep(duration_s)
+    stop.set()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - t_start
+    completions.put(None)
+    done_thread.join()
+    if impl == "kvactors":
+        mgr.wait_idle(60)
+        mgr.stop()
+
+    for mine in per_thread:
+        for name, values in mine.items():
+            lat[name].extend(values)
+    finalize = []
+    for identity, t0 in completed_at.items():
+        ends = [f.get(identity) for f in fin]
+        if all(e is not None for e in ends):
+            finalize.append(max(ends) - t0)  # type: ignore[type-var]
+    frontend_all = [v for name in FRONTEND_CALLS for v in lat[name]]
+    requests = sum(counts)
+    row: dict[str, Any] = {
+        "impl": impl, "variant": variant, "threads": threads,
+        "requests": requests, "rps": requests / elapsed,
+        "stores_accepted": sum(stored) / requests if requests else 0.0,
+        "copy_wait_share": sum(copy_waits) / (threads * elapsed),
+        "frontend_p50_us": _pct(frontend_all, 0.5) * 1e6, "frontend_p99_us": _pct(frontend_all, 0.99) * 1e6,
+        "finalize_p50_ms": _pct(finalize, 0.5) * 1e3, "finalize_p99_ms": _pct(finalize, 0.99) * 1e3,
+        "finalize_samples": len(finalize),
+    }
+    for name, values in lat.items():
+        row[f"{name}_p50_us"] = _pct(values, 0.5) * 1e6
+        row[f"{name}_p99_us"] = _pct(values, 0.99) * 1e6
+    return row
+
+
+def merge(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one configuration: median of each figure, summed request counts."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in rows)
+    out["requests"] = sum(r["requests"] for r in rows)
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
+    for ax, variant in zip(axes, ("instant", "slow"), strict=True):
+        for impl, style in (("lock", "o--"), ("kvactors", "s-")):
+            pts = sorted((r["threads"], r["rps"]) for r in rows if r["impl"] == impl and r["variant"] == variant)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl)
+        ax.set_title(f"{variant} tiers" + (" (submit_store: 1 ms blocking)" if variant == "slow" else ""))
+        ax.set_xlabel("frontend threads")
+        ax.set_ylabel("request lifecycles / s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"kvactors vs one lock ({os.cpu_count()} CPUs)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="short phases, one repeat (under a minute)")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    parser.add_argument("--threads", default="1,2,4,8")
+    parser.add_argument("--variants", default="instant,slow")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per phase")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--plot", default=None, help="write a PNG of requests/s against threads here")
+    args = parser.parse_args()
+    duration = args.duration or (1.2 if args.quick else 3.0)
+    repeats = args.repeats or (1 if args.quick else 3)
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    variants = args.variants.split(",")
+
+    raw: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for _ in range(repeats):
+        for variant in variants:
+            for threads in thread_counts:
+                for impl in ("lock", "kvactors"):  # interleaved
+                    raw.setdefault((impl, variant, threads), []).append(run_phase(impl, variant, threads, duration))
+    rows = [merge(v) for v in raw.values()]
+
+    def get(impl: str, variant: str, threads: int) -> dict[str, Any]:
+        return next(r for r in rows if (r["impl"], r["variant"], r["threads"]) == (impl, variant, threads))
+
+    calls = (*FRONTEND_CALLS, "complete_store")
+    print(f"# {duration:.1f} s per phase, {repeats} repeat(s), {os.cpu_count()} CPUs; latencies in µs "
+          "(p50/p99 of each call as its caller sees it), finalize in ms")
+    header = (f"{'variant':8} {'thr':>3} {'impl':9} {'req/s':>8} {'ratio':>6} {'stored':>6} "
+              + " ".join(f"{c[:14]:>15}" for c in calls) + f" {'frontend':>13} {'finalize ms':>13}")
+    print(header)
+    for variant in variants:
+        for threads in thread_counts:
+            base = get("lock", variant, threads)
+            for impl in ("lock", "kvactors"):
+                r = get(impl, variant, threads)
+                ratio = r["rps"] / base["rps"]
+                cells = " ".join(f"{r[f'{c}_p50_us']:>7.0f}/{r[f'{c}_p99_us']:<7.0f}" for c in calls)
+                print(f"{variant:8} {threads:>3} {impl:9} {r['rps']:>8.0f} {ratio:>6.2f} {r['stores_accepted']:>6.2f} "
+                      f"{cells} {r['frontend_p50_us']:>6.0f}/{r['frontend_p99_us']:<6.0f} "
+                      f"{r['finalize_p50_ms']:>6.2f}/{r['finalize_p99_ms']:<6.2f}")
+    summary: dict[str, Any] = {}
+    top = max(thread_counts)
+    if "instant" in variants:
+        k, b = get("kvactors", "instant", top), get("lock", "instant", top)
+        summary["throughput_ratio"] = k["rps"] / b["rps"]
+        summary["finalize_p99_ms"] = k["finalize_p99_ms"]
+    if "slow" in variants:
+        k, b = get("kvactors", "slow", top), get("lock", "slow", top)
+        summary["slow_tier_p99_ratio"] = k["frontend_p99_us"] / b["frontend_p99_us"]
+        summary["finalize_p99_ms_slow"] = k["finalize_p99_ms"]
+        summary["slow_throughput_ratio"] = k["rps"] / b["rps"]
+    summary["threads"] = top
+    print("# targets: throughput_ratio >= 0.5, slow_tier_p99_ratio <= 0.1, finalize_p99_ms <= 2: "
+          + ", ".join(f"{k}={v:.3g}" for k, v in summary.items() if isinstance(v, float)))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"# plot: {args.plot}")
+    if args.json:
+        summary["rows"] = rows
+        print(json.dumps(summary))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
