@@ -156,7 +156,7 @@ class TieringManager:
             sink.close()
             raise
         primary.connect(supervisor_ref)
-        supervisor.connect(primary_ref, tier_refs)
+        supervisor.connect(primary_ref, {actor.tier.name: actor.link() for actor in tier_actors})
         log.info("manager_started", num_blocks=num_blocks, block_bytes=block_bytes, tiers=",".join(names),
                  eviction=eviction, transfer_timeout_s=transfer_timeout_s)
         return cls(runtime=runtime, pool=pool, primary=primary_ref,

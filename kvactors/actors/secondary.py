@@ -7,10 +7,22 @@ an exception in a hook is logged and counted. Nothing a plugin raises reaches
 the supervisor or the other tiers.
 
 The only sender of messages to this actor is the supervisor (see
-:mod:`kvactors.actors.supervisor` for why that matters).
+:mod:`kvactors.actors.supervisor` for why that matters), through a
+:class:`TierLink`.
+
+Lookups take a fast lane. A tier whose ``submit_*`` blocks (a call to a slow
+disk or server on the submit path) would otherwise make every lookup wait
+behind the submits queued before it, and the frontend's ``lookup`` with it.
+The supervisor also puts each lookup in the link's lane, and the actor serves
+the lane before each submit it runs. A lookup may overtake submits (it never
+submits anything, so the contract is unaffected) but never the
+``on_new_request`` of its request.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +30,29 @@ from kvactors.actors import messages as m
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, handles
 from kvactors.tiers.base import SecondaryTier
 from kvactors.types import JobResult, LookupResult
+
+
+def _overrides(tier: SecondaryTier, hook: str) -> bool:
+    return getattr(type(tier), hook) is not getattr(SecondaryTier, hook)
+
+
+@dataclass(frozen=True, slots=True)
+class TierLink:
+    """How the supervisor reaches one tier actor.
+
+    ``wants_new_request`` / ``wants_touch``: whether the plugin overrides those
+    optional hooks (a message not worth sending otherwise). ``on_request_finished``
+    is always sent: the actor logs its arrival for ``check-log``.
+    """
+
+    ref: ActorRef
+    lane: deque[m.TierLookup]
+    wants_new_request: bool
+    wants_touch: bool
+
+    def lookup(self, message: m.TierLookup) -> None:
+        self.lane.append(message)
+        self.ref.tell(message)
 
 
 class SecondaryTierActor(Actor):
@@ -28,6 +63,14 @@ class SecondaryTierActor(Actor):
         self.name = f"tier-{tier.name}"
         self.supervisor: ActorRef
         self.tier_errors = 0
+        self._lane: deque[m.TierLookup] = deque()
+        self._wants_new_request = _overrides(tier, "on_new_request")
+        # Requests whose on_new_request the plugin has seen: their lookups may take the lane.
+        self._open: set[tuple[str, int]] = set()
+
+    def link(self) -> TierLink:
+        """The supervisor's handle on this actor (after it was spawned)."""
+        return TierLink(self.ref, self._lane, self._wants_new_request, _overrides(self.tier, "touch"))
 
     def connect(self, supervisor: ActorRef, pool: torch.Tensor) -> None:
         """Attach the plugin; runs before the actor receives any message."""
@@ -51,6 +94,7 @@ class SecondaryTierActor(Actor):
 
     @handles(m.TierNewRequest)
     def _on_new_request(self, msg: m.TierNewRequest) -> None:
+        self._open.add(msg.ctx.identity)
         try:
             self.tier.on_new_request(msg.ctx)
         except BaseException as exc:
@@ -58,6 +102,7 @@ class SecondaryTierActor(Actor):
 
     @handles(m.TierFinished)
     def _on_finished(self, msg: m.TierFinished) -> None:
+        self._open.discard(msg.ctx.identity)
         self.log.debug("tier_finish_received", tier=self.tier.name, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
         try:
             self.tier.on_request_finished(msg.ctx)
@@ -73,6 +118,7 @@ class SecondaryTierActor(Actor):
 
     @handles(m.TierSubmit)
     def _on_submit(self, msg: m.TierSubmit) -> None:
+        self._serve_lane()
         job = msg.job
         ctx = job.req_context
         self.log.debug("tier_submit_received", tier=self.tier.name, job_id=job.job_id, promotion=job.is_promotion,
@@ -86,8 +132,21 @@ class SecondaryTierActor(Actor):
             self._failed("submit_load" if job.is_promotion else "submit_store", exc, job_id=job.job_id)
             self._report(JobResult(job.job_id, False, f"{type(exc).__name__}: {exc}"))
 
+    def _serve_lane(self) -> None:
+        """Answer the lookups waiting behind this submit, in order, while their requests are open here."""
+        lane = self._lane
+        while lane and (not self._wants_new_request or lane[0].ctx.identity in self._open):
+            self._lookup(lane.popleft())
+
     @handles(m.TierLookup)
     def _on_lookup(self, msg: m.TierLookup) -> None:
+        try:
+            self._lane.remove(msg)
+        except ValueError:
+            return  # already answered from the lane
+        self._lookup(msg)
+
+    def _lookup(self, msg: m.TierLookup) -> None:
         results: tuple[LookupResult, ...] | None
         try:
             answer = self.tier.lookup(msg.keys, msg.ctx)

@@ -47,6 +47,7 @@ from typing import Any
 
 from kvactors.actors import messages as m
 from kvactors.actors.runtime import Actor, ActorRef, handles
+from kvactors.actors.secondary import TierLink
 from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
@@ -110,7 +111,7 @@ class LifecycleSupervisor(Actor):
         self.tier_order = tuple(name for name, _ in tier_limits)
         self.max_inflight = dict(tier_limits)
         self.primary: ActorRef
-        self.tiers: dict[str, ActorRef] = {}
+        self.tiers: dict[str, TierLink] = {}
         self.epoch = 0
         self.stopping = False
         self._jobs: dict[int, _Job] = {}
@@ -143,7 +144,7 @@ class LifecycleSupervisor(Actor):
             0,
         )
 
-    def connect(self, primary: ActorRef, tiers: dict[str, ActorRef]) -> None:
+    def connect(self, primary: ActorRef, tiers: dict[str, TierLink]) -> None:
         self.primary = primary
         self.tiers = dict(tiers)
 
@@ -158,7 +159,7 @@ class LifecycleSupervisor(Actor):
     def _finalize(self, state: RequestState) -> None:
         ctx = state.req_context
         for tier in self.tier_order:
-            self.tiers[tier].tell(m.TierFinished(ctx))
+            self.tiers[tier].ref.tell(m.TierFinished(ctx))
             self.log.debug("tier_finalized", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier)
         self.primary.tell(m.RequestFinalized(ctx))
         self.counters["requests_finalized"] += 1
@@ -178,7 +179,8 @@ class LifecycleSupervisor(Actor):
     def _on_request_started(self, msg: m.RequestStarted) -> None:
         self.table.start(msg.ctx)
         for tier in self.tier_order:
-            self.tiers[tier].tell(m.TierNewRequest(msg.ctx))
+            if self.tiers[tier].wants_new_request:
+                self.tiers[tier].ref.tell(m.TierNewRequest(msg.ctx))
 
     @handles(m.RequestFinished)
     def _on_request_finished(self, msg: m.RequestFinished) -> None:
@@ -207,7 +209,8 @@ class LifecycleSupervisor(Actor):
     @handles(m.TouchTiers)
     def _on_touch_tiers(self, msg: m.TouchTiers) -> None:
         for tier in self.tier_order:
-            self.tiers[tier].tell(m.TierTouch(msg.keys, msg.ctx))
+            if self.tiers[tier].wants_touch:
+                self.tiers[tier].ref.tell(m.TierTouch(msg.keys, msg.ctx))
 
     # ------------------------------------------------------------ jobs
 
@@ -237,7 +240,7 @@ class LifecycleSupervisor(Actor):
         self.counters["jobs_submitted"] += 1
         self._job_deadlines.add(job.job.job_id, self.runtime.now() + self.transfer_timeout_s)
         self._arm_timer()
-        self.tiers[job.tier].tell(m.TierSubmit(job.job))
+        self.tiers[job.tier].ref.tell(m.TierSubmit(job.job))
         self.log.debug(f"{job.kind}_submitted", job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
                        req_id=ctx.req_id, attempt=ctx.attempt)
 
@@ -360,7 +363,7 @@ class LifecycleSupervisor(Actor):
         self._lookup_deadlines.add(msg.lookup_id, self.runtime.now() + self.lookup_timeout_s)
         self._arm_timer()
         for tier in self.tier_order:
-            self.tiers[tier].tell(m.TierLookup(msg.lookup_id, keys, msg.ctx))
+            self.tiers[tier].lookup(m.TierLookup(msg.lookup_id, keys, msg.ctx))
 
     @handles(m.TierLookupAnswered)
     def _on_tier_lookup_answered(self, msg: m.TierLookupAnswered) -> None:
@@ -477,7 +480,7 @@ class LifecycleSupervisor(Actor):
         self._gather_ids += 1
         self._gathers[self._gather_ids] = _Gather(set(self.tier_order), on_done)
         for tier in self.tier_order:
-            self.tiers[tier].tell(m.TierGather(self._gather_ids, what, timeout_s))
+            self.tiers[tier].ref.tell(m.TierGather(self._gather_ids, what, timeout_s))
 
     @handles(m.TierGathered)
     def _on_tier_gathered(self, msg: m.TierGathered) -> None:
