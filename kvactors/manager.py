@@ -7,13 +7,13 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
 
 from kvactors.actors import messages as m
 from kvactors.actors.primary import PrimaryTier
+from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import ActorRef, ActorStoppedError, Runtime, ThreadRuntime
 from kvactors.actors.secondary import SecondaryTierActor
 from kvactors.actors.supervisor import LifecycleSupervisor
@@ -175,7 +175,7 @@ class TieringManager:
             except ActorStoppedError:
                 raise ManagerStoppedError("the TieringManager is stopped") from None
 
-    def _ask(self, message: object, reply: Future[T]) -> T:
+    def _ask(self, message: object, reply: Reply[T]) -> T:
         self._send(message)
         self._runtime.wait(reply, None)
         return reply.result()
@@ -189,14 +189,14 @@ class TieringManager:
 
     def on_new_request(self, ctx: ReqContext) -> None:
         """First sight of a request attempt. ``LifecycleError`` if it is active."""
-        reply: Future[None] = Future()
+        reply: Reply[None] = Reply()
         self._ask(m.NewRequest(_check_ctx(ctx), reply), reply)
 
     def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """One result per key. A key found only in a secondary tier starts its
         promotion (at most one per key, on behalf of ``ctx``) and answers
         ``HIT_PENDING``. ``LifecycleError`` if the request is unknown or finished."""
-        reply: Future[list[LookupResult]] = Future()
+        reply: Reply[list[LookupResult]] = Reply()
         return self._ask(m.Lookup(_check_keys(keys), _check_ctx(ctx), reply), reply)
 
     def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
@@ -204,7 +204,7 @@ class TieringManager:
 
         ``LifecycleError`` (nothing pinned) if a key is not ready or the request
         is unknown or finished."""
-        reply: Future[LoadStoreSpec] = Future()
+        reply: Reply[LoadStoreSpec] = Reply()
         return self._ask(m.PrepareLoad(_check_keys(keys), _check_ctx(ctx), reply), reply)
 
     def complete_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
@@ -221,7 +221,7 @@ class TieringManager:
         ``None`` if there is no room. The rows are protected until
         :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
         ``LifecycleError`` if the request is unknown or finished."""
-        reply: Future[PrepareStoreOutput | None] = Future()
+        reply: Reply[PrepareStoreOutput | None] = Reply()
         return self._ask(m.PrepareStore(_check_keys(keys), _check_ctx(ctx), reply), reply)
 
     def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
@@ -241,26 +241,26 @@ class TieringManager:
         """Drain in-flight jobs, zero every request's pending counts, finalize
         the finished requests, keep the active ones, clear the primary pool.
         Secondary tiers keep their data."""
-        reply: Future[None] = Future()
+        reply: Reply[None] = Reply()
         self._ask(m.ResetCache(reply), reply)
 
     def take_events(self) -> list[OffloadingEvent]:
         """Blocks stored or removed since the last call: the primary's, then each tier's."""
-        reply: Future[list[OffloadingEvent]] = Future()
+        reply: Reply[list[OffloadingEvent]] = Reply()
         return self._ask(m.TakeEvents(reply), reply)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """True once every call made before it, every job those calls started and
         every tier hook they caused has been processed and reported. Stores
         prepared but not completed by the caller do not hold it."""
-        reply: Future[bool] = Future()
+        reply: Reply[bool] = Reply()
         self._send(m.Barrier(reply))
         return self._runtime.wait(reply, timeout) and reply.result()
 
     def stats(self) -> dict[str, int | float]:
         """Counters: ``active_requests``, ``blocks_ready``, ``blocks_pending``,
         ``blocks_pinned``, ``jobs_in_flight``, ``contract_violations`` and more."""
-        reply: Future[dict[str, int | float]] = Future()
+        reply: Reply[dict[str, int | float]] = Reply()
         return self._ask(m.QueryStats(reply), reply)
 
     def stop(self, timeout: float | None = None) -> None:
@@ -275,7 +275,7 @@ class TieringManager:
             first = not self._closed
             self._closed = True
             if first:
-                reply: Future[None] = Future()
+                reply: Reply[None] = Reply()
                 self._primary.tell(m.Shutdown(reply, timeout))
         if not first:
             self._stopped.wait(timeout)

@@ -2,7 +2,7 @@
 
 pykka passes messages by reference, so every field is an immutable value
 (tuples, frozen dataclasses, ints); the only mutable thing a message carries
-is a reply ``Future``, which exactly one actor resolves, exactly once.
+is a :class:`~kvactors.actors.reply.Reply`, which exactly one actor resolves, exactly once.
 
 Routing (who sends what to whom) is part of the contract's proof; see
 :mod:`kvactors.actors.supervisor`:
@@ -16,10 +16,10 @@ Routing (who sends what to whom) is part of the contract's proof; see
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kvactors.actors.reply import Reply
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 Keys = tuple[OffloadKey, ...]
@@ -30,21 +30,21 @@ Keys = tuple[OffloadKey, ...]
 @dataclass(frozen=True, slots=True)
 class NewRequest:
     ctx: ReqContext
-    reply: Future[None]
+    reply: Reply[None]
 
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
     keys: Keys
     ctx: ReqContext
-    reply: Future[list[LookupResult]]
+    reply: Reply[list[LookupResult]]
 
 
 @dataclass(frozen=True, slots=True)
 class PrepareLoad:
     keys: Keys
     ctx: ReqContext
-    reply: Future[Any]
+    reply: Reply[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class Touch:
 class PrepareStore:
     keys: Keys
     ctx: ReqContext
-    reply: Future[Any]
+    reply: Reply[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,31 +80,31 @@ class FinishRequest:
 
 @dataclass(frozen=True, slots=True)
 class ResetCache:
-    reply: Future[None]
+    reply: Reply[None]
 
 
 @dataclass(frozen=True, slots=True)
 class TakeEvents:
-    reply: Future[list[OffloadingEvent]]
+    reply: Reply[list[OffloadingEvent]]
 
 
 @dataclass(frozen=True, slots=True)
 class Barrier:
     """``wait_idle``: resolves once everything sent before it has settled."""
 
-    reply: Future[bool]
+    reply: Reply[bool]
 
 
 @dataclass(frozen=True, slots=True)
 class QueryStats:
-    reply: Future[dict[str, int | float]]
+    reply: Reply[dict[str, int | float]]
 
 
 @dataclass(frozen=True, slots=True)
 class Shutdown:
     """``stop``: stop accepting work, drain in-flight jobs, shut the tiers down."""
 
-    reply: Future[None]
+    reply: Reply[None]
     drain_timeout_s: float | None
 
 
@@ -160,7 +160,7 @@ class SecondaryLookup:
     keys: Keys
     missing: tuple[int, ...]
     results: tuple[LookupResult, ...]
-    reply: Future[list[LookupResult]]
+    reply: Reply[list[LookupResult]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,13 +175,13 @@ class PromotionsAllocated:
 
 @dataclass(frozen=True, slots=True)
 class SupervisorReset:
-    reply: Future[None]
+    reply: Reply[None]
 
 
 @dataclass(frozen=True, slots=True)
 class CollectEvents:
     events: tuple[OffloadingEvent, ...]
-    reply: Future[list[OffloadingEvent]]
+    reply: Reply[list[OffloadingEvent]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,18 +189,18 @@ class SupervisorBarrier:
     """``snapshot``: every unit of work with an origin id below it must settle."""
 
     snapshot: int
-    reply: Future[bool]
+    reply: Reply[bool]
 
 
 @dataclass(frozen=True, slots=True)
 class SupervisorStats:
     stats: tuple[tuple[str, int | float], ...]
-    reply: Future[dict[str, int | float]]
+    reply: Reply[dict[str, int | float]]
 
 
 @dataclass(frozen=True, slots=True)
 class SupervisorShutdown:
-    reply: Future[None]
+    reply: Reply[None]
     drain_timeout_s: float | None
 
 
@@ -223,7 +223,7 @@ class AllocatePromotions:
     plan: tuple[tuple[str, Keys], ...]
     keys: Keys
     results: tuple[LookupResult, ...]
-    reply: Future[list[LookupResult]]
+    reply: Reply[list[LookupResult]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +249,7 @@ class RequestFinalized:
 
 @dataclass(frozen=True, slots=True)
 class BarrierFinal:
-    reply: Future[bool]
+    reply: Reply[bool]
 
 
 # --------------------------------------------------------------- supervisor <-> tier actors

@@ -41,6 +41,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import pykka
 from structlog.typing import FilteringBoundLogger
 
+from kvactors.actors.reply import Reply
 from kvactors.logs import null_logger
 
 M = TypeVar("M")
@@ -71,7 +72,7 @@ class Runtime(Protocol):
         """Tell ``ref`` ``message`` after ``delay_s`` seconds (never earlier)."""
         ...
 
-    def wait(self, future: Future[Any], timeout_s: float | None) -> bool:
+    def wait(self, future: Reply[Any] | Future[Any], timeout_s: float | None) -> bool:
         """Block until ``future`` is done or ``timeout_s`` passed; return whether done."""
         ...
 
@@ -128,7 +129,7 @@ class Actor:
             getattr(self, handler)(message)
         except BaseException as exc:
             reply = getattr(message, "reply", None)
-            if isinstance(reply, Future) and not reply.done():
+            if reply is not None and not reply.done():
                 reply.set_exception(exc)
                 return
             self.internal_errors += 1
@@ -274,7 +275,9 @@ class ThreadRuntime:
     def call_later(self, delay_s: float, ref: ActorRef, message: object) -> None:
         self._timer.schedule(time.monotonic() + max(delay_s, 0.0), ref, message)
 
-    def wait(self, future: Future[Any], timeout_s: float | None) -> bool:
+    def wait(self, future: Reply[Any] | Future[Any], timeout_s: float | None) -> bool:
+        if isinstance(future, Reply):
+            return future.wait(timeout_s)
         try:
             future.exception(timeout=timeout_s)
         except TimeoutError:

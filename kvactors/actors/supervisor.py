@@ -41,11 +41,11 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvactors.actors import messages as m
+from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.actors.secondary import TierLink
 from kvactors.core.deadlines import DeadlineQueue
@@ -80,7 +80,7 @@ class _PendingLookup:
     keys: tuple[OffloadKey, ...]
     missing: tuple[int, ...]
     results: list[LookupResult]
-    reply: Future[list[LookupResult]]
+    reply: Reply[list[LookupResult]]
     asked: tuple[OffloadKey, ...]  # the missing keys, de-duplicated, as sent to the tiers
     waiting: set[str]
     answers: dict[str, tuple[LookupResult, ...] | None] = field(default_factory=dict)
@@ -122,12 +122,12 @@ class LifecycleSupervisor(Actor):
         self._lookups: dict[int, _PendingLookup] = {}
         self._lookup_deadlines: DeadlineQueue[int] = DeadlineQueue()
         self._allocations: dict[int, ReqContext] = {}  # lookup id -> request, while the primary allocates
-        self._barriers: list[tuple[int, Future[bool]]] = []
-        self._reset_waits: list[tuple[set[int], Future[None]]] = []
+        self._barriers: list[tuple[int, Reply[bool]]] = []
+        self._reset_waits: list[tuple[set[int], Reply[None]]] = []
         self._gathers: dict[int, _Gather] = {}
         self._gather_ids = 0
         self._timer_due: float | None = None
-        self._shutdown: tuple[Future[None], float | None] | None = None
+        self._shutdown: tuple[Reply[None], float | None] | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "jobs_submitted",
@@ -458,7 +458,7 @@ class LifecycleSupervisor(Actor):
             self._reset_done(msg.reply)
         self._check_barriers()
 
-    def _reset_done(self, reply: Future[None]) -> None:
+    def _reset_done(self, reply: Reply[None]) -> None:
         # A round through the tiers: when reset_cache returns, they have processed its finishes.
         self._gather("barrier", lambda _: reply.set_result(None))
 
@@ -517,7 +517,7 @@ class LifecycleSupervisor(Actor):
             # queue must pass the releases sent before now: a tier round, then the primary.
             self._gather("barrier", functools.partial(self._finish_barrier, reply))
 
-    def _finish_barrier(self, reply: Future[bool], _: dict[str, tuple[Any, ...]]) -> None:
+    def _finish_barrier(self, reply: Reply[bool], _: dict[str, tuple[Any, ...]]) -> None:
         self.primary.tell(m.BarrierFinal(reply))
 
     @handles(m.SupervisorStats)

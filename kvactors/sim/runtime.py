@@ -36,6 +36,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from typing import Any
 
+from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError
 
 Client = Generator["Future[Any] | None", None, None]
@@ -102,7 +103,7 @@ class SimRuntime:
     def call_later(self, delay_s: float, ref: ActorRef, message: object) -> None:
         heapq.heappush(self._timers, (self._now + max(delay_s, 0.0), next(self._timer_seq), ref, message))
 
-    def wait(self, future: Future[Any], timeout_s: float | None) -> bool:
+    def wait(self, future: Reply[Any] | Future[Any], timeout_s: float | None) -> bool:
         deadline = None if timeout_s is None else self._now + timeout_s
         while not future.done():
             if deadline is not None and self._now >= deadline:
