@@ -44,9 +44,9 @@ Client = Generator["Future[Any] | None", None, None]
 class WorkloadConfig:
     """The shape of a workload; :meth:`draw` picks one per seed."""
 
-    clients: int = 3
-    requests: int = 3  # per client
-    ops: int = 6  # at most, per request attempt
+    clients: int = 4
+    requests: int = 4  # per client
+    ops: int = 8  # at most, per request attempt
     keys: int = 24  # size of the shared key space
     keys_per_op: int = 3
     p_preempt: float = 0.08
