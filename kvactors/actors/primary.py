@@ -264,6 +264,8 @@ class PrimaryTier(Actor):
                 continue
             answer.update(dict.fromkeys(absent, LookupResult.HIT_PENDING))
             jobs.append(m.CascadeJob(tier, TransferJob(job_id, absent, rows, msg.ctx, True)))
+            self.log.debug("promotion_allocated", job_id=job_id, tier=tier, keys=len(absent),
+                           req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
         results = [answer.get(key, result) for key, result in zip(msg.keys, msg.results, strict=True)]
         self.supervisor.tell(m.PromotionsAllocated(msg.lookup_id, msg.ctx, msg.epoch, tuple(jobs)))
         msg.reply.set_result(results)
