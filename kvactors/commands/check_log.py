@@ -82,7 +82,7 @@ class _Job:
     tier: str
     request: _Request | None
     events: list[Event]
-    state: str = "allocated"  # allocated | queued | submitted | ended
+    state: str = "allocated"  # allocated | stale | queued | submitted | ended
     ends: int = 0
     timed_out: bool = False
     late: int = 0
@@ -101,6 +101,7 @@ class _ManagerReplay:
         self.finalized: list[_Request] = []
         self.stopped: Event | None = None
         self.misuse = 0
+        self.resets = 0
 
     def violation(self, rule: str, message: str, *events: Event) -> None:
         self.out.append(Violation(rule, message, list(events)))
@@ -183,6 +184,11 @@ class _ManagerReplay:
         self._stores_done(event, int(event.get("live", 0)))
 
     def on_cache_reset(self, event: Event) -> None:
+        # Reset zeroes every count: promotions allocated before it are stale (dropped, never submitted).
+        self.resets += 1
+        for job in self.jobs.values():
+            if job.state == "allocated":
+                job.state = "stale"
         for req in self.current.values():
             if req.finalized is None:
                 req.pending_stores = 0
@@ -203,15 +209,18 @@ class _ManagerReplay:
             self.pins[identity] = 0
 
     def on_promotion_allocated(self, event: Event) -> None:
+        job = self.job(event, "promotion")
+        if int(event.get("epoch", self.resets)) < self.resets:
+            job.state = "stale"  # decided before a reset the primary already did: it will be dropped
+            return
         req = self.request(event)
         if req is None or req.finalized is not None:
             self.violation("no-state-after-finalize", "promotion allocated for a request not live",
                            *([req.finalized] if req and req.finalized else []), event)
-        self.job(event, "promotion")
 
     def on_job_queued(self, event: Event) -> None:
         job = self.job(event)
-        if job.state not in ("allocated",):
+        if job.state != "allocated":
             self.violation("one-job-end", f"job queued in state {job.state}", *job.events)
         job.state = "queued"
 

@@ -38,7 +38,7 @@ import torch
 
 from kvactors.actors import runtime as rt
 from kvactors.tiers.base import SecondaryTier
-from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext, TransferJob
+from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 # --------------------------------------------------------------------- block bytes
 
@@ -113,6 +113,7 @@ class ThreadDeferrer:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
+        self._running = 0
         self.errors: list[str] = []
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(workers)]
@@ -134,14 +135,19 @@ class ThreadDeferrer:
                 if self._closed:
                     return
                 _, _, task = heapq.heappop(self._heap)
+                self._running += 1
             try:
                 task()
             except Exception as exc:  # a task's failure is a finding, not a crash
                 self.errors.append(f"deferred task raised {exc!r}")
+            finally:
+                with self._cond:
+                    self._running -= 1
 
     def pending(self) -> int:
+        """Tasks waiting or running."""
         with self._cond:
-            return len(self._heap)
+            return len(self._heap) + self._running
 
     def close(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -316,3 +322,100 @@ class RecordingTier(SecondaryTier):
     def stored_keys(self) -> list[OffloadKey]:
         with self._lock:
             return list(self._blocks)
+
+
+class FaultTier(SecondaryTier):
+    """A real tier (disk, Redis, ...) with faults injected and the contract recorded at its door.
+
+    Wraps ``inner``: ``submit_*`` may raise; a job's report may be turned into a
+    failure, swallowed (a stall: its deadline fires) or delayed (slow). Records
+    finishes and submits per request attempt like :class:`RecordingTier` (no
+    byte checks: the inner tier has its own).
+    """
+
+    def __init__(self, inner: SecondaryTier, *, deferrer: Deferrer, faults: Faults = Faults(), seed: int = 0,
+                 max_inflight_jobs: int | None = None) -> None:
+        super().__init__(name=inner.name)
+        self.inner = inner
+        self.max_inflight_jobs = max_inflight_jobs or inner.max_inflight_jobs  # type: ignore[misc]
+        self.deferrer = deferrer
+        self.faults = faults
+        self.rng = random.Random(f"{seed}/{inner.name}")
+        self._lock = threading.Lock()
+        self._modes: dict[int, str] = {}
+        self.started: set[tuple[str, int]] = set()
+        self.finished: dict[tuple[str, int], int] = {}
+        self.violations: list[str] = []
+        self.stalled: set[int] = set()
+
+    _mode = RecordingTier._mode
+
+    def attach(self, pool: torch.Tensor, report: Callable[[JobResult], None]) -> None:
+        super().attach(pool, report)
+        self.inner.attach(pool, self._inner_report)
+
+    def _inner_report(self, result: JobResult) -> None:
+        with self._lock:
+            mode = self._modes.pop(result.job_id, "ok")
+        if mode == "stall":
+            return
+        if mode == "fail":
+            result = JobResult(result.job_id, False, "planted failure")
+        if mode == "slow":
+            delay = self.faults.slow_s * (0.5 + random.random())
+            self.deferrer.defer(f"{self.name} slow report", lambda: self._send(result), delay)
+        else:
+            self._send(result)
+
+    def _send(self, result: JobResult) -> None:
+        with contextlib.suppress(rt.ActorStoppedError):
+            self.report(result)
+
+    def _submit(self, call: str, job: TransferJob) -> None:
+        if job.req_context.identity in self.finished:
+            with self._lock:
+                self.violations.append(f"tier {self.name}: {call} of job {job.job_id} for {job.req_context} "
+                                       "after on_request_finished")
+        mode = self._mode()
+        if mode == "raise":
+            raise RuntimeError(f"planted submit failure in tier {self.name}")
+        with self._lock:
+            self._modes[job.job_id] = mode
+            if mode == "stall":
+                self.stalled.add(job.job_id)
+        getattr(self.inner, call)(job)
+
+    def submit_store(self, job: TransferJob) -> None:
+        self._submit("submit_store", job)
+
+    def submit_load(self, job: TransferJob) -> None:
+        self._submit("submit_load", job)
+
+    def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
+        if self.faults.lookup_raise and self.rng.random() < self.faults.lookup_raise:
+            raise RuntimeError(f"planted lookup failure in tier {self.name}")
+        return self.inner.lookup(keys, ctx)
+
+    def on_new_request(self, ctx: ReqContext) -> None:
+        self.started.add(ctx.identity)
+        self.inner.on_new_request(ctx)
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        count = self.finished.get(ctx.identity, 0) + 1
+        self.finished[ctx.identity] = count
+        if count > 1:
+            with self._lock:
+                self.violations.append(f"tier {self.name}: on_request_finished for {ctx} {count} times")
+        self.inner.on_request_finished(ctx)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.inner.touch(keys, ctx)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return self.inner.take_events()
+
+    def drain(self, timeout: float | None) -> None:
+        self.inner.drain(timeout)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
