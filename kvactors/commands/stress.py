@@ -201,10 +201,11 @@ def run_stress(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, Any
             task = progress.add_task("stress", total=total, ops="")
         for thread in threads:
             thread.start()
-        while any(thread.is_alive() for thread in threads):
-            for thread in threads:
-                thread.join(0.2)
+        while True:
+            alive = [thread for thread in threads if thread.is_alive()]
+            if not alive:
                 break
+            alive[0].join(0.2)
             if task is not None:
                 done = env.requests if args.seconds is None else min(time.monotonic() - started, args.seconds)
                 progress.update(task, completed=done, ops=f"{env.operations} ops, {env.requests} requests")
