@@ -34,8 +34,10 @@ JOB_STATS = ("jobs_in_flight", "jobs_queued")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=4, help="frontend threads (default 4)")
-    parser.add_argument("--requests", type=int, default=200, help="requests per thread (default 200)")
-    parser.add_argument("--seconds", type=float, default=None, help="stop starting requests after this long")
+    parser.add_argument("--requests", type=int, default=200,
+                        help="requests per thread (default 200; 0: until --seconds)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="stop starting requests after this long (whichever bound first)")
     parser.add_argument("--seed", type=int, default=None, help="workload seed (default: random, printed)")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run (e.g. 1e-6 shakes the GIL)")
@@ -49,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys", type=int, default=256, help="size of the shared key space")
     parser.add_argument("--transfer-timeout", type=float, default=0.5, help="transfer deadline in seconds")
     parser.add_argument("--workers", type=int, default=2, help="copy/completion worker threads")
+    parser.add_argument("--hang-after", type=float, default=None,
+                        help="a call not returning after this many seconds is a hang (default max(10, 3 x timeout))")
     parser.add_argument("--event-log", default=None, help="write the lifecycle events here (JSON lines)")
     parser.add_argument("--json", action="store_true", help="make the last line of stdout a JSON summary")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -159,13 +163,13 @@ def run_stress(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, Any
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     timeout = args.transfer_timeout
-    watch = Watch(max(10.0, 3 * timeout))
+    watch = Watch(args.hang_after or max(10.0, 3 * timeout))
     faults = Faults.parse(args.faults, slow_s=timeout)
     deferrer = ThreadDeferrer(args.workers, name="stress-copy")
     tiers = _make_tiers(args, deferrer, faults, seed)
     manager = TieringManager.start(num_blocks=args.num_blocks, block_bytes=args.block_bytes, secondary_tiers=tiers,
                                    transfer_timeout_s=timeout, lookup_timeout_s=timeout, event_log=args.event_log)
-    requests = args.requests if args.seconds is None else max(args.requests, 10**9)
+    requests = args.requests or 10**12  # 0: unbounded (with --seconds)
     config = WorkloadConfig(clients=args.threads, requests=requests, keys=args.keys, p_reset=0.002,
                             transfer_timeout_s=timeout)
     started = time.monotonic()
@@ -196,8 +200,9 @@ def run_stress(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, Any
                             TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
     with progress:
         task = None
+        by_time = args.seconds is not None and not args.requests
         if not args.no_progress:
-            total = args.threads * args.requests if args.seconds is None else int(args.seconds)
+            total = int(args.seconds) if by_time else args.threads * args.requests
             task = progress.add_task("stress", total=total, ops="")
         for thread in threads:
             thread.start()
@@ -207,7 +212,7 @@ def run_stress(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, Any
                 break
             alive[0].join(0.2)
             if task is not None:
-                done = env.requests if args.seconds is None else min(time.monotonic() - started, args.seconds)
+                done = min(time.monotonic() - started, args.seconds) if by_time else env.requests
                 progress.update(task, completed=done, ops=f"{env.operations} ops, {env.requests} requests")
             if watch.hangs:
                 break
