@@ -44,11 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiers", default="memory", help="comma-separated: memory, disk, redis (default memory)")
     parser.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: a temporary one)")
     parser.add_argument("--redis", default=None, metavar="URL", help="Redis URL for the redis tier")
-    parser.add_argument("--faults", default="fail=0.05,raise=0.01,stall=0.005,slow=0.05,lookup_raise=0.01",
+    parser.add_argument("--faults", default="fail=0.05,raise=0.01,stall=0.001,slow=0.05,lookup_raise=0.01",
                         help="per-job fault probabilities of every tier")
+    parser.add_argument("--never-complete", type=float, default=0.0,
+                        help="fraction of stores never completed (each keeps its row for good; default 0)")
     parser.add_argument("--num-blocks", type=int, default=64)
     parser.add_argument("--block-bytes", type=int, default=64)
-    parser.add_argument("--keys", type=int, default=256, help="size of the shared key space")
+    parser.add_argument("--keys", type=int, default=1024, help="size of the shared key space")
     parser.add_argument("--transfer-timeout", type=float, default=0.5, help="transfer deadline in seconds")
     parser.add_argument("--workers", type=int, default=2, help="copy/completion worker threads")
     parser.add_argument("--hang-after", type=float, default=None,
@@ -170,7 +172,10 @@ def run_stress(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, Any
     manager = TieringManager.start(num_blocks=args.num_blocks, block_bytes=args.block_bytes, secondary_tiers=tiers,
                                    transfer_timeout_s=timeout, lookup_timeout_s=timeout, event_log=args.event_log)
     requests = args.requests or 10**12  # 0: unbounded (with --seconds)
+    # A store never completed keeps its row forever (its writer might still write): over a long run such
+    # rows would fill the pool, so stores here complete late instead, unless --never-complete asks otherwise.
     config = WorkloadConfig(clients=args.threads, requests=requests, keys=args.keys, p_reset=0.002,
+                            store_outcomes=(0.8, 0.1, 0.1 - args.never_complete, args.never_complete),
                             transfer_timeout_s=timeout)
     started = time.monotonic()
     stop_at = None if args.seconds is None else started + args.seconds
@@ -251,6 +256,8 @@ def run_stress(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, Any
         "jobs_submitted": int(stats.get("jobs_submitted", 0)),
         "jobs_timed_out": int(stats.get("jobs_timed_out", 0)),
         "stores_timed_out": int(stats.get("stores_timed_out", 0)),
+        "blocks_ready": int(stats.get("blocks_ready", 0)),
+        "blocks_unusable": int(stats.get("blocks_detached", 0)) + int(stats.get("jobs_held", 0)),
         "violation_list": violations[:20],
     }
     for hang in watch.hangs:
