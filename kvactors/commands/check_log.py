@@ -253,11 +253,18 @@ class _ManagerReplay:
         job.state = "ended"
         return job
 
+    def _reported(self, event: Event) -> _Job:
+        job = self.jobs.get(int(event["job_id"]))
+        if job is None or job.state != "submitted":
+            self.violation("one-job-end", f"job {event['job_id']} ended by its tier but never submitted",
+                           *(job.events if job else []), event)
+        return self._ended(event)
+
     def on_cascade_completed(self, event: Event) -> None:
-        self._ended(event)
+        self._reported(event)
 
     def on_promotion_completed(self, event: Event) -> None:
-        self._ended(event)
+        self._reported(event)
 
     def on_job_dropped(self, event: Event) -> None:
         self._ended(event)
@@ -266,7 +273,7 @@ class _ManagerReplay:
         if event.get("kind") == "store":
             self._stores_done(event, int(event.get("keys", 0)))
             return
-        self._ended(event).timed_out = True
+        self._reported(event).timed_out = True
 
     def on_late_report_ignored(self, event: Event) -> None:
         job = self.job(event)
