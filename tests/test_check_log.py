@@ -191,3 +191,22 @@ def test_cli_exit_status_and_message(tmp_path: Path, sim_events: list[Event],
     assert "tier_submit_received" in out and "tier_finish_received" in out
     assert json.loads(out.strip().splitlines()[-1])["violations"] >= 1
     assert check_log.run(parser.parse_args([str(tmp_path / "missing.jsonl")])) == 2
+
+
+def test_a_promotion_allocated_just_before_a_reset_may_still_be_submitted() -> None:
+    """Found by the 1M-operation stress log: the primary allocates, then resets; the supervisor
+    sees the allocation before the reset, so the submit is legal (not a stale promotion)."""
+    base = {"manager": 0, "req_id": "r", "attempt": 0}
+    names = [("manager_started", {"tiers": "cpu,t"}), ("request_started", {}),
+             ("promotion_allocated", {"job_id": 5, "tier": "t", "keys": 1, "epoch": 0}),
+             ("cache_reset", {"tier": "cpu"}),
+             ("promotion_submitted", {"job_id": 5, "tier": "t"}), ("cache_reset_draining", {"epoch": 1}),
+             ("promotion_completed", {"job_id": 5, "tier": "t", "success": True}),
+             ("request_finished", {"tier": "cpu"}), ("tier_finalized", {"tier": "t"}),
+             ("tier_finish_received", {"tier": "t"}), ("request_finalized", {}), ("manager_stopped", {})]
+    events = [{**base, **fields, "event": name, "seq": seq} for seq, (name, fields) in enumerate(names)]
+    assert not check_events(events).violations
+    # The same promotion allocated after the reset for a decision of the old epoch is stale: never submitted.
+    stale = [dict(e) for e in events]
+    stale[2], stale[3] = {**stale[3], "seq": 2}, {**stale[2], "seq": 3}
+    assert any(v.rule == "one-job-end" for v in check_events(stale).violations)

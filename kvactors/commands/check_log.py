@@ -74,6 +74,7 @@ class _Request:
     store_events: list[Event] = field(default_factory=list)
     tier_finalized: dict[str, Event] = field(default_factory=dict)
     tier_finish: dict[str, list[Event]] = field(default_factory=lambda: defaultdict(list))
+    jobs: dict[int, _Job] = field(default_factory=dict)  # not yet submitted or ended
 
 
 @dataclass
@@ -120,6 +121,8 @@ class _ManagerReplay:
             job = _Job(kind or str(event.get("kind", "?")), str(event.get("tier")),
                        self.request(event) if "req_id" in event else None, [])
             self.jobs[job_id] = job
+            if job.request is not None:
+                job.request.jobs[job_id] = job
         job.events.append(event)
         return job
 
@@ -184,11 +187,9 @@ class _ManagerReplay:
         self._stores_done(event, int(event.get("live", 0)))
 
     def on_cache_reset(self, event: Event) -> None:
-        # Reset zeroes every count: promotions allocated before it are stale (dropped, never submitted).
+        # Promotions the primary allocated before this reset reach the supervisor before it: not stale.
+        # Those it allocates after it for a decision taken before it are (see on_promotion_allocated).
         self.resets += 1
-        for job in self.jobs.values():
-            if job.state == "allocated":
-                job.state = "stale"
         for req in self.current.values():
             if req.finalized is None:
                 req.pending_stores = 0
@@ -297,8 +298,10 @@ class _ManagerReplay:
         if req.pending_stores > 0:
             self.violation("finalize-after-stores", f"tier {tier} told finished with {req.pending_stores} primary "
                            "store(s) still pending", *req.store_events[-6:], event)
-        for job_id, job in self.jobs.items():
-            if job.request is req and job.tier == tier and job.state in ("allocated", "queued"):
+        for job_id, job in list(req.jobs.items()):
+            if job.state not in ("allocated", "queued"):
+                del req.jobs[job_id]  # submitted, dropped or stale: it cannot hold the finalize any more
+            elif job.tier == tier:
                 self.violation("finalize-after-stores", f"tier {tier} told finished while {job.kind} job {job_id} "
                                f"is {job.state}, not submitted", *job.events, event)
 
