@@ -81,6 +81,7 @@ class TieringManager:
         self._gate = threading.Lock()
         self._closed = False
         self._stopped = threading.Event()
+        self._log: Any = None
 
     @classmethod
     def start(
@@ -159,8 +160,10 @@ class TieringManager:
         supervisor.connect(primary_ref, {actor.tier.name: actor.link() for actor in tier_actors})
         log.info("manager_started", num_blocks=num_blocks, block_bytes=block_bytes, tiers=",".join(names),
                  eviction=eviction, transfer_timeout_s=transfer_timeout_s)
-        return cls(runtime=runtime, pool=pool, primary=primary_ref,
-                   actors=[primary_ref, supervisor_ref, *tier_refs.values()], sink=sink, tier_names=names[1:])
+        manager = cls(runtime=runtime, pool=pool, primary=primary_ref,
+                      actors=[primary_ref, supervisor_ref, *tier_refs.values()], sink=sink, tier_names=names[1:])
+        manager._log = log
+        return manager
 
     # ------------------------------------------------------------ plumbing
 
@@ -284,6 +287,8 @@ class TieringManager:
         self._runtime.wait(reply, timeout)
         remaining = None if timeout is None else max(timeout - (time.monotonic() - started), 0.5)
         self._runtime.stop(self._actors, remaining)
+        # The last event: a log checker knows every actor's events are in before it.
+        self._log.info("manager_stopped")
         self._sink.close()
         self._stopped.set()
 

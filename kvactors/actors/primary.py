@@ -126,8 +126,9 @@ class PrimaryTier(Actor):
             self.log.debug("finish_ignored", req_id=ctx.req_id, attempt=ctx.attempt, known=record is not None)
             return
         record.finished = True
-        self.supervisor.tell(m.RequestFinished(ctx))
+        # Logged before the tell: the supervisor's finalize events must come after it in the log.
         self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier="cpu")
+        self.supervisor.tell(m.RequestFinished(ctx))
 
     @handles(m.RequestFinalized)
     def _on_request_finalized(self, msg: m.RequestFinalized) -> None:
@@ -264,6 +265,8 @@ class PrimaryTier(Actor):
                 continue
             answer.update(dict.fromkeys(absent, LookupResult.HIT_PENDING))
             jobs.append(m.CascadeJob(tier, TransferJob(job_id, absent, rows, msg.ctx, True)))
+            self.log.debug("promotion_allocated", job_id=job_id, tier=tier, keys=len(absent), epoch=msg.epoch,
+                           req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
         results = [answer.get(key, result) for key, result in zip(msg.keys, msg.results, strict=True)]
         self.supervisor.tell(m.PromotionsAllocated(msg.lookup_id, msg.ctx, msg.epoch, tuple(jobs)))
         msg.reply.set_result(results)

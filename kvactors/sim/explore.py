@@ -1,0 +1,221 @@
+"""Explore seeds: one random workload per seed on a :class:`SimRuntime`, checked after each.
+
+``explore_one(seed)`` runs one seed and returns what it found (replay a failing
+seed with ``trace=True`` to see every scheduling choice); ``explore(seeds)``
+runs many and returns the failures. The check after each run
+(:func:`check_after_run` and :func:`check_internals`) is the contract:
+
+* what the recording tiers saw (no submit after finish, one finish, rows
+  unchanged while read) and what the clients saw (unexpected errors, bytes
+  served that were not the block's, misuse not rejected);
+* once everything settled: no request state left (``active_requests``,
+  the primary's records), no pending or pinned block, no job in flight or
+  queued, no lookup pending, contract violations equal to the misuse the
+  clients committed on purpose, no internal error;
+* every request attempt the clients finished was finalized exactly once at
+  every tier;
+* (simulation only) the actors' internals hold nothing but what the workload
+  left on purpose: stores never completed, jobs stalled at a tier.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvactors.manager import TieringManager
+from kvactors.sim.runtime import SimRuntime, SimulationStuck
+from kvactors.sim.tiers import Faults, RecordingTier, SimDeferrer
+from kvactors.sim.workload import Env, WorkloadConfig, make_clients
+
+
+@dataclass
+class RunResult:
+    seed: int
+    violations: list[str]
+    steps: int = 0
+    operations: int = 0
+    requests: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+    trace: list[str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def describe(self) -> str:
+        head = f"seed {self.seed}: {len(self.violations)} violation(s); replay: explore_one({self.seed}, trace=True)"
+        return "\n  ".join([head, *self.violations[:20]])
+
+
+@dataclass
+class ExploreReport:
+    runs: int
+    seconds: float
+    failures: list[RunResult]
+    operations: int = 0
+
+    @property
+    def seeds_per_second(self) -> float:
+        return self.runs / self.seconds if self.seconds else 0.0
+
+
+def check_after_run(env: Env, stats: dict[str, Any], tiers: list[RecordingTier]) -> list[str]:
+    """The contract, from the stats and the recording tiers, once the runtime settled."""
+    return [*env.violations, *check_stats(env, stats, tiers), *check_tiers(env, tiers)]
+
+
+def check_stats(env: Env, stats: dict[str, Any], tiers: list[Any]) -> list[str]:
+    """Once settled: no request state, pin, job or lookup left; only the deliberate misuse counted."""
+    out = []
+    stalled = sum(len(tier.stalled) for tier in tiers)
+    expect = {
+        "active_requests": 0,
+        "primary_requests": 0,
+        "blocks_pending": 0,
+        "blocks_pinned": 0,
+        "jobs_in_flight": 0,
+        "jobs_queued": 0,
+        "jobs_pinning": 0,
+        "lookups_in_flight": 0,
+        "internal_errors": 0,
+        "unexpected_reports": 0,
+        "guard_violations": 0,
+        "contract_violations": env.expected_misuse,
+        "jobs_held": stalled,
+        "jobs_awaiting_late_report": stalled,
+    }
+    for name, value in expect.items():
+        if stats.get(name) != value:
+            out.append(f"stats[{name!r}] is {stats.get(name)!r}, expected {value!r}")
+    return out
+
+
+def check_tiers(env: Env, tiers: list[Any]) -> list[str]:
+    """What the tiers saw: their own findings, and one finish per finished request attempt."""
+    out = []
+    for tier in tiers:
+        out.extend(tier.violations)
+    for tier in tiers:
+        for identity in sorted(env.finished):
+            count = tier.finished.get(identity, 0)
+            if count != 1:
+                out.append(f"tier {tier.name}: request {identity[0]}#{identity[1]} finalized {count} times, not once")
+        for identity in sorted(set(tier.finished) - env.finished):
+            out.append(f"tier {tier.name}: request {identity[0]}#{identity[1]} finalized but never finished")
+    return out
+
+
+def check_internals(manager: TieringManager, env: Env, tiers: list[RecordingTier]) -> list[str]:
+    """Simulation only: what the actors still hold is only what the workload left on purpose."""
+    out = []
+    actors = {ref.name: ref.actor for ref in manager._actors}  # type: ignore[attr-defined]
+    primary, supervisor = actors["primary"], actors["supervisor"]
+    pool = primary.pool
+    if set(pool._pending_writes) != env.never_completed:
+        extra = set(pool._pending_writes) - env.never_completed
+        out.append(f"pool: {len(extra)} pending writes nobody completes (leak), e.g. {sorted(extra)[:3]}")
+    for label, held in (("load pins", pool._load_pins), ("job pins", pool._job_pins),
+                        ("promotions", pool._promotions), ("primary requests", primary._requests),
+                        ("supervisor jobs", supervisor._jobs), ("supervisor lookups", supervisor._lookups),
+                        ("supervisor allocations", supervisor._allocations)):
+        if held:
+            out.append(f"{label} left: {list(held)[:5]}")
+    stalled = set().union(*(tier.stalled for tier in tiers)) if tiers else set()
+    if set(supervisor._timed_out) != stalled:
+        out.append(f"jobs awaiting a late report {sorted(supervisor._timed_out)} != stalled {sorted(stalled)}")
+    if len(supervisor.table):
+        out.append(f"lifecycle states left: {[s.req_context for s in supervisor.table.states()][:5]}")
+    return out
+
+
+def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]:
+    """The manager, tiers and workload of one seed."""
+    rng = random.Random(f"params/{seed}")
+    config = (base or WorkloadConfig()).draw(rng)
+    tiers = []
+    for n in range(rng.randint(1, 2)):
+        faults = Faults(
+            fail=rng.choice((0.0, 0.05, 0.2)),
+            raise_=rng.choice((0.0, 0.02, 0.1)),
+            stall=rng.choice((0.0, 0.0, 0.05)),
+            slow=rng.choice((0.0, 0.1, 0.3)),
+            slow_s=config.transfer_timeout_s * rng.choice((0.5, 1.5)),
+            lookup_raise=rng.choice((0.0, 0.0, 0.05)),
+        )
+        tiers.append({"name": f"t{n}", "capacity_blocks": rng.randint(4, 32), "faults": faults,
+                      "max_inflight_jobs": rng.randint(1, 3)})
+    return {
+        "config": config,
+        "num_blocks": rng.randint(4, 16),
+        "block_bytes": 32,
+        "eviction": rng.choice(("lru", "arc")),
+        "tiers": tiers,
+        "time_jump_chance": rng.choice((0.005, 0.02, 0.1)),
+    }
+
+
+def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = False,
+                event_log: str | None = None, internals: bool = True) -> RunResult:
+    """Run the workload of ``seed`` on a fresh :class:`SimRuntime` and check it."""
+    params = draw_params(seed, base)
+    config: WorkloadConfig = params["config"]
+    runtime = SimRuntime(seed, time_jump_chance=params["time_jump_chance"], trace=trace)
+    deferrer = SimDeferrer(runtime)
+    tiers = [RecordingTier(deferrer=deferrer, seed=seed, keep_calls=trace, **spec) for spec in params["tiers"]]
+    manager = TieringManager.start(
+        num_blocks=params["num_blocks"], block_bytes=params["block_bytes"], secondary_tiers=tiers,
+        eviction=params["eviction"], transfer_timeout_s=config.transfer_timeout_s,
+        lookup_timeout_s=config.transfer_timeout_s, event_log=event_log, runtime=runtime,
+    )
+    env = Env(manager=manager, deferrer=deferrer, config=config, seed=seed)
+    result = RunResult(seed, [], params=params)
+    try:
+        for index, client in enumerate(make_clients(env)):
+            runtime.spawn_client(f"client{index}", client)
+        runtime.run()
+        if not manager.wait_idle():
+            result.violations.append("wait_idle() did not return True")
+        stats = manager.stats()
+        result.violations.extend(check_after_run(env, stats, tiers))
+        if internals:
+            result.violations.extend(check_internals(manager, env, tiers))
+        manager.stop()
+        runtime.run()
+    except SimulationStuck as exc:
+        result.violations.append(f"stuck: {exc}")
+    except Exception as exc:  # the runtime broke: that is a finding too
+        result.violations.append(f"run raised {exc!r}")
+    finally:
+        if not manager.stopped:
+            try:
+                manager.stop(timeout=1.0)
+            except Exception as exc:
+                result.violations.append(f"stop raised {exc!r}")
+    result.steps = runtime.steps
+    result.operations = env.operations
+    result.requests = env.requests
+    result.trace = runtime.trace
+    return result
+
+
+def explore(seeds: Iterable[int], *, base: WorkloadConfig | None = None, max_failures: int | None = None,
+            time_budget_s: float | None = None) -> ExploreReport:
+    """Run every seed (or until ``max_failures`` failed / the time budget is spent)."""
+    started = time.perf_counter()
+    failures: list[RunResult] = []
+    runs = operations = 0
+    for seed in seeds:
+        result = explore_one(seed, base=base)
+        runs += 1
+        operations += result.operations
+        if not result.ok:
+            failures.append(result)
+            if max_failures is not None and len(failures) >= max_failures:
+                break
+        if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+            break
+    return ExploreReport(runs, time.perf_counter() - started, failures, operations)

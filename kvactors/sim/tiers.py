@@ -1,0 +1,421 @@
+"""Test tiers that check the contract from below, and where their work runs.
+
+:class:`RecordingTier` is a :class:`~kvactors.tiers.base.SecondaryTier` whose
+job completions happen *later, elsewhere* (a :class:`Deferrer`): on a
+:class:`~kvactors.sim.SimRuntime` they are deferred tasks the scheduler runs at
+random steps; on threads a small fixed pool of worker threads runs them (never
+a thread per job). Faults are drawn per job from a seeded RNG: a job may fail,
+``submit_*`` may raise, a job may stall (never reported: its deadline fires),
+or be slow (reported after a delay, possibly after its deadline).
+
+It asserts, per request attempt, what a tier can see of the contract:
+
+* at most one ``on_request_finished`` per ``(req_id, attempt)``;
+* no ``submit_store``/``submit_load`` after it;
+* the pool rows of a cascade hold the block's bytes both when the job is
+  submitted and when the tier reads them later (a row reused while a tier
+  reads it shows up as a mismatch; every ready block's bytes are
+  :func:`pattern` of its key, written by the workload's copies).
+
+Violations are collected as strings in :attr:`RecordingTier.violations`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import itertools
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvactors.actors import runtime as rt
+from kvactors.tiers.base import SecondaryTier
+from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
+
+# --------------------------------------------------------------------- block bytes
+
+_patterns: dict[tuple[OffloadKey, int], torch.Tensor] = {}
+_patterns_lock = threading.Lock()
+
+
+def pattern(key: OffloadKey, block_bytes: int) -> torch.Tensor:
+    """The bytes a block of ``key`` holds (deterministic, distinct per key)."""
+    cached = _patterns.get((key, block_bytes))
+    if cached is not None:
+        return cached
+    digest = hashlib.blake2b(key, digest_size=32).digest()
+    raw = (digest * (block_bytes // len(digest) + 1))[:block_bytes]
+    tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    with _patterns_lock:
+        if len(_patterns) > 100_000:
+            _patterns.clear()
+        _patterns[(key, block_bytes)] = tensor
+    return tensor
+
+
+def rows_hold(pool: torch.Tensor, keys: Sequence[OffloadKey], rows: Sequence[int]) -> list[int]:
+    """Positions where ``pool[row]`` does not hold ``pattern(key)``."""
+    block_bytes = int(pool.shape[1])
+    return [i for i, (key, row) in enumerate(zip(keys, rows, strict=True))
+            if not torch.equal(pool[row], pattern(key, block_bytes))]
+
+
+# --------------------------------------------------------------------- where later work runs
+
+
+class Deferrer(Protocol):
+    """Runs work "on another thread", now-ish or after a delay."""
+
+    def defer(self, label: str, task: Callable[[], None], delay_s: float = 0.0) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _RunTask:
+    label: str
+    task: Callable[[], None]
+
+
+class _TaskActor(rt.Actor):
+    name = "sim-tasks"
+
+    @rt.handles(_RunTask)
+    def _on_run(self, msg: _RunTask) -> None:
+        self.runtime.defer(msg.label, msg.task)  # type: ignore[attr-defined]
+
+
+class SimDeferrer:
+    """Deferred tasks of a :class:`~kvactors.sim.SimRuntime`; delays are virtual time."""
+
+    def __init__(self, runtime: object) -> None:
+        self.runtime = runtime
+        self._ref = runtime.spawn(_TaskActor(), "sim-tasks")  # type: ignore[attr-defined]
+
+    def defer(self, label: str, task: Callable[[], None], delay_s: float = 0.0) -> None:
+        if delay_s <= 0:
+            self.runtime.defer(label, task)  # type: ignore[attr-defined]
+        else:
+            self.runtime.call_later(delay_s, self._ref, _RunTask(label, task))  # type: ignore[attr-defined]
+
+
+class ThreadDeferrer:
+    """A fixed pool of worker threads running tasks, each at or after its time."""
+
+    def __init__(self, workers: int = 2, name: str = "kvactors-deferred") -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._running = 0
+        self.errors: list[str] = []
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def defer(self, label: str, task: Callable[[], None], delay_s: float = 0.0) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            heapq.heappush(self._heap, (time.monotonic() + max(delay_s, 0.0), next(self._seq), task))
+            self._cond.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cond.wait(None if not self._heap else max(self._heap[0][0] - time.monotonic(), 0.0))
+                if self._closed:
+                    return
+                _, _, task = heapq.heappop(self._heap)
+                self._running += 1
+            try:
+                task()
+            except Exception as exc:  # a task's failure is a finding, not a crash
+                self.errors.append(f"deferred task raised {exc!r}")
+            finally:
+                with self._cond:
+                    self._running -= 1
+
+    def pending(self) -> int:
+        """Tasks waiting or running."""
+        with self._cond:
+            return len(self._heap) + self._running
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._heap.clear()
+            self._cond.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+
+
+# --------------------------------------------------------------------- the tier
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Per-job fault probabilities of a :class:`RecordingTier`."""
+
+    fail: float = 0.0  # reported with success=False
+    raise_: float = 0.0  # submit_* raises
+    stall: float = 0.0  # never reported (the deadline fires; rows stay held)
+    slow: float = 0.0  # reported after slow_s (virtual seconds in a simulation)
+    slow_s: float = 1.0
+    lookup_raise: float = 0.0  # lookup raises (the runtime answers RETRY)
+
+    @classmethod
+    def parse(cls, text: str, slow_s: float = 1.0) -> Faults:
+        """``"fail=0.05,raise=0.01,stall=0.01,slow=0.05"`` -> Faults."""
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, _, value = part.partition("=")
+            name = {"raise": "raise_"}.get(name.strip(), name.strip())
+            if name not in cls.__dataclass_fields__ or name == "slow_s":
+                raise ValueError(f"unknown fault {name!r}")
+            values[name] = float(value)
+        return cls(slow_s=slow_s, **values)
+
+
+class RecordingTier(SecondaryTier):
+    """An in-memory tier that checks the contract at its door; see the module docstring."""
+
+    def __init__(self, *, name: str, capacity_blocks: int, deferrer: Deferrer, faults: Faults = Faults(),
+                 seed: int = 0, max_inflight_jobs: int = 16, keep_calls: bool = False) -> None:
+        super().__init__(name=name)
+        self.capacity_blocks = capacity_blocks
+        self.max_inflight_jobs = max_inflight_jobs  # type: ignore[misc]
+        self.deferrer = deferrer
+        self.faults = faults
+        self.rng = random.Random(f"{seed}/{name}")
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.started: set[tuple[str, int]] = set()
+        self.finished: dict[tuple[str, int], int] = {}
+        self.violations: list[str] = []
+        self.calls: list[str] | None = [] if keep_calls else None
+        self.stalled: set[int] = set()
+        self.jobs = 0
+        self.reports = 0
+
+    # ------------------------------------------------------------ recording
+
+    def _record(self, text: str) -> None:
+        if self.calls is not None:
+            self.calls.append(text)
+
+    def _violation(self, text: str) -> None:
+        with self._lock:
+            self.violations.append(f"tier {self.name}: {text}")
+
+    def _check_submit(self, call: str, job: TransferJob) -> None:
+        ctx = job.req_context
+        self._record(f"{call} job={job.job_id} {ctx}")
+        if ctx.identity in self.finished:
+            self._violation(f"{call} of job {job.job_id} for {ctx} after on_request_finished")
+
+    # ------------------------------------------------------------ hooks
+
+    def on_new_request(self, ctx: ReqContext) -> None:
+        self._record(f"on_new_request {ctx}")
+        self.started.add(ctx.identity)
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        self._record(f"on_request_finished {ctx}")
+        count = self.finished.get(ctx.identity, 0) + 1
+        self.finished[ctx.identity] = count
+        if count > 1:
+            self._violation(f"on_request_finished for {ctx} {count} times")
+
+    def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
+        if self.faults.lookup_raise and self.rng.random() < self.faults.lookup_raise:
+            raise RuntimeError(f"planted lookup failure in tier {self.name}")
+        with self._lock:
+            return [LookupResult.HIT if key in self._blocks else LookupResult.MISS for key in keys]
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+
+    # ------------------------------------------------------------ jobs
+
+    def _mode(self) -> str:
+        f, x = self.faults, self.rng.random()
+        for mode, p in (("fail", f.fail), ("raise", f.raise_), ("stall", f.stall), ("slow", f.slow)):
+            if x < p:
+                return mode
+            x -= p
+        return "ok"
+
+    def _dispatch(self, job: TransferJob, finish: Callable[[bool], None]) -> None:
+        self.jobs += 1
+        mode = self._mode()
+        if mode == "raise":
+            raise RuntimeError(f"planted submit failure in tier {self.name}")
+        if mode == "stall":
+            with self._lock:
+                self.stalled.add(job.job_id)
+            return
+        label = f"{self.name} {'load' if job.is_promotion else 'store'} job {job.job_id}"
+        delay = self.faults.slow_s * (0.5 + self.rng.random()) if mode == "slow" else 0.0
+        self.deferrer.defer(label, lambda: finish(mode != "fail"), delay)
+
+    def submit_store(self, job: TransferJob) -> None:
+        self._check_submit("submit_store", job)
+        assert self.pool is not None
+        pool = self.pool
+        bad = rows_hold(pool, job.keys, job.block_ids)
+        if bad:
+            self._violation(f"job {job.job_id} ({job.req_context}): rows {[job.block_ids[i] for i in bad]} "
+                            "do not hold their blocks at submit_store")
+
+        def finish(success: bool) -> None:
+            changed = rows_hold(pool, job.keys, job.block_ids)
+            if changed:
+                self._violation(f"job {job.job_id} ({job.req_context}): rows "
+                                f"{[job.block_ids[i] for i in changed]} changed while the tier read them")
+                success = False
+            if success:
+                with self._lock:
+                    for key in job.keys:
+                        self._blocks[key] = None
+                        self._blocks.move_to_end(key)
+                    while len(self._blocks) > self.capacity_blocks:
+                        self._blocks.popitem(last=False)
+            self._report_once(job, success)
+
+        self._dispatch(job, finish)
+
+    def submit_load(self, job: TransferJob) -> None:
+        self._check_submit("submit_load", job)
+        assert self.pool is not None
+        pool = self.pool
+        block_bytes = int(pool.shape[1])
+
+        def finish(success: bool) -> None:
+            with self._lock:
+                present = all(key in self._blocks for key in job.keys)
+            if success and present:
+                for key, row in zip(job.keys, job.block_ids, strict=True):
+                    pool[row].copy_(pattern(key, block_bytes))
+            self._report_once(job, success and present)
+
+        self._dispatch(job, finish)
+
+    def _report_once(self, job: TransferJob, success: bool) -> None:
+        with self._lock:
+            self.reports += 1
+        with contextlib.suppress(rt.ActorStoppedError):
+            self.report(JobResult(job.job_id, success, None if success else "planted failure"))
+
+    def stored_keys(self) -> list[OffloadKey]:
+        with self._lock:
+            return list(self._blocks)
+
+
+class FaultTier(SecondaryTier):
+    """A real tier (disk, Redis, ...) with faults injected and the contract recorded at its door.
+
+    Wraps ``inner``: ``submit_*`` may raise; a job's report may be turned into a
+    failure, swallowed (a stall: its deadline fires) or delayed (slow). Records
+    finishes and submits per request attempt like :class:`RecordingTier` (no
+    byte checks: the inner tier has its own).
+    """
+
+    def __init__(self, inner: SecondaryTier, *, deferrer: Deferrer, faults: Faults = Faults(), seed: int = 0,
+                 max_inflight_jobs: int | None = None) -> None:
+        super().__init__(name=inner.name)
+        self.inner = inner
+        self.max_inflight_jobs = max_inflight_jobs or inner.max_inflight_jobs  # type: ignore[misc]
+        self.deferrer = deferrer
+        self.faults = faults
+        self.rng = random.Random(f"{seed}/{inner.name}")
+        self._lock = threading.Lock()
+        self._modes: dict[int, str] = {}
+        self.started: set[tuple[str, int]] = set()
+        self.finished: dict[tuple[str, int], int] = {}
+        self.violations: list[str] = []
+        self.stalled: set[int] = set()
+
+    _mode = RecordingTier._mode
+
+    def attach(self, pool: torch.Tensor, report: Callable[[JobResult], None]) -> None:
+        super().attach(pool, report)
+        self.inner.attach(pool, self._inner_report)
+
+    def _inner_report(self, result: JobResult) -> None:
+        with self._lock:
+            mode = self._modes.pop(result.job_id, "ok")
+        if mode == "stall":
+            return
+        if mode == "fail":
+            result = JobResult(result.job_id, False, "planted failure")
+        if mode == "slow":
+            delay = self.faults.slow_s * (0.5 + random.random())
+            self.deferrer.defer(f"{self.name} slow report", lambda: self._send(result), delay)
+        else:
+            self._send(result)
+
+    def _send(self, result: JobResult) -> None:
+        with contextlib.suppress(rt.ActorStoppedError):
+            self.report(result)
+
+    def _submit(self, call: str, job: TransferJob) -> None:
+        if job.req_context.identity in self.finished:
+            with self._lock:
+                self.violations.append(f"tier {self.name}: {call} of job {job.job_id} for {job.req_context} "
+                                       "after on_request_finished")
+        mode = self._mode()
+        if mode == "raise":
+            raise RuntimeError(f"planted submit failure in tier {self.name}")
+        with self._lock:
+            self._modes[job.job_id] = mode
+            if mode == "stall":
+                self.stalled.add(job.job_id)
+        getattr(self.inner, call)(job)
+
+    def submit_store(self, job: TransferJob) -> None:
+        self._submit("submit_store", job)
+
+    def submit_load(self, job: TransferJob) -> None:
+        self._submit("submit_load", job)
+
+    def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
+        if self.faults.lookup_raise and self.rng.random() < self.faults.lookup_raise:
+            raise RuntimeError(f"planted lookup failure in tier {self.name}")
+        return self.inner.lookup(keys, ctx)
+
+    def on_new_request(self, ctx: ReqContext) -> None:
+        self.started.add(ctx.identity)
+        self.inner.on_new_request(ctx)
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        count = self.finished.get(ctx.identity, 0) + 1
+        self.finished[ctx.identity] = count
+        if count > 1:
+            with self._lock:
+                self.violations.append(f"tier {self.name}: on_request_finished for {ctx} {count} times")
+        self.inner.on_request_finished(ctx)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.inner.touch(keys, ctx)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return self.inner.take_events()
+
+    def drain(self, timeout: float | None) -> None:
+        self.inner.drain(timeout)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()

@@ -1,0 +1,300 @@
+"""A random workload of frontend clients, for the simulation and for real threads.
+
+A client is a generator standing for one frontend thread. It drives a
+:class:`~kvactors.TieringManager` through non-blocking message sends
+(``manager._send``, the facade's own plumbing): it builds a message of
+:mod:`kvactors.actors.messages` with a reply ``Future`` and ``yield``\\ s that
+future where a blocking call would wait. The same generator therefore runs
+
+* on a :class:`~kvactors.sim.SimRuntime` (``runtime.spawn_client``), where the
+  scheduler decides when it resumes, and
+* on a real thread (:func:`drive`), which waits for each future with a bound:
+  a future that is not resolved in time is a *hang*.
+
+Copies between the "device" and the pool are work of other threads: a
+:class:`~kvactors.sim.tiers.Deferrer` runs them later. A store's copy writes
+``pattern(key)`` into its rows and completes the store (or fails it, or
+completes it after its deadline, or never); a load's copy checks that the
+pinned rows still hold ``pattern(key)`` and then unpins.
+
+Everything the workload sees that breaks the contract is appended to
+:attr:`Env.violations`; deliberate misuse, which the runtime must reject and
+count, is counted in :attr:`Env.expected_misuse`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvactors.actors import messages as m
+from kvactors.core.errors import LifecycleError, ManagerStoppedError
+from kvactors.sim.tiers import Deferrer, pattern, rows_hold
+from kvactors.types import LookupResult, OffloadKey, PrepareStoreOutput, ReqContext
+
+Client = Generator["Future[Any] | None", None, None]
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """The shape of a workload; :meth:`draw` picks one per seed."""
+
+    clients: int = 4
+    requests: int = 4  # per client
+    ops: int = 8  # at most, per request attempt
+    keys: int = 24  # size of the shared key space
+    keys_per_op: int = 3
+    p_preempt: float = 0.08
+    p_reset: float = 0.02
+    p_misuse: float = 0.05
+    p_finish_concurrent: float = 0.1  # finish while a lookup or the last stores are in flight
+    # store copy outcomes: weights of success, failure, completed after the deadline, never completed
+    store_outcomes: tuple[float, float, float, float] = (0.8, 0.1, 0.05, 0.05)
+    transfer_timeout_s: float = 1.0
+
+    def draw(self, rng: random.Random) -> WorkloadConfig:
+        """A variation of this config (sizes and rates), drawn from ``rng``."""
+        return WorkloadConfig(
+            clients=rng.randint(1, self.clients),
+            requests=rng.randint(1, self.requests),
+            ops=rng.randint(1, self.ops),
+            keys=rng.randint(max(4, self.keys // 3), self.keys),
+            keys_per_op=rng.randint(1, self.keys_per_op),
+            p_preempt=self.p_preempt * rng.random() * 2,
+            p_reset=self.p_reset * rng.random() * 2,
+            p_misuse=self.p_misuse,
+            p_finish_concurrent=self.p_finish_concurrent * rng.random() * 2,
+            store_outcomes=self.store_outcomes,
+            transfer_timeout_s=self.transfer_timeout_s,
+        )
+
+
+@dataclass
+class Env:
+    """What every client of one run shares."""
+
+    manager: Any
+    deferrer: Deferrer
+    config: WorkloadConfig
+    seed: int
+    should_stop: Callable[[], bool] = lambda: False
+    violations: list[str] = field(default_factory=list)
+    expected_misuse: int = 0
+    operations: int = 0
+    requests: int = 0
+    finished: set[tuple[str, int]] = field(default_factory=set)
+    never_completed: set[tuple[tuple[str, int], OffloadKey]] = field(default_factory=set)
+    outstanding_copies: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def violation(self, text: str) -> None:
+        with self.lock:
+            self.violations.append(text)
+
+    def count(self, ops: int = 1, *, requests: int = 0, misuse: int = 0) -> None:
+        with self.lock:
+            self.operations += ops
+            self.requests += requests
+            self.expected_misuse += misuse
+
+    def copies(self, delta: int) -> None:
+        with self.lock:
+            self.outstanding_copies += delta
+
+
+def key_of(n: int) -> OffloadKey:
+    return b"k%05d" % n
+
+
+class _Client:
+    """One frontend thread's behaviour; :meth:`run` is the generator."""
+
+    def __init__(self, env: Env, index: int) -> None:
+        self.env = env
+        self.index = index
+        self.cfg = env.config
+        self.rng = random.Random(f"{env.seed}/client/{index}")
+        self.manager = env.manager
+        self.pool = env.manager.pool
+        self.block_bytes = int(self.pool.shape[1])
+
+    # ------------------------------------------------------------ plumbing
+
+    def send(self, message: object) -> None:
+        self.manager._send(message)
+        self.env.count()
+
+    def ask(self, make: Callable[[Future[Any]], object]) -> Generator[Future[Any] | None, None, Future[Any]]:
+        reply: Future[Any] = Future()
+        self.send(make(reply))
+        yield reply
+        return reply
+
+    def late_send(self, message: object) -> None:
+        """A completion from a copy thread: after ``stop()`` it has nowhere to go."""
+        with contextlib.suppress(ManagerStoppedError):
+            self.manager._send(message)
+        self.env.count()
+
+    def unexpected(self, call: str, ctx: ReqContext, exc: BaseException) -> None:
+        self.env.violation(f"client {self.index}: {call} for {ctx} raised {exc!r}")
+
+    def some_keys(self) -> tuple[OffloadKey, ...]:
+        count = self.rng.randint(1, self.cfg.keys_per_op)
+        return tuple(key_of(self.rng.randrange(self.cfg.keys)) for _ in range(count))
+
+    # ------------------------------------------------------------ operations
+
+    def lookup(self, ctx: ReqContext, *, then_finish: bool) -> Client:
+        keys = self.some_keys()
+        reply: Future[Any] = Future()
+        self.send(m.Lookup(keys, ctx, reply))
+        if then_finish:
+            self.send(m.FinishRequest(ctx))  # finish while the lookup (and its promotions) is in flight
+        yield reply
+        if reply.exception() is not None:
+            self.unexpected("lookup", ctx, reply.exception())  # type: ignore[arg-type]
+            return
+        hits = tuple(key for key, result in zip(keys, reply.result(), strict=True) if result is LookupResult.HIT)
+        if not hits or then_finish or self.rng.random() < 0.3:
+            return
+        load = yield from self.ask(lambda f: m.PrepareLoad(hits, ctx, f))
+        exc = load.exception()
+        if isinstance(exc, LifecycleError):
+            return  # evicted or reset since the lookup: a legal race
+        if exc is not None:
+            self.unexpected("prepare_load", ctx, exc)
+            return
+        rows = load.result().block_ids
+        self.env.copies(+1)
+
+        def copy_out() -> None:
+            bad = rows_hold(self.pool, hits, rows)
+            if bad:
+                self.env.violation(f"client {self.index}: {ctx} loaded rows {[rows[i] for i in bad]} "
+                                   "that do not hold their blocks (overwritten while pinned?)")
+            self.late_send(m.CompleteLoad(hits, ctx))
+            self.env.copies(-1)
+
+        self.env.deferrer.defer(f"load {ctx}", copy_out)
+
+    def store(self, ctx: ReqContext) -> Client:
+        keys = self.some_keys()
+        reply = yield from self.ask(lambda f: m.PrepareStore(keys, ctx, f))
+        if reply.exception() is not None:
+            self.unexpected("prepare_store", ctx, reply.exception())  # type: ignore[arg-type]
+            return
+        out: PrepareStoreOutput | None = reply.result()
+        if out is None or not out.keys_to_store:
+            return
+        stored = tuple(out.keys_to_store)
+        rows = out.store_spec.block_ids
+        outcome = self.rng.choices(("success", "failure", "late", "never"), self.cfg.store_outcomes)[0]
+        if outcome == "never":
+            with self.env.lock:
+                self.env.never_completed.update((ctx.identity, key) for key in stored)
+            return
+        self.env.copies(+1)
+
+        def copy_in() -> None:
+            for key, row in zip(stored, rows, strict=True):
+                if outcome == "failure":
+                    self.pool[row].fill_(0xEE)  # a torn copy: must never be served
+                else:
+                    self.pool[row].copy_(pattern(key, self.block_bytes))
+            self.late_send(m.CompleteStore(stored, ctx, outcome != "failure"))
+            self.env.copies(-1)
+
+        delay = self.cfg.transfer_timeout_s * 1.5 if outcome == "late" else 0.0
+        self.env.deferrer.defer(f"store {ctx}", copy_in, delay)
+
+    def misuse(self, ctx: ReqContext, finished: bool) -> Client:
+        kind = self.rng.randrange(3)
+        if kind == 0 and finished:
+            reply = yield from self.ask(lambda f: m.PrepareStore(self.some_keys(), ctx, f))
+            if not isinstance(reply.exception(), LifecycleError):
+                self.env.violation(f"client {self.index}: prepare_store after finish of {ctx} was not rejected "
+                                   f"(got {reply.exception() or reply.result()!r})")
+        elif kind == 1:
+            self.send(m.CompleteStore((b"never-prepared-%d" % self.index,), ctx, True))
+            self.env.count(0, misuse=1)
+        else:
+            self.send(m.CompleteLoad((b"never-pinned-%d" % self.index,), ctx))
+            self.env.count(0, misuse=1)
+
+    # ------------------------------------------------------------ one request
+
+    def request(self, number: int) -> Client:
+        ctx = ReqContext(f"c{self.index}r{number}", 0)
+        reply = yield from self.ask(lambda f: m.NewRequest(ctx, f))
+        if reply.exception() is not None:
+            self.unexpected("on_new_request", ctx, reply.exception())  # type: ignore[arg-type]
+            return
+        self.env.count(0, requests=1)
+        finished = False
+        for _ in range(self.rng.randint(1, self.cfg.ops)):
+            x = self.rng.random()
+            if finished:
+                yield from self.misuse(ctx, finished)
+                break
+            if x < self.cfg.p_preempt:
+                # Preemption: the old attempt ends (its copies may still complete late), a new one starts.
+                self.finish(ctx)
+                ctx = ReqContext(ctx.req_id, ctx.attempt + 1)
+                reply = yield from self.ask(lambda f, ctx=ctx: m.NewRequest(ctx, f))
+                if reply.exception() is not None:
+                    self.unexpected("on_new_request", ctx, reply.exception())  # type: ignore[arg-type]
+                    return
+            elif x < self.cfg.p_preempt + self.cfg.p_reset:
+                reply = yield from self.ask(lambda f: m.ResetCache(f))
+                if reply.exception() is not None:
+                    self.unexpected("reset_cache", ctx, reply.exception())  # type: ignore[arg-type]
+            elif x < self.cfg.p_preempt + self.cfg.p_reset + self.cfg.p_misuse:
+                yield from self.misuse(ctx, finished)
+            elif x < 0.45:
+                concurrent = self.rng.random() < self.cfg.p_finish_concurrent
+                yield from self.lookup(ctx, then_finish=concurrent)
+                if concurrent:
+                    self.env.finished.add(ctx.identity)
+                    finished = True
+            elif x < 0.9:
+                yield from self.store(ctx)
+            else:
+                self.send(m.Touch(self.some_keys(), ctx))
+        self.finish(ctx)
+
+    def finish(self, ctx: ReqContext) -> None:
+        self.send(m.FinishRequest(ctx))
+        with self.env.lock:
+            self.env.finished.add(ctx.identity)
+
+    def run(self) -> Client:
+        for number in range(self.cfg.requests):
+            if self.env.should_stop():
+                return
+            yield from self.request(number)
+            yield None  # let others run between requests
+
+
+def make_clients(env: Env) -> list[Client]:
+    """One generator per client of ``env.config``."""
+    return [_Client(env, index).run() for index in range(env.config.clients)]
+
+
+class Hang(Exception):
+    """A reply did not come within the bound: the call it answers hangs."""
+
+
+def drive(client: Client, bound_s: float) -> None:
+    """Run ``client`` on the calling thread, waiting for each future at most ``bound_s``."""
+    for waiting in client:
+        if waiting is not None and not waiting.done():
+            try:
+                waiting.exception(timeout=bound_s)
+            except TimeoutError:
+                raise Hang(f"a reply did not come within {bound_s:.1f} s") from None

@@ -1,0 +1,76 @@
+"""``kvactors stress``: real threads, checked; hangs are reported, not waited on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvactors.actors.primary import PrimaryTier
+from kvactors.commands import stress
+from kvactors.commands.check_log import check_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    stress.add_arguments(parser)
+    args = parser.parse_args(["--no-progress"])
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+@pytest.mark.timeout(120)
+def test_short_stress_run_is_clean_and_its_log_checks(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    summary = stress.run_stress(_args(threads=4, requests=40, seed=7, event_log=str(log), switch_interval=1e-5))
+    assert summary["violation_list"] == []
+    assert (summary["violations"], summary["leaks"], summary["pins"], summary["jobs"], summary["hangs"]) == (0,) * 5
+    assert summary["requests"] == 160 and summary["operations"] > 500
+    result = check_file(str(log))
+    assert result.requests >= 160 and not result.errors
+    assert not result.violations, "\n".join(v.format() for v in result.violations[:5])
+
+
+@pytest.mark.timeout(120)
+def test_cli_json_last_line_and_exit_status(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "stress.py"), "--threads", "3", "--requests", "20", "--seed", "3",
+         "--json", "--seconds", "30"],
+        capture_output=True, text=True, env=env, timeout=100, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("operations", "requests", "violations", "leaks", "hangs", "seed"):
+        assert name in summary
+    assert summary["seed"] == 3 and summary["violations"] == 0 and summary["operations"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_hang_is_reported_with_every_stack(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    release = threading.Event()
+    prepare_store = PrimaryTier._on_prepare_store
+
+    def stuck(self: PrimaryTier, msg: object) -> None:
+        release.wait(30)  # the primary never answers: every caller's ask hangs
+        prepare_store(self, msg)
+
+    monkeypatch.setattr(PrimaryTier, "_on_prepare_store", stuck)
+    PrimaryTier._handlers = {**PrimaryTier._handlers}  # handlers are looked up by name: the patch applies
+    try:
+        summary = stress.run_stress(_args(threads=2, requests=5, seed=1, hang_after=1.0))
+    finally:
+        release.set()
+    assert summary["hangs"] >= 1
+    err = capsys.readouterr().err
+    assert "HANG: frontend" in err and "--- thread" in err and "stuck" in err
