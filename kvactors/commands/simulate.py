@@ -221,11 +221,13 @@ def _run(args: argparse.Namespace) -> int:
     if own_disk:
         shutil.rmtree(disk_dir, ignore_errors=True)
 
-    from kvactors.simulation.report import notes, plot, summary_table
+    from kvactors.simulation.report import DEFINITIONS, notes, plot, summary_table
 
     check, check_ok = _check_log(event_log)
     console = Console(highlight=False)
     console.print(summary_table(result, event_log=event_log, check_log=check))
+    for line in DEFINITIONS:
+        console.print(line, style="dim", markup=False)
     for line in notes(result):
         console.print(line, markup=False)
     if args.plot:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from rich.table import Table
 
 from kvactors.simulation.metrics import CPU, CPU_IN_FLIGHT, percentile
@@ -15,6 +17,7 @@ HIT_RATE_NOTE = (
 GBPS_NOTE = "GB/s: bytes moved between the device cache and the pool / the run's wall time (all threads)."
 FINALIZE_NOTE = ("Finalize latency: from the moment the attempt's last offload resolved (or its finish, if later) "
                  "to the moment the last secondary tier ran on_request_finished.")
+DEFINITIONS = (HIT_RATE_NOTE, GBPS_NOTE, FINALIZE_NOTE)
 
 
 def _size(n: float) -> str:
@@ -82,7 +85,7 @@ def plot(result: SimResult, path: str) -> None:
 
     samples = result.samples
     ts, hit, off, on = [], [], [], []
-    for a, b in zip(samples, samples[1:], strict=False):
+    for a, b in itertools.pairwise(samples):
         dt = b.t - a.t
         if dt <= 0:
             continue

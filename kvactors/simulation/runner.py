@@ -30,8 +30,6 @@ block comes back from the CPU pool or a secondary tier.
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
 import traceback
