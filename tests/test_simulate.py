@@ -50,7 +50,8 @@ def test_short_run_with_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "run.png"
     rc, out, err = run_cli(capsys, "--quick", "--requests", "150", "--threads", "3", "--json",
-                           "--disk-dir", str(tmp_path / "disk"), "--plot", str(png))
+                           "--disk-dir", str(tmp_path / "disk"), "--plot", str(png),
+                           "--event-log", str(tmp_path / "events.jsonl"))
     assert rc == 0, out + err
     assert png.read_bytes().startswith(b"\x89PNG")
     assert json.loads(out.strip().splitlines()[-1])["requests"] == 150
@@ -58,7 +59,8 @@ def test_short_run_with_plot(tmp_path, capsys):
 
 @pytest.mark.timeout(60)
 def test_seconds_bounds_the_run(tmp_path, capsys):
-    rc, out, err = run_cli(capsys, "--quick", "--seconds", "1", "--json", "--disk-dir", str(tmp_path / "d"))
+    rc, out, err = run_cli(capsys, "--quick", "--seconds", "1", "--json", "--disk-dir", str(tmp_path / "d"),
+                           "--event-log", str(tmp_path / "events.jsonl"))
     assert rc == 0, out + err
     result = json.loads(out.strip().splitlines()[-1])
     assert result["requests"] > 0 and result["seconds"] < 10

@@ -201,8 +201,9 @@ def _run(args: argparse.Namespace) -> int:
         _check_dir_writable(os.path.dirname(os.path.abspath(args.plot)), "--plot")
     device = _device(args.device)
 
-    run_dir = tempfile.mkdtemp(prefix="kvactors-simulate-")
     own_disk = args.disk_dir is None
+    # The run's directory holds what the user did not place: the disk tier (removed after) and the log (kept).
+    run_dir = tempfile.mkdtemp(prefix="kvactors-simulate-") if own_disk or not args.event_log else ""
     disk_dir = os.path.join(run_dir, "disk") if own_disk else os.path.abspath(args.disk_dir)
     event_log = os.path.abspath(args.event_log) if args.event_log else os.path.join(run_dir, "events.jsonl")
     try:
@@ -211,7 +212,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.redis:
             _check_redis(args.redis)
     except OptionError:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
     config = SimConfig(threads=_pick(args, "threads"), requests=requests, seconds=args.seconds, seed=args.seed,

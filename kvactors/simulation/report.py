@@ -46,9 +46,10 @@ def summary_table(result: SimResult, *, event_log: str | None, check_log: str) -
                               f"{c['preemptions']} preemptions; {c['attempts']} attempts)")
     by_tier = ", ".join(f"{cat} {result.hit_rate_of(cat):.1%}" for cat in result.hit_categories)
     table.add_row("prefix hit rate", f"{result.hit_rate:.1%} of {c['keys_looked_up']} blocks ({by_tier})")
-    promotions = ", ".join(f"{t} {n}" for t, n in sorted(result.promotions.items())) or "none"
-    table.add_row("promotions", f"{promotions} blocks; {c['load_races']} load races, "
-                                f"{c['pending_timeouts']} pending timeouts")
+    stored = ", ".join(f"{t} {result.cascaded.get(t, 0)}" for t in result.tiers)
+    promoted = ", ".join(f"{t} {result.promotions.get(t, 0)}" for t in result.tiers)
+    table.add_row("tier traffic", f"blocks stored: {stored}; promoted: {promoted}; {c['load_races']} load races, "
+                                  f"{c['pending_timeouts']} pending timeouts")
     table.add_row("offloaded", f"{_size(c['bytes_offloaded'])}, {result.gbps('offloaded'):.3f} GB/s")
     table.add_row("onboarded", f"{_size(c['bytes_onboarded'])}, {result.gbps('onboarded'):.3f} GB/s")
     table.add_row("finalize latency", f"p50 {percentile(result.finalize_ms, 50):.2f} ms, "

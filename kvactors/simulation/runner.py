@@ -95,6 +95,7 @@ class SimResult:
     leak_notes: list[str]
     stats: dict[str, int | float]
     promotions: dict[str, int]
+    cascaded: dict[str, int]
     samples: list[Sample]
     errors: list[str]
     mismatch_notes: list[str]
@@ -144,6 +145,7 @@ class SimResult:
             "finalize_p50_ms": round(percentile(self.finalize_ms, 50), 3),
             "finalize_p99_ms": round(percentile(self.finalize_ms, 99), 3),
             "promotions": dict(self.promotions),
+            "cascaded": dict(self.cascaded),
             "load_races": c["load_races"],
             "pending_timeouts": c["pending_timeouts"],
             "transfer_errors": c["transfer_errors"],
@@ -245,6 +247,7 @@ class Simulation:
             config=cfg, tiers=tier_names, seconds=seconds, counts=self.metrics.counts, hits=self.metrics.hits,
             finalize_ms=finalize_ms, violations=violations, violation_notes=list(self.observer.violation_notes),
             leaks=leaks, leak_notes=leak_notes, stats=stats, promotions=dict(self.observer.promotions),
+            cascaded=dict(self.observer.cascaded_blocks),
             samples=sampler.samples, errors=self.metrics.errors, mismatch_notes=self.metrics.mismatch_notes,
             conversations=self.workload.conversations_started,
         )
