@@ -222,6 +222,8 @@ def _run(args: argparse.Namespace) -> int:
     result = _simulate(Simulation(config))
     if own_disk:
         shutil.rmtree(disk_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # kept when it holds the log
+            os.rmdir(run_dir)
 
     from kvactors.simulation.report import DEFINITIONS, notes, plot, summary_table
 
