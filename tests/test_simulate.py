@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import threading
 
 import pytest
 import torch
@@ -164,4 +164,33 @@ def test_observed_tier_delegates_and_records(tmp_path):
     assert observer.finalized_time(ctx, ["disk"]) is not None
     assert observer.finalized_time(ctx2, ["disk"]) is not None
     assert observer.violations == 0
-    assert threading.active_count() >= 1
+
+
+def test_check_log_is_run_when_it_exists(monkeypatch):
+    import sys
+    import types
+
+    from kvactors.commands import simulate
+
+    fake = types.ModuleType("kvactors.commands.check_log")
+    seen: list[str] = []
+    verdict = {"rc": 0, "line": "3 requests, 0 violations"}
+
+    def add_arguments(parser):
+        parser.add_argument("log")
+
+    def run(args):
+        seen.append(args.log)
+        print(verdict["line"])
+        return verdict["rc"]
+
+    fake.add_arguments = add_arguments
+    fake.run = run
+    monkeypatch.setitem(sys.modules, "kvactors.commands.check_log", fake)
+    assert simulate._check_log("events.jsonl") == ("ok: 3 requests, 0 violations", True)
+    assert seen == ["events.jsonl"]
+    verdict.update(rc=1, line="1 violation")
+    assert simulate._check_log("events.jsonl") == ("FAILED (exit 1): 1 violation", False)
+    monkeypatch.delitem(sys.modules, "kvactors.commands.check_log")
+    if importlib.util.find_spec("kvactors.commands.check_log") is None:
+        assert simulate._check_log("events.jsonl") == ("check-log not available", True)
