@@ -43,7 +43,8 @@ def summary_table(result: SimResult, *, event_log: str | None, check_log: str) -
                             f"tiers: {tiers}")
     table.add_row("requests", f"{result.requests} turns of {result.conversations} conversations in "
                               f"{result.seconds:.1f} s ({c['completed']} completed, {c['aborts']} aborted, "
-                              f"{c['preemptions']} preemptions; {c['attempts']} attempts)")
+                              f"{c['preemptions']} preemptions; {c['attempts']} attempts)"
+                              + (" [bold yellow]interrupted[/bold yellow]" if result.interrupted else ""))
     by_tier = ", ".join(f"{cat} {result.hit_rate_of(cat):.1%}" for cat in result.hit_categories)
     table.add_row("prefix hit rate", f"{result.hit_rate:.1%} of {c['keys_looked_up']} blocks ({by_tier})")
     stored = ", ".join(f"{t} {result.cascaded.get(t, 0)}" for t in result.tiers)

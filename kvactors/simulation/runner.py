@@ -100,6 +100,7 @@ class SimResult:
     errors: list[str]
     mismatch_notes: list[str]
     conversations: int
+    interrupted: bool = False
 
     @property
     def requests(self) -> int:
@@ -135,6 +136,7 @@ class SimResult:
             "preemptions": c["preemptions"],
             "aborts": c["aborts"],
             "seconds": round(self.seconds, 3),
+            "interrupted": self.interrupted,
             "keys_looked_up": c["keys_looked_up"],
             "hit_rate": round(self.hit_rate, 4),
             "hit_rate_by_tier": {cat: round(self.hit_rate_of(cat), 4) for cat in self.hit_categories},
@@ -181,6 +183,7 @@ class Simulation:
         self._computed: dict[OffloadKey, float] = {}
         self._computed_lock = threading.Lock()
         self._t0 = 0.0
+        self.interrupted = False
         self.redis_namespace = f"kvactors-simulate-{uuid.uuid4().hex[:12]}"
 
     # ------------------------------------------------------------ set-up
@@ -227,8 +230,9 @@ class Simulation:
                         w.join(0.1)
                         if tick is not None:
                             tick(self)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt:  # Ctrl-C: finish the turns in progress, then check and report
                 self._stop.set()
+                self.interrupted = True
                 for w in workers:
                     w.join()
             seconds = time.monotonic() - self._t0
@@ -249,7 +253,7 @@ class Simulation:
             leaks=leaks, leak_notes=leak_notes, stats=stats, promotions=dict(self.observer.promotions),
             cascaded=dict(self.observer.cascaded_blocks),
             samples=sampler.samples, errors=self.metrics.errors, mismatch_notes=self.metrics.mismatch_notes,
-            conversations=self.workload.conversations_started,
+            conversations=self.workload.conversations_started, interrupted=self.interrupted,
         )
 
     def _drop_redis_namespace(self) -> None:
