@@ -194,3 +194,10 @@ def test_check_log_is_run_when_it_exists(monkeypatch):
     monkeypatch.delitem(sys.modules, "kvactors.commands.check_log")
     if importlib.util.find_spec("kvactors.commands.check_log") is None:
         assert simulate._check_log("events.jsonl") == ("check-log not available", True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_without_a_device_is_a_clear_error(capsys):
+    rc, out, err = run_cli(capsys, "--device", "cuda")
+    assert rc == 2 and "kvactors simulate: error: --device cuda: no CUDA device" in err
+    assert "Traceback" not in out + err

@@ -286,6 +286,9 @@ class Simulation:
             for tier in tiers:
                 if (ctx, tier) not in self.observer.finished_at:
                     unfinalized += 1
+        # Every attempt a tier saw start must have been finalized there too.
+        unfinalized += sum(1 for pair in self.observer.started if pair not in self.observer.finished_at
+                           and pair[0] not in self.metrics.frontend_done)
         if unfinalized:
             leaks += unfinalized
             notes.append(f"{unfinalized} (request, tier) pairs never got on_request_finished")
