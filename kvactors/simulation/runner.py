@@ -1,0 +1,502 @@
+"""The simulated serving frontend: threads driving a real ``TieringManager`` + ``TransferEngine``.
+
+Each frontend thread serves one turn (a request) at a time, as a serving
+engine's scheduler and workers would:
+
+1. ``on_new_request(ctx)``, then ``lookup`` of the prompt's keys. Keys that
+   answer ``HIT_PENDING`` (being promoted from disk/Redis, or being stored by
+   another request) are looked up again every 2 ms until they are ready or
+   ``pending_wait_s`` passes: the request is deferred, as vLLM defers it. The
+   prefix is the leading run of ``HIT`` keys.
+2. ``onboard`` the prefix into the thread's device rows, and check every
+   onboarded row byte for byte against what its key must hold. A key evicted
+   between the lookup and ``prepare_load`` (``LifecycleError``, the contract's
+   answer to a load of a key not ready) is a *load race*: look up again.
+3. "Compute" the rest (write the key's deterministic bytes into the device
+   rows) and ``offload`` it in chunks, several copies in flight at once.
+4. ``on_request_finished(ctx)`` right after the last offload is submitted,
+   while copies are still in flight (the contract allows it); then wait for
+   the offload futures before the rows are reused.
+
+Some attempts are preempted (finished with offloads in flight, then the same
+``req_id`` comes back with ``attempt + 1`` and does the turn again) and some
+are aborted (finished right after the first lookup, with promotions possibly
+in flight, or after the compute without offloading anything).
+
+The device cache holds only the rows of the requests being served (one slab
+of rows per thread); there is no device-side prefix cache, so every reused
+block comes back from the CPU pool or a secondary tier.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvactors.core.errors import LifecycleError, TransferError
+from kvactors.manager import TieringManager
+from kvactors.simulation.instrument import ObservedTier, TierObserver
+from kvactors.simulation.metrics import CPU, CPU_IN_FLIGHT, Metrics, Sample, Sampler, percentile
+from kvactors.simulation.workload import BlockBytes, Turn, Workload, WorkloadShape
+from kvactors.tiers.base import SecondaryTier
+from kvactors.tiers.disk import DiskTier
+from kvactors.transfer import TransferEngine
+from kvactors.types import LookupResult, OffloadKey, ReqContext
+
+WAIT_S = 60.0
+"""Longest wait for one future or for the runtime to become idle (a hang fails the run, it does not hang it)."""
+POLL_S = 0.002
+
+
+@dataclass
+class SimConfig:
+    threads: int = 4
+    requests: int | None = 2000
+    """Turns to serve (a preempted turn's retries count once); ``None``: until ``seconds``."""
+    seconds: float | None = None
+    """Stop starting turns after this long."""
+    seed: int = 0
+    block_bytes: int = 64 * 1024
+    cpu_blocks: int = 256
+    disk_dir: str = ""
+    disk_bytes: int = 256 * 1024 * 1024
+    redis_url: str | None = None
+    event_log: str | None = None
+    device: str = "cpu"
+    preempt_p: float = 0.08
+    abort_p: float = 0.04
+    offload_chunk: int = 8
+    pending_wait_s: float = 2.0
+    transfer_timeout_s: float = 30.0
+    sample_interval_s: float = 0.5
+    shape: WorkloadShape = field(default_factory=WorkloadShape)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    tiers: list[str]
+    seconds: float
+    counts: Counter[str]
+    hits: Counter[str]
+    finalize_ms: list[float]
+    violations: int
+    violation_notes: list[str]
+    leaks: int
+    leak_notes: list[str]
+    stats: dict[str, int | float]
+    promotions: dict[str, int]
+    cascaded: dict[str, int]
+    samples: list[Sample]
+    errors: list[str]
+    mismatch_notes: list[str]
+    conversations: int
+    interrupted: bool = False
+
+    @property
+    def requests(self) -> int:
+        return self.counts["turns"]
+
+    @property
+    def mismatches(self) -> int:
+        return self.counts["mismatches"]
+
+    @property
+    def hit_rate(self) -> float:
+        looked = self.counts["keys_looked_up"]
+        return sum(self.hits.values()) / looked if looked else 0.0
+
+    def hit_rate_of(self, category: str) -> float:
+        looked = self.counts["keys_looked_up"]
+        return self.hits[category] / looked if looked else 0.0
+
+    def gbps(self, what: str) -> float:
+        return self.counts[f"bytes_{what}"] / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.violations or self.mismatches or self.leaks or self.counts["frontend_errors"])
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.counts
+        return {
+            "requests": c["turns"],
+            "completed": c["completed"],
+            "conversations": self.conversations,
+            "attempts": c["attempts"],
+            "preemptions": c["preemptions"],
+            "aborts": c["aborts"],
+            "seconds": round(self.seconds, 3),
+            "interrupted": self.interrupted,
+            "keys_looked_up": c["keys_looked_up"],
+            "hit_rate": round(self.hit_rate, 4),
+            "hit_rate_by_tier": {cat: round(self.hit_rate_of(cat), 4) for cat in self.hit_categories},
+            "bytes_offloaded": c["bytes_offloaded"],
+            "bytes_onboarded": c["bytes_onboarded"],
+            "offload_gbps": round(self.gbps("offloaded"), 4),
+            "onboard_gbps": round(self.gbps("onboarded"), 4),
+            "finalize_p50_ms": round(percentile(self.finalize_ms, 50), 3),
+            "finalize_p99_ms": round(percentile(self.finalize_ms, 99), 3),
+            "promotions": dict(self.promotions),
+            "cascaded": dict(self.cascaded),
+            "load_races": c["load_races"],
+            "pending_timeouts": c["pending_timeouts"],
+            "transfer_errors": c["transfer_errors"],
+            "frontend_errors": c["frontend_errors"],
+            "violations": self.violations,
+            "mismatches": self.mismatches,
+            "leaks": self.leaks,
+        }
+
+    @property
+    def hit_categories(self) -> list[str]:
+        return [CPU, CPU_IN_FLIGHT, *self.tiers]
+
+
+class Simulation:
+    """One run: build the tiers, the manager and the engine; serve; check; tear down.
+
+    ``run()`` blocks until the run ends; ``tick`` (if given) is called on the
+    calling thread about every 0.1 s with the simulation (for a progress bar).
+    ``stop()`` (any thread) ends the run early: no new turns start, the turns
+    in progress finish.
+    """
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.observer = TierObserver()
+        self.workload = Workload(seed=config.seed, block_bytes=config.block_bytes, shape=config.shape)
+        self.blocks = BlockBytes(config.block_bytes, config.seed, config.device)
+        self._stop = threading.Event()
+        self._budget_lock = threading.Lock()
+        self._turns_started = 0
+        self._computed: dict[OffloadKey, float] = {}
+        self._computed_lock = threading.Lock()
+        self._t0 = 0.0
+        self.interrupted = False
+        self.redis_namespace = f"kvactors-simulate-{uuid.uuid4().hex[:12]}"
+
+    # ------------------------------------------------------------ set-up
+
+    def _tiers(self) -> list[SecondaryTier]:
+        cfg = self.config
+        tiers: list[SecondaryTier] = [DiskTier(cfg.disk_dir, capacity_bytes=cfg.disk_bytes)]
+        if cfg.redis_url:
+            from kvactors.tiers.redis import RedisTier
+
+            tiers.append(RedisTier(cfg.redis_url, namespace=self.redis_namespace, capacity_bytes=cfg.disk_bytes))
+        return tiers
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self._t0 if self._t0 else 0.0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, tick: Callable[[Simulation], None] | None = None) -> SimResult:
+        cfg = self.config
+        inner = self._tiers()
+        tiers = [ObservedTier(t, self.observer) for t in inner]
+        tier_names = [t.name for t in tiers]
+        rows = cfg.shape.max_request_blocks
+        device_cache = torch.zeros((cfg.threads * rows, cfg.block_bytes), dtype=torch.uint8, device=cfg.device)
+        manager = TieringManager.start(num_blocks=cfg.cpu_blocks, block_bytes=cfg.block_bytes, secondary_tiers=tiers,
+                                       transfer_timeout_s=cfg.transfer_timeout_s, event_log=cfg.event_log)
+        try:
+            engine = TransferEngine(manager, device_cache)
+            self.manager, self.engine = manager, engine
+            sampler = Sampler(self.metrics, cfg.sample_interval_s)
+            workers = [threading.Thread(target=self._worker, args=(i, list(range(i * rows, (i + 1) * rows))),
+                                        name=f"kvactors-simulate-frontend-{i}", daemon=True)
+                       for i in range(cfg.threads)]
+            self._t0 = time.monotonic()
+            sampler.start()
+            for w in workers:
+                w.start()
+            try:
+                for w in workers:
+                    while w.is_alive():
+                        w.join(0.1)
+                        if tick is not None:
+                            tick(self)
+            except KeyboardInterrupt:  # Ctrl-C: finish the turns in progress, then check and report
+                self._stop.set()
+                self.interrupted = True
+                for w in workers:
+                    w.join()
+            seconds = time.monotonic() - self._t0
+            sampler.stop()
+            engine.close()
+            idle = manager.wait_idle(WAIT_S)
+            stats = manager.stats()
+        finally:
+            manager.stop(WAIT_S)
+            if cfg.redis_url:
+                self._drop_redis_namespace()
+        violations = int(stats["contract_violations"]) + int(stats["internal_errors"]) + self.observer.violations
+        leaks, leak_notes = self._leaks(stats, tier_names, idle)
+        finalize_ms = self._finalize_latencies(tier_names)
+        return SimResult(
+            config=cfg, tiers=tier_names, seconds=seconds, counts=self.metrics.counts, hits=self.metrics.hits,
+            finalize_ms=finalize_ms, violations=violations, violation_notes=list(self.observer.violation_notes),
+            leaks=leaks, leak_notes=leak_notes, stats=stats, promotions=dict(self.observer.promotions),
+            cascaded=dict(self.observer.cascaded_blocks),
+            samples=sampler.samples, errors=self.metrics.errors, mismatch_notes=self.metrics.mismatch_notes,
+            conversations=self.workload.conversations_started, interrupted=self.interrupted,
+        )
+
+    def _drop_redis_namespace(self) -> None:
+        try:
+            import redis
+
+            client = redis.Redis.from_url(self.config.redis_url or "", socket_timeout=2.0)
+            batch = list(client.scan_iter(match=f"{self.redis_namespace}:*", count=1000))
+            for i in range(0, len(batch), 1000):
+                client.delete(*batch[i:i + 1000])
+            client.close()
+        except Exception:  # best effort: the keys are under a namespace of this run only
+            pass
+
+    # ------------------------------------------------------------ checks
+
+    def _leaks(self, stats: dict[str, int | float], tiers: list[str], idle: bool) -> tuple[int, list[str]]:
+        notes = []
+        leaks = 0
+        if not idle:
+            notes.append(f"the runtime was not idle {WAIT_S:.0f} s after the last request")
+        for name in ("active_requests", "requests_finished_pending", "blocks_pending", "blocks_pinned",
+                     "jobs_in_flight", "jobs_queued", "lookups_in_flight"):
+            value = int(stats.get(name, 0))
+            if value:
+                leaks += value
+                notes.append(f"{name} = {value}")
+        unfinalized = 0
+        for ctx in list(self.metrics.frontend_done):
+            for tier in tiers:
+                if (ctx, tier) not in self.observer.finished_at:
+                    unfinalized += 1
+        # Every attempt a tier saw start must have been finalized there too.
+        unfinalized += sum(1 for pair in self.observer.started if pair not in self.observer.finished_at
+                           and pair[0] not in self.metrics.frontend_done)
+        if unfinalized:
+            leaks += unfinalized
+            notes.append(f"{unfinalized} (request, tier) pairs never got on_request_finished")
+        return leaks, notes
+
+    def _finalize_latencies(self, tiers: list[str]) -> list[float]:
+        out = []
+        for ctx, done in self.metrics.frontend_done.items():
+            assert isinstance(ctx, ReqContext)
+            last = self.observer.finalized_time(ctx, tiers)
+            if last is not None:
+                out.append(max(0.0, last - done) * 1000.0)
+        return out
+
+    # ------------------------------------------------------------ the frontend
+
+    def _claim_turn(self) -> bool:
+        cfg = self.config
+        with self._budget_lock:
+            if self._stop.is_set():
+                return False
+            if cfg.seconds is not None and self.elapsed >= cfg.seconds:
+                self._stop.set()
+                return False
+            if cfg.requests is not None and self._turns_started >= cfg.requests:
+                return False
+            self._turns_started += 1
+            return True
+
+    def _unclaim_turn(self) -> None:
+        with self._budget_lock:
+            self._turns_started -= 1
+
+    def _worker(self, index: int, rows: list[int]) -> None:
+        while self._claim_turn():
+            got = self.workload.next_turn()
+            if got is None:
+                self._unclaim_turn()
+                time.sleep(POLL_S)
+                continue
+            conv, turn = got
+            completed = False
+            try:
+                completed = self._serve(turn, rows)
+            except Exception as exc:
+                self.metrics.error(f"{turn.req_id}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            finally:
+                self.metrics.add(turns=1, completed=int(completed))
+                self.workload.turn_done(conv, turn, completed=completed)
+
+    def _choose(self, attempt: int) -> str:
+        cfg = self.config
+        r = self.workload.random()
+        if r < cfg.abort_p / 2:
+            return "abort_early"
+        if r < cfg.abort_p:
+            return "abort_late"
+        if r < cfg.abort_p + cfg.preempt_p and attempt < 2:
+            return "preempt"
+        return "finish"
+
+    def _serve(self, turn: Turn, rows: list[int]) -> bool:
+        """Serve one turn, with its preempted attempts. True if it completed (not aborted)."""
+        attempt = 0
+        carried: tuple[ReqContext, float, list[Future[list[OffloadKey]]]] | None = None
+        keys = turn.keys
+        loaded: list[tuple[list[OffloadKey], list[LookupResult]]] = []
+        try:
+            while True:
+                ctx = ReqContext(turn.req_id, attempt)
+                self.manager.on_new_request(ctx)
+                self.metrics.add(attempts=1)
+                action = self._choose(attempt)
+                first = self.manager.lookup(turn.prompt_keys, ctx)
+                if action == "abort_early":  # promotions this lookup started may still be in flight
+                    self._finish(ctx, [])
+                    self.metrics.add(aborts=1)
+                    return False
+                self.metrics.add(keys_looked_up=len(turn.prompt_keys))
+                # The rows are the previous attempt's until its offloads resolved.
+                if carried:
+                    self._settle(*carried)
+                    carried = None
+                n = self._onboard_prefix(ctx, turn.prompt_keys, first, rows)
+                loaded.append((turn.prompt_keys[:n], first))
+                for i in range(n, len(keys)):
+                    self.blocks.write(self.engine.device_cache[rows[i]], keys[i])
+                if action == "abort_late":
+                    self._finish(ctx, [])
+                    self.metrics.add(aborts=1)
+                    return False
+                step = self.config.offload_chunk
+                chunks = [(keys[i:i + step], rows[i:min(i + step, len(keys))]) for i in range(n, len(keys), step)]
+                if action == "preempt":
+                    chunks = chunks[: len(chunks) // 2]
+                t0 = time.monotonic()
+                futures = []
+                for k, r in chunks:
+                    fut = self.engine.offload(ctx, k, r)
+                    fut.add_done_callback(self._note_stored(t0))
+                    futures.append(fut)
+                finish_time = self._finish(ctx, futures)
+                if action == "preempt":
+                    self.metrics.add(preemptions=1)
+                    carried = (ctx, finish_time, futures)
+                    attempt += 1
+                    continue
+                self._settle(ctx, finish_time, futures)
+                return True
+        finally:
+            if carried:
+                self._settle(*carried)
+            # Attributed last, so that concurrent stores have been noted (see _attribute).
+            for prefix, first in loaded:
+                self._attribute(prefix, first)
+
+    def _finish(self, ctx: ReqContext, futures: list[Future[list[OffloadKey]]]) -> float:
+        now = time.monotonic()
+        self.manager.on_request_finished(ctx)
+        if not futures:
+            self.metrics.done(ctx, now)
+        return now
+
+    def _settle(self, ctx: ReqContext, finish_time: float, futures: list[Future[list[OffloadKey]]]) -> None:
+        """Wait for an attempt's offloads; note when the frontend was done with it."""
+        resolved = [finish_time]
+        stored = 0
+        for fut in futures:
+            try:
+                stored += len(fut.result(WAIT_S))
+            except TransferError as exc:
+                self.metrics.add(transfer_errors=1)
+                self.metrics.error(f"{ctx}: offload failed: {exc}")
+            # The done callback stamps the moment the future resolved; it runs just after waiters wake.
+            deadline = time.monotonic() + 1.0
+            while not hasattr(fut, "resolved_at") and time.monotonic() < deadline:
+                time.sleep(0.0001)
+            resolved.append(getattr(fut, "resolved_at", time.monotonic()))
+        self.metrics.done(ctx, max(resolved))
+        self.metrics.add(bytes_offloaded=stored * self.config.block_bytes, blocks_offloaded=stored)
+
+    def _settled_lookup(self, ctx: ReqContext, keys: list[OffloadKey], results: list[LookupResult]) -> int:
+        """Wait (looking up again) while the first non-HIT key is HIT_PENDING; the length of the HIT prefix."""
+        deadline = time.monotonic() + self.config.pending_wait_s
+        n = base = 0  # results[j] answers keys[base + j]
+        while True:
+            while n < len(keys) and results[n - base] == LookupResult.HIT:
+                n += 1
+            if n == len(keys):
+                return n
+            state = results[n - base]
+            if state == LookupResult.RETRY:
+                self.metrics.add(lookup_retries=1)
+                return n
+            if state != LookupResult.HIT_PENDING:
+                return n
+            if time.monotonic() > deadline:
+                self.metrics.add(pending_timeouts=1)
+                return n
+            time.sleep(POLL_S)
+            base = n
+            results = self.manager.lookup(keys[n:], ctx)
+
+    def _onboard_prefix(self, ctx: ReqContext, keys: list[OffloadKey], first: list[LookupResult],
+                        rows: list[int]) -> int:
+        """Onboard the ready prefix into ``rows`` and check it; its length (0 if none)."""
+        results = first
+        for _ in range(3):
+            n = self._settled_lookup(ctx, keys, results)
+            if n == 0:
+                return 0
+            try:
+                self.engine.onboard(ctx, keys[:n], rows[:n]).result(WAIT_S)
+            except LifecycleError:  # a key was evicted after the lookup: not ready any more
+                self.metrics.add(load_races=1)
+                results = self.manager.lookup(keys, ctx)
+                continue
+            except TransferError as exc:
+                self.metrics.add(transfer_errors=1)
+                self.metrics.error(f"{ctx}: onboard failed: {exc}")
+                return 0
+            cache = self.engine.device_cache
+            for i in range(n):
+                if not self.blocks.matches(cache[rows[i]], keys[i]):
+                    self.metrics.mismatch(f"{ctx}: block {i} ({keys[i].hex()}) onboarded into device row "
+                                          f"{rows[i]} does not hold its key's bytes")
+            self.metrics.add(bytes_onboarded=n * self.config.block_bytes, blocks_onboarded=n)
+            return n
+        return 0
+
+    def _attribute(self, keys: list[OffloadKey], first: list[LookupResult]) -> None:
+        """Count each loaded key under the tier it came from (see ``kvactors.simulation.metrics``)."""
+        by: Counter[str] = Counter()
+        for key, state in zip(keys, first, strict=False):
+            if state == LookupResult.HIT:
+                by[CPU] += 1
+                continue
+            promo = self.observer.promotion_of(key)
+            with self._computed_lock:
+                computed = self._computed.get(key, -1.0)
+            by[promo[0] if promo is not None and promo[1] > computed else CPU_IN_FLIGHT] += 1
+        self.metrics.add_hits(by)
+
+    def _note_stored(self, t0: float) -> Callable[[Future[list[OffloadKey]]], None]:
+        def callback(fut: Future[list[OffloadKey]]) -> None:
+            fut.resolved_at = time.monotonic()  # type: ignore[attr-defined]
+            if fut.exception() is None and fut.result():
+                with self._computed_lock:
+                    for key in fut.result():
+                        self._computed[key] = t0
+        return callback
