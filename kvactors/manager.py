@@ -130,7 +130,7 @@ class TieringManager:
         pool = torch.zeros(
             (num_blocks, block_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
         )
-        log, sink = make_event_logger(event_log, manager=manager_id)
+        log, sink = make_event_logger(event_log, manager=manager_id, pid=os.getpid())
         runtime = runtime if runtime is not None else ThreadRuntime(f"kvactors-{manager_id}")
         work_ids = itertools.count(1)
 

@@ -113,8 +113,8 @@ class PrimaryTier(Actor):
             state = "finishing" if record.finished else "active"
             raise LifecycleError(f"on_new_request: request {ctx} is already {state}")
         self._requests[ctx.identity] = _RequestRecord(ctx)
-        self.supervisor.tell(m.RequestStarted(ctx))
         self.log.debug("request_started", req_id=ctx.req_id, attempt=ctx.attempt)
+        self.supervisor.tell(m.RequestStarted(ctx))
         msg.reply.set_result(None)
 
     @handles(m.FinishRequest)
@@ -185,20 +185,15 @@ class PrimaryTier(Actor):
             self.log.debug("store_rejected", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
             msg.reply.set_result(None)
             return
+        # Logged before the tell, so the log orders it before what the supervisor does with it.
+        self.log.debug("store_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(plan.keys),
+                       evicted=len(plan.evicted), tier="cpu")
         if plan.keys:
             deadline = self.runtime.now() + self.transfer_timeout_s
             for key in plan.keys:
                 self._store_deadlines.add((ctx, key), deadline)
             self._arm_timer()
             self.supervisor.tell(m.StoresPending(ctx, len(plan.keys)))
-        self.log.debug(
-            "store_prepared",
-            req_id=ctx.req_id,
-            attempt=ctx.attempt,
-            keys=len(plan.keys),
-            evicted=len(plan.evicted),
-            tier="cpu",
-        )
         msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
 
     @handles(m.CompleteStore)

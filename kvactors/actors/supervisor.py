@@ -159,11 +159,12 @@ class LifecycleSupervisor(Actor):
     def _finalize(self, state: RequestState) -> None:
         ctx = state.req_context
         for tier in self.tier_order:
-            self.tiers[tier].ref.tell(m.TierFinished(ctx))
+            # Every event is logged before the tell that causes the next one: the log's order is causal.
             self.log.debug("tier_finalized", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier)
-        self.primary.tell(m.RequestFinalized(ctx))
+            self.tiers[tier].ref.tell(m.TierFinished(ctx))
         self.counters["requests_finalized"] += 1
         self.log.debug("request_finalized", req_id=ctx.req_id, attempt=ctx.attempt)
+        self.primary.tell(m.RequestFinalized(ctx))
 
     def _count(self, ctx: ReqContext, counter: str, delta: int) -> RequestState | None:
         try:
@@ -240,16 +241,16 @@ class LifecycleSupervisor(Actor):
         self.counters["jobs_submitted"] += 1
         self._job_deadlines.add(job.job.job_id, self.runtime.now() + self.transfer_timeout_s)
         self._arm_timer()
-        self.tiers[job.tier].ref.tell(m.TierSubmit(job.job))
         self.log.debug(f"{job.kind}_submitted", job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
                        req_id=ctx.req_id, attempt=ctx.attempt)
+        self.tiers[job.tier].ref.tell(m.TierSubmit(job.job))
 
     def _end_unsubmitted(self, job: _Job, reason: str) -> None:
         """A job that never reached its tier fails: release its rows at once."""
         self.counters["jobs_dropped"] += 1
-        self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=False))
         self.log.info("job_dropped", kind=job.kind, job_id=job.job.job_id, tier=job.tier, reason=reason,
                       req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
+        self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=False))
 
     def _drop_queued(self, reason: str) -> list[ReqContext]:
         """Fail every job still waiting for a tier slot; returns their requests."""
@@ -294,19 +295,19 @@ class LifecycleSupervisor(Actor):
             late = self._timed_out.pop(result.job_id, None)
             if late is not None and late.tier == msg.tier:
                 self.counters["late_reports"] += 1
-                self.primary.tell(m.HoldReleased(result.job_id))
                 self.log.warning("late_report_ignored", job_id=result.job_id, tier=msg.tier, success=result.success)
+                self.primary.tell(m.HoldReleased(result.job_id))
             else:
                 self.counters["unexpected_reports"] += 1
                 self.log.warning("job_report_unexpected", job_id=result.job_id, tier=msg.tier)
             return
         del self._jobs[result.job_id]
         self.counters["jobs_succeeded" if result.success else "jobs_failed"] += 1
-        self.primary.tell(m.JobEnded(result.job_id, job.job.is_promotion, success=result.success, hold=False))
         ctx = job.job.req_context
         log = self.log.debug if result.success else self.log.warning
         log(f"{job.kind}_completed", job_id=result.job_id, tier=job.tier, success=result.success,
             error=result.error, req_id=ctx.req_id, attempt=ctx.attempt)
+        self.primary.tell(m.JobEnded(result.job_id, job.job.is_promotion, success=result.success, hold=False))
         self._job_over(job)
 
     # ------------------------------------------------------------ deadlines
@@ -341,10 +342,10 @@ class LifecycleSupervisor(Actor):
         """A job past its deadline fails; its rows stay held until its late report."""
         self.counters["jobs_timed_out"] += 1
         self._timed_out[job.job.job_id] = job
-        self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=True))
         ctx = job.job.req_context
         self.log.warning("job_timed_out", kind=job.kind, job_id=job.job.job_id, tier=job.tier,
                          req_id=ctx.req_id, attempt=ctx.attempt)
+        self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=True))
         self._job_deadlines.discard(job.job.job_id)
         self._job_over(job)
 

@@ -391,7 +391,7 @@ def check_events(events: list[Event]) -> CheckResult:
     """Check parsed events (any order; each manager's are replayed by ``seq``)."""
     by_manager: dict[Any, list[Event]] = defaultdict(list)
     for event in events:
-        by_manager[event.get("manager")].append(event)
+        by_manager[(event.get("pid"), event.get("manager"))].append(event)  # several processes may share a file
     violations: list[Violation] = []
     requests = misuse = 0
     for manager in sorted(by_manager, key=str):

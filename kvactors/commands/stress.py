@@ -103,6 +103,9 @@ class Watch:
 
 def _make_tiers(args: argparse.Namespace, deferrer: Any, faults: Any, seed: int) -> list[Any]:
     from kvactors.sim.tiers import FaultTier, RecordingTier
+    from kvactors.tiers.base import SecondaryTier
+    from kvactors.tiers.disk import DiskTier
+    from kvactors.tiers.redis import RedisTier
 
     tiers: list[Any] = []
     for name in filter(None, (n.strip() for n in args.tiers.split(","))):
@@ -110,20 +113,12 @@ def _make_tiers(args: argparse.Namespace, deferrer: Any, faults: Any, seed: int)
             tiers.append(RecordingTier(name="memory", capacity_blocks=max(4 * args.num_blocks, 16),
                                        deferrer=deferrer, faults=faults, seed=seed))
         elif name == "disk":
-            try:
-                from kvactors.tiers.disk import DiskTier
-            except ImportError as exc:
-                raise SystemExit(f"stress: the disk tier is not available in this build ({exc})") from None
             root = args.disk_dir or tempfile.mkdtemp(prefix="kvactors-stress-")
-            inner = DiskTier(root, capacity_bytes=64 * args.num_blocks * args.block_bytes)
+            inner: SecondaryTier = DiskTier(root, capacity_bytes=64 * args.num_blocks * args.block_bytes)
             tiers.append(FaultTier(inner, deferrer=deferrer, faults=faults, seed=seed))
         elif name == "redis":
             if not args.redis:
                 raise SystemExit("stress: the redis tier needs --redis URL")
-            try:
-                from kvactors.tiers.redis import RedisTier
-            except ImportError as exc:
-                raise SystemExit(f"stress: the redis tier is not available in this build ({exc})") from None
             inner = RedisTier(args.redis, namespace=f"kvactors-stress-{seed}")
             tiers.append(FaultTier(inner, deferrer=deferrer, faults=faults, seed=seed))
         else:

@@ -39,7 +39,7 @@ from typing import Any
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError
 
-Client = Generator["Future[Any] | None", None, None]
+Client = Generator["Reply[Any] | Future[Any] | None", None, None]
 """A simulated frontend thread: yields a future to wait for it, or ``None`` to let others run."""
 
 
@@ -87,7 +87,7 @@ class SimRuntime:
         self._timers: list[tuple[float, int, ActorRef, object]] = []
         self._timer_seq = itertools.count()
         self._tasks: list[tuple[str, Callable[[], None]]] = []
-        self._clients: list[tuple[str, Client, Future[Any] | None]] = []
+        self._clients: list[tuple[str, Client, Reply[Any] | Future[Any] | None]] = []
 
     # ------------------------------------------------------------ the Runtime interface
 

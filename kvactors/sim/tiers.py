@@ -186,6 +186,16 @@ class Faults:
         return cls(slow_s=slow_s, **values)
 
 
+def draw_mode(faults: Faults, rng: random.Random) -> str:
+    """What happens to the next job: ``fail``, ``raise``, ``stall``, ``slow`` or ``ok``."""
+    x = rng.random()
+    for mode, p in (("fail", faults.fail), ("raise", faults.raise_), ("stall", faults.stall), ("slow", faults.slow)):
+        if x < p:
+            return mode
+        x -= p
+    return "ok"
+
+
 class RecordingTier(SecondaryTier):
     """An in-memory tier that checks the contract at its door; see the module docstring."""
 
@@ -251,12 +261,7 @@ class RecordingTier(SecondaryTier):
     # ------------------------------------------------------------ jobs
 
     def _mode(self) -> str:
-        f, x = self.faults, self.rng.random()
-        for mode, p in (("fail", f.fail), ("raise", f.raise_), ("stall", f.stall), ("slow", f.slow)):
-            if x < p:
-                return mode
-            x -= p
-        return "ok"
+        return draw_mode(self.faults, self.rng)
 
     def _dispatch(self, job: TransferJob, finish: Callable[[bool], None]) -> None:
         self.jobs += 1
@@ -348,7 +353,8 @@ class FaultTier(SecondaryTier):
         self.violations: list[str] = []
         self.stalled: set[int] = set()
 
-    _mode = RecordingTier._mode
+    def _mode(self) -> str:
+        return draw_mode(self.faults, self.rng)
 
     def attach(self, pool: torch.Tensor, report: Callable[[JobResult], None]) -> None:
         super().attach(pool, report)

@@ -3,7 +3,7 @@
 A client is a generator standing for one frontend thread. It drives a
 :class:`~kvactors.TieringManager` through non-blocking message sends
 (``manager._send``, the facade's own plumbing): it builds a message of
-:mod:`kvactors.actors.messages` with a reply ``Future`` and ``yield``\\ s that
+:mod:`kvactors.actors.messages` with a :class:`~kvactors.actors.reply.Reply` and ``yield``\\ s that
 future where a blocking call would wait. The same generator therefore runs
 
 * on a :class:`~kvactors.sim.SimRuntime` (``runtime.spawn_client``), where the
@@ -25,19 +25,20 @@ count, is counted in :attr:`Env.expected_misuse`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import threading
 from collections.abc import Callable, Generator
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvactors.actors import messages as m
+from kvactors.actors.reply import Reply
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.sim.tiers import Deferrer, pattern, rows_hold
 from kvactors.types import LookupResult, OffloadKey, PrepareStoreOutput, ReqContext
 
-Client = Generator["Future[Any] | None", None, None]
+Client = Generator["Reply[Any] | None", None, None]
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,8 @@ class _Client:
         self.manager._send(message)
         self.env.count()
 
-    def ask(self, make: Callable[[Future[Any]], object]) -> Generator[Future[Any] | None, None, Future[Any]]:
-        reply: Future[Any] = Future()
+    def ask(self, make: Callable[[Reply[Any]], object]) -> Generator[Reply[Any] | None, None, Reply[Any]]:
+        reply: Reply[Any] = Reply()
         self.send(make(reply))
         yield reply
         return reply
@@ -152,7 +153,7 @@ class _Client:
 
     def lookup(self, ctx: ReqContext, *, then_finish: bool) -> Client:
         keys = self.some_keys()
-        reply: Future[Any] = Future()
+        reply: Reply[Any] = Reply()
         self.send(m.Lookup(keys, ctx, reply))
         if then_finish:
             self.send(m.FinishRequest(ctx))  # finish while the lookup (and its promotions) is in flight
@@ -246,7 +247,7 @@ class _Client:
                 # Preemption: the old attempt ends (its copies may still complete late), a new one starts.
                 self.finish(ctx)
                 ctx = ReqContext(ctx.req_id, ctx.attempt + 1)
-                reply = yield from self.ask(lambda f, ctx=ctx: m.NewRequest(ctx, f))
+                reply = yield from self.ask(functools.partial(m.NewRequest, ctx))
                 if reply.exception() is not None:
                     self.unexpected("on_new_request", ctx, reply.exception())  # type: ignore[arg-type]
                     return
