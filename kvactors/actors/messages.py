@@ -117,12 +117,11 @@ class RequestStarted:
 
 
 @dataclass(frozen=True, slots=True)
-class StoresPending:
-    """``delta`` keys of ``ctx`` became pending (prepared) or stopped being so
-    without a completion (a deadline passed)."""
+class StoresExpired:
+    """``count`` pending keys of a finished request passed their deadline."""
 
     ctx: ReqContext
-    delta: int
+    count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +134,9 @@ class CascadeJob:
 
 @dataclass(frozen=True, slots=True)
 class StoresCompleted:
-    """``live`` pending keys of ``ctx`` completed; ``cascades`` are to be submitted."""
+    """``live`` pending keys of ``ctx`` completed; ``cascades`` are to be submitted.
+
+    Sent when there are cascades, or when the request is finished (the count matters then)."""
 
     ctx: ReqContext
     live: int
@@ -144,7 +145,10 @@ class StoresCompleted:
 
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
+    """``pending_stores``: the request's keys prepared and still pending at its finish."""
+
     ctx: ReqContext
+    pending_stores: int
 
 
 @dataclass(frozen=True, slots=True)

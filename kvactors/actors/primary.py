@@ -12,9 +12,10 @@ attempt, which is enough to enforce the contract at this layer:
 * completions may arrive after it and are always accounted for.
 
 What the secondary tiers must learn, the primary tells the supervisor, as
-facts, in the order it processed them: a request started, keys became pending,
-stores completed (with cascade jobs whose rows it pinned), the request
-finished. The supervisor decides everything else.
+facts, in the order it processed them: a request started, stores completed
+(with cascade jobs whose rows it pinned), the request finished (with the
+number of its stores still pending), and, after the finish, every completion
+or deadline that ends one of those. The supervisor decides everything else.
 """
 
 from __future__ import annotations
@@ -40,13 +41,18 @@ from kvactors.types import (
 
 
 class _RequestRecord:
-    """What the primary keeps per request attempt, until the supervisor finalizes it."""
+    """What the primary keeps per request attempt, until the supervisor finalizes it.
 
-    __slots__ = ("ctx", "finished")
+    ``pending_stores``: keys the request prepared whose write is still live
+    (not completed, not past its deadline, not voided by a reset).
+    """
+
+    __slots__ = ("ctx", "finished", "pending_stores")
 
     def __init__(self, ctx: ReqContext) -> None:
         self.ctx = ctx
         self.finished = False
+        self.pending_stores = 0
 
 
 class PrimaryTier(Actor):
@@ -71,7 +77,8 @@ class PrimaryTier(Actor):
         self.contract_violations = 0
         self.stores_timed_out = 0
         self._requests: dict[tuple[str, int], _RequestRecord] = {}
-        self._store_deadlines: DeadlineQueue[tuple[ReqContext, OffloadKey]] = DeadlineQueue()
+        # One deadline per prepare_store call: its keys that are still pending when it passes expire.
+        self._store_deadlines: DeadlineQueue[tuple[ReqContext, tuple[OffloadKey, ...]]] = DeadlineQueue()
         self._timer_due: float | None = None
 
     def connect(self, supervisor: ActorRef) -> None:
@@ -127,8 +134,9 @@ class PrimaryTier(Actor):
             return
         record.finished = True
         # Logged before the tell: the supervisor's finalize events must come after it in the log.
-        self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier="cpu")
-        self.supervisor.tell(m.RequestFinished(ctx))
+        self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier="cpu",
+                       pending_stores=record.pending_stores)
+        self.supervisor.tell(m.RequestFinished(ctx, record.pending_stores))
 
     @handles(m.RequestFinalized)
     def _on_request_finalized(self, msg: m.RequestFinalized) -> None:
@@ -179,21 +187,19 @@ class PrimaryTier(Actor):
     @handles(m.PrepareStore)
     def _on_prepare_store(self, msg: m.PrepareStore) -> None:
         ctx = msg.ctx
-        self._require_active(ctx, "prepare_store")
+        record = self._require_active(ctx, "prepare_store")
         plan = self.pool.prepare_store(msg.keys, ctx.identity)
         if plan is None:
             self.log.debug("store_rejected", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
             msg.reply.set_result(None)
             return
-        # Logged before the tell, so the log orders it before what the supervisor does with it.
         self.log.debug("store_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(plan.keys),
                        evicted=len(plan.evicted), tier="cpu")
         if plan.keys:
-            deadline = self.runtime.now() + self.transfer_timeout_s
-            for key in plan.keys:
-                self._store_deadlines.add((ctx, key), deadline)
+            # The supervisor learns the count with the finish: before it, nothing can finalize.
+            record.pending_stores += len(plan.keys)
+            self._store_deadlines.add((ctx, plan.keys), self.runtime.now() + self.transfer_timeout_s)
             self._arm_timer()
-            self.supervisor.tell(m.StoresPending(ctx, len(plan.keys)))
         msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
 
     @handles(m.CompleteStore)
@@ -204,8 +210,6 @@ class PrimaryTier(Actor):
         except PoolError as exc:
             self._violation("complete_store", ctx, str(exc))
             return
-        for key in msg.keys:
-            self._store_deadlines.discard((ctx, key))
         self.log.debug(
             "store_completed",
             req_id=ctx.req_id,
@@ -218,26 +222,35 @@ class PrimaryTier(Actor):
         )
         if outcome.live == 0:
             return  # only late completions of detached writes: nothing left to count
+        record = self._requests.get(ctx.identity)
+        if record is not None:
+            record.pending_stores -= outcome.live
         cascades = []
         for tier in self.tier_names if outcome.stored else ():
             job_id = next(self.work_ids)
             rows = self.pool.pin_for_job(job_id, outcome.stored)
             cascades.append(m.CascadeJob(tier, TransferJob(job_id, outcome.stored, rows, ctx, False)))
-        self.supervisor.tell(m.StoresCompleted(ctx, outcome.live, tuple(cascades)))
+        if cascades or (record is not None and record.finished):
+            self.supervisor.tell(m.StoresCompleted(ctx, outcome.live, tuple(cascades)))
 
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
         self._timer_due = None
         expired: Counter[ReqContext] = Counter()
-        for ctx, key in self._store_deadlines.pop_expired(self.runtime.now()):
-            if self.pool.detach_write(ctx.identity, key):
-                expired[ctx] += 1
+        for ctx, keys in self._store_deadlines.pop_expired(self.runtime.now()):
+            expired[ctx] += sum(self.pool.detach_write(ctx.identity, key) for key in keys)
         for ctx, count in expired.items():
+            if not count:
+                continue  # every key of that store completed in time
             self.stores_timed_out += count
             self.log.warning(
                 "job_timed_out", kind="store", req_id=ctx.req_id, attempt=ctx.attempt, keys=count, tier="cpu"
             )
-            self.supervisor.tell(m.StoresPending(ctx, -count))
+            record = self._requests.get(ctx.identity)
+            if record is not None:
+                record.pending_stores -= count
+                if record.finished:
+                    self.supervisor.tell(m.StoresExpired(ctx, count))
         self._arm_timer()
 
     # ------------------------------------------------------------ promotions and jobs
@@ -284,6 +297,8 @@ class PrimaryTier(Actor):
         removed = self.pool.reset()
         # Detached writes are stale now; their late completions only free rows.
         self._store_deadlines.clear()
+        for record in self._requests.values():
+            record.pending_stores = 0
         self.log.info("cache_reset", tier="cpu", keys=removed)
         self.supervisor.tell(m.SupervisorReset(msg.reply))
 

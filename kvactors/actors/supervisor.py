@@ -18,11 +18,12 @@ secondary tier:
    lookup in progress (each may promote), no promotion allocated or queued but
    unsent, no cascade parked for a tier slot. After that the request's state
    is gone, and :meth:`_submit` refuses any job whose request has no state.
-3. Those counts are fed by the primary, which is also a single sender: it
-   tells "keys pending" before it answers the ``prepare_store`` that caused
-   them, and "request finished" when it processes the finish. The primary
-   rejects every submit call after a finish, so no new pending count can
-   appear after the supervisor has seen the finish.
+3. Those counts are fed by the primary, which is also a single sender. Its
+   "request finished" carries the number of the request's stores still
+   pending at that moment, and it reports every completion or deadline that
+   ends one of them afterwards. The primary rejects every submit call after
+   a finish, so no new pending store can appear once the finish is sent, and
+   before the finish nothing can finalize, so the count is not needed sooner.
 
 Hence at every tier, for every request attempt, every submit is processed
 before the one ``on_request_finished``, and none after it. State is keyed by
@@ -108,6 +109,7 @@ class LifecycleSupervisor(Actor):
         self.table = LifecycleTable()
         self.transfer_timeout_s = transfer_timeout_s
         self.lookup_timeout_s = lookup_timeout_s
+        self._shortest_timeout = min(transfer_timeout_s, lookup_timeout_s)
         self.tier_order = tuple(name for name, _ in tier_limits)
         self.max_inflight = dict(tier_limits)
         self.primary: ActorRef
@@ -187,18 +189,21 @@ class LifecycleSupervisor(Actor):
     def _on_request_finished(self, msg: m.RequestFinished) -> None:
         state = self.table.finish(msg.ctx)
         if state is not None:
+            self._count(msg.ctx, "pending_primary_stores", msg.pending_stores)
             self.log.debug("request_finish_seen", req_id=msg.ctx.req_id, attempt=msg.ctx.attempt, **state.counts())
             self._maybe_finalize_request(msg.ctx)
 
-    @handles(m.StoresPending)
-    def _on_stores_pending(self, msg: m.StoresPending) -> None:
-        self._count(msg.ctx, "pending_primary_stores", msg.delta)
-        if msg.delta < 0:
-            self._maybe_finalize_request(msg.ctx)
+    @handles(m.StoresExpired)
+    def _on_stores_expired(self, msg: m.StoresExpired) -> None:
+        self._count(msg.ctx, "pending_primary_stores", -msg.count)
+        self._maybe_finalize_request(msg.ctx)
 
     @handles(m.StoresCompleted)
     def _on_stores_completed(self, msg: m.StoresCompleted) -> None:
-        state = self._count(msg.ctx, "pending_primary_stores", -msg.live)
+        state = self.table.get(msg.ctx)
+        if state is not None and state.is_finished:
+            # Before its finish a request's pending stores are not counted here (see point 3).
+            state = self._count(msg.ctx, "pending_primary_stores", -msg.live)
         for cascade in msg.cascades:
             job = _Job(cascade.tier, cascade.job, origin=cascade.job.job_id, epoch=self.epoch)
             if state is None or self.stopping:
@@ -313,6 +318,8 @@ class LifecycleSupervisor(Actor):
     # ------------------------------------------------------------ deadlines
 
     def _arm_timer(self) -> None:
+        if self._timer_due is not None and self._timer_due <= self.runtime.now() + self._shortest_timeout:
+            return  # a tick is due no later than any deadline added now
         deadlines = [d for d in (self._job_deadlines.next_deadline(), self._lookup_deadlines.next_deadline())
                      if d is not None]
         if not deadlines:
