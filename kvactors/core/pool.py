@@ -189,17 +189,13 @@ class BlockPool:
                 continue
             seen.add(key)
             new.append(key)
-        shortfall = len(new) - len(self._free)
-        if shortfall > 0 and len(self._policy) < shortfall:
+        allocated = self._allocate(new, writer)
+        if allocated is None:
             return None
-        evicted = [self._evict_one() for _ in range(max(shortfall, 0))]
-        if evicted:
-            self._events.append(OffloadingEvent(tuple(evicted), self.tier, True))
-        rows = [self._free.pop() for _ in new]
+        rows, evicted = allocated
         for key, row in zip(new, rows, strict=True):
-            self._occupy(row, key, writer)
             self._pending_writes[(writer, key)] = row
-        return StorePlan(tuple(new), tuple(rows), tuple(evicted))
+        return StorePlan(tuple(new), rows, evicted)
 
     def complete_store(self, keys: Sequence[OffloadKey], writer: Identity, success: bool) -> StoreOutcome:
         """End ``writer``'s writes of ``keys``: ready on success, removed on failure.
@@ -345,15 +341,10 @@ class BlockPool:
             raise PoolError(f"job {job_id} already promotes")
         if len(set(keys)) != len(keys) or any(key in self._index for key in keys):
             return None
-        shortfall = len(keys) - len(self._free)
-        if shortfall > 0 and len(self._policy) < shortfall:
+        allocated = self._allocate(keys, job_id)
+        if allocated is None:
             return None
-        evicted = [self._evict_one() for _ in range(max(shortfall, 0))]
-        if evicted:
-            self._events.append(OffloadingEvent(tuple(evicted), self.tier, True))
-        rows = tuple(self._free.pop() for _ in keys)
-        for key, row in zip(keys, rows, strict=True):
-            self._occupy(row, key, job_id)
+        rows, _ = allocated
         self._promotions[job_id] = tuple(zip(keys, rows, strict=True))
         return rows
 
@@ -464,6 +455,22 @@ class BlockPool:
             1 for row in self._index.values() if self._ready[row] and not self._busy(row))
 
     # ------------------------------------------------------------------ internals
+
+    def _allocate(
+        self, keys: Sequence[OffloadKey], writer: Writer
+    ) -> tuple[tuple[int, ...], tuple[OffloadKey, ...]] | None:
+        """Not-ready rows for absent ``keys``, evicting if needed: ``(rows, evicted)``,
+        or ``None`` (nothing changed) when free and evictable rows are too few."""
+        shortfall = len(keys) - len(self._free)
+        if shortfall > 0 and len(self._policy) < shortfall:
+            return None
+        evicted = tuple(self._evict_one() for _ in range(max(shortfall, 0)))
+        if evicted:
+            self._events.append(OffloadingEvent(evicted, self.tier, True))
+        rows = tuple(self._free.pop() for _ in keys)
+        for key, row in zip(keys, rows, strict=True):
+            self._occupy(row, key, writer)
+        return rows, evicted
 
     def _occupy(self, row: int, key: OffloadKey, writer: Writer) -> None:
         self._keys[row] = key

@@ -38,7 +38,8 @@ import torch
 
 from kvactors.actors import runtime as rt
 from kvactors.tiers.base import SecondaryTier
-from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
+from kvactors.tiers.wrapper import DelegatingTier
+from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext, TransferJob
 
 # --------------------------------------------------------------------- block bytes
 
@@ -329,7 +330,7 @@ class RecordingTier(SecondaryTier):
             return list(self._blocks)
 
 
-class FaultTier(SecondaryTier):
+class FaultTier(DelegatingTier):
     """A real tier (disk, Redis, ...) with faults injected and the contract recorded at its door.
 
     Wraps ``inner``: ``submit_*`` may raise; a job's report may be turned into a
@@ -340,9 +341,7 @@ class FaultTier(SecondaryTier):
 
     def __init__(self, inner: SecondaryTier, *, deferrer: Deferrer, faults: Faults = Faults(), seed: int = 0,
                  max_inflight_jobs: int | None = None) -> None:
-        super().__init__(name=inner.name)
-        self.inner = inner
-        self.max_inflight_jobs = max_inflight_jobs or inner.max_inflight_jobs  # type: ignore[misc]
+        super().__init__(inner, max_inflight_jobs=max_inflight_jobs)
         self.deferrer = deferrer
         self.faults = faults
         self.rng = random.Random(f"{seed}/{inner.name}")
@@ -357,7 +356,7 @@ class FaultTier(SecondaryTier):
         return draw_mode(self.faults, self.rng)
 
     def attach(self, pool: torch.Tensor, report: Callable[[JobResult], None]) -> None:
-        super().attach(pool, report)
+        SecondaryTier.attach(self, pool, report)  # the inner tier reports to us, not to the runtime
         self.inner.attach(pool, self._inner_report)
 
     def _inner_report(self, result: JobResult) -> None:
@@ -404,7 +403,7 @@ class FaultTier(SecondaryTier):
 
     def on_new_request(self, ctx: ReqContext) -> None:
         self.started.add(ctx.identity)
-        self.inner.on_new_request(ctx)
+        super().on_new_request(ctx)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         count = self.finished.get(ctx.identity, 0) + 1
@@ -412,16 +411,4 @@ class FaultTier(SecondaryTier):
         if count > 1:
             with self._lock:
                 self.violations.append(f"tier {self.name}: on_request_finished for {ctx} {count} times")
-        self.inner.on_request_finished(ctx)
-
-    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        self.inner.touch(keys, ctx)
-
-    def take_events(self) -> list[OffloadingEvent]:
-        return self.inner.take_events()
-
-    def drain(self, timeout: float | None) -> None:
-        self.inner.drain(timeout)
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
+        super().on_request_finished(ctx)

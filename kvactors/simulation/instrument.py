@@ -19,10 +19,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-import torch
-
-from kvactors.tiers.base import ReportFn, SecondaryTier
-from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
+from kvactors.tiers.base import SecondaryTier
+from kvactors.tiers.wrapper import DelegatingTier
+from kvactors.types import OffloadKey, ReqContext, TransferJob
 
 
 class TierObserver:
@@ -88,49 +87,25 @@ class TierObserver:
         return max(t for t in times if t is not None)
 
 
-class ObservedTier(SecondaryTier):
+class ObservedTier(DelegatingTier):
     """Delegates every call to ``inner``; reports what it sees to ``observer``."""
 
     def __init__(self, inner: SecondaryTier, observer: TierObserver) -> None:
-        super().__init__(name=inner.name)
-        self.inner = inner
+        super().__init__(inner)
         self.observer = observer
-        self.max_inflight_jobs = inner.max_inflight_jobs  # type: ignore[misc]
-
-    def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
-        super().attach(pool, report)
-        self.inner.attach(pool, report)
-
-    def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
-        return self.inner.lookup(keys, ctx)
 
     def submit_store(self, job: TransferJob) -> None:
         self.observer.submitted(self.name, job)
-        self.inner.submit_store(job)
+        super().submit_store(job)
 
     def submit_load(self, job: TransferJob) -> None:
         self.observer.submitted(self.name, job)
-        self.inner.submit_load(job)
+        super().submit_load(job)
 
     def on_new_request(self, ctx: ReqContext) -> None:
         self.observer.new_request(self.name, ctx)
-        self.inner.on_new_request(ctx)
+        super().on_new_request(ctx)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         self.observer.finished(self.name, ctx)
-        self.inner.on_request_finished(ctx)
-
-    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        self.inner.touch(keys, ctx)
-
-    def take_events(self) -> list[OffloadingEvent]:
-        return self.inner.take_events()
-
-    def drain(self, timeout: float | None) -> None:
-        self.inner.drain(timeout)
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-    def __repr__(self) -> str:
-        return f"ObservedTier({self.inner!r})"
+        super().on_request_finished(ctx)
