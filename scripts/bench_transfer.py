@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks-per-request", type=int, default=16)
     parser.add_argument("--block-kib", type=int, default=256)
     parser.add_argument("--window", type=int, default=8, help="requests in flight")
-    parser.add_argument("--copy-workers", type=int, default=2)
+    parser.add_argument("--copy-workers", type=int, default=1)
     parser.add_argument("--trials", type=int, default=None, help="default 7, quick 5")
     parser.add_argument("--disk-requests", type=int, default=None, help="default 64, quick 16")
     args = parser.parse_args(argv)
