@@ -248,12 +248,7 @@ class BlockPool:
 
         Raises :class:`PoolError` (nothing changed) if a key is not ready.
         """
-        rows = []
-        for key in keys:
-            row = self._index.get(key)
-            if row is None or not self._ready[row]:
-                raise PoolError(f"key {key.hex()[:16]} is not ready in the pool")
-            rows.append(row)
+        rows = self._ready_rows(keys)
         for key, row in zip(keys, rows, strict=True):
             entry = self._load_pins.get((owner, key))
             if entry is None:
@@ -291,12 +286,7 @@ class BlockPool:
         """Pin the rows of ready ``keys`` while a tier reads them (a cascade)."""
         if job_id in self._job_pins or job_id in self._held_jobs:
             raise PoolError(f"job {job_id} already pins rows")
-        rows = []
-        for key in keys:
-            row = self._index.get(key)
-            if row is None or not self._ready[row]:
-                raise PoolError(f"key {key.hex()[:16]} is not ready in the pool")
-            rows.append(row)
+        rows = self._ready_rows(keys)
         for row in rows:
             self._pin(row)
         self._job_pins[job_id] = tuple(rows)
@@ -455,6 +445,16 @@ class BlockPool:
             1 for row in self._index.values() if self._ready[row] and not self._busy(row))
 
     # ------------------------------------------------------------------ internals
+
+    def _ready_rows(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """The rows of ``keys``; :class:`PoolError` if one is not ready."""
+        rows = []
+        for key in keys:
+            row = self._index.get(key)
+            if row is None or not self._ready[row]:
+                raise PoolError(f"key {key.hex()[:16]} is not ready in the pool")
+            rows.append(row)
+        return rows
 
     def _allocate(
         self, keys: Sequence[OffloadKey], writer: Writer
