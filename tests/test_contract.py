@@ -464,3 +464,40 @@ def test_calls_after_stop_raise_and_stop_is_idempotent(rec):
         manager.on_new_request(ReqContext("r"))
     with pytest.raises(ManagerStoppedError):
         manager.complete_store(keys(1), ReqContext("r"))
+
+
+def test_lookups_overtake_queued_submits_of_a_blocking_tier():
+    """A tier whose submit blocks (I/O on the submit path) must not stall frontend lookups."""
+    gate = threading.Event()
+    order: list[str] = []
+
+    class BlockingTier(RecordingTier):
+        def submit_store(self, job):
+            order.append("submit_store")
+            gate.wait(30)  # the first submit blocks the tier's actor
+            super().submit_store(job)
+
+        def lookup(self, keys, ctx):
+            order.append("lookup")
+            return super().lookup(keys, ctx)
+
+    tier = BlockingTier(name="blocking")
+    writer, reader = ReqContext("writer"), ReqContext("reader")
+    with start(tier, lookup_timeout_s=10) as manager:
+        manager.on_new_request(writer)
+        manager.on_new_request(reader)
+        store(manager, writer, [1])
+        store(manager, writer, [2])  # queued behind the blocked one
+        assert wait_for(lambda: order == ["submit_store"])
+        answer: list[list[LookupResult]] = []
+        looker = threading.Thread(target=lambda: answer.append(manager.lookup(keys(9), reader)))
+        looker.start()
+        assert wait_for(lambda: len(order) == 1 and manager.stats()["lookups_in_flight"] == 1)
+        gate.set()  # the blocked submit ends; the lookup is served before the queued submit
+        looker.join(10)
+        assert answer == [[LookupResult.MISS]]
+        manager.on_request_finished(writer)
+        manager.on_request_finished(reader)
+        settled(manager)
+    assert order == ["submit_store", "lookup", "submit_store"]
+    assert tier.violations == []
