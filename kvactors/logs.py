@@ -132,9 +132,9 @@ def make_event_logger(
         sink,
         wrapper_class=structlog.make_filtering_bound_logger(level),
         processors=[_stamp, _hand_to_sink],
-        cache_logger_on_first_use=True,
     )
-    return logger.bind(**context) if context else logger, sink
+    # bind() turns structlog's lazy proxy into the filtering logger itself: no proxy hop per call.
+    return logger.bind(**context), sink
 
 
 def null_logger() -> FilteringBoundLogger:
@@ -143,7 +143,7 @@ def null_logger() -> FilteringBoundLogger:
         EventSink(None),
         wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
         processors=[_hand_to_sink],
-    )
+    ).bind()
 
 
 def component_logger(component: str, **context: Any) -> FilteringBoundLogger:
@@ -162,4 +162,4 @@ def component_logger(component: str, **context: Any) -> FilteringBoundLogger:
         wrapper_class=structlog.make_filtering_bound_logger(stdlib.getEffectiveLevel()),
         processors=[_stamp, _hand_to_sink],
     )
-    return logger.bind(**context) if context else logger
+    return logger.bind(**context)
