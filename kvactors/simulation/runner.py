@@ -422,10 +422,8 @@ class Simulation:
             except TransferError as exc:
                 self.metrics.add(transfer_errors=1)
                 self.metrics.error(f"{ctx}: offload failed: {exc}")
-            # The done callback stamps the moment the future resolved; it runs just after waiters wake.
-            deadline = time.monotonic() + 1.0
-            while not hasattr(fut, "resolved_at") and time.monotonic() < deadline:
-                time.sleep(0.0001)
+            # The done callback stamps the moment the future resolved; it runs just after
+            # waiters wake, so if it has not run yet, that moment is now.
             resolved.append(getattr(fut, "resolved_at", time.monotonic()))
         self.metrics.done(ctx, max(resolved))
         self.metrics.add(bytes_offloaded=stored * self.config.block_bytes, blocks_offloaded=stored)
