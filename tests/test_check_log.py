@@ -31,7 +31,7 @@ def thread_events(tmp_path_factory: pytest.TempPathFactory) -> list[Event]:
     parser = argparse.ArgumentParser()
     stress.add_arguments(parser)
     args = parser.parse_args(["--no-progress", "--threads", "4", "--requests", "40", "--seed", "11",
-                              "--event-log", str(path), "--switch-interval", "1e-5"])
+                              "--event-log", str(path), "--switch-interval", "1e-5", "--hang-after", "60"])
     summary = stress.run_stress(args)
     assert summary["violations"] == 0, summary["violation_list"]
     return _read(path)
