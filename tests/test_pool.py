@@ -333,3 +333,14 @@ class RowLRUMachine(PoolMachine):
 
 TestRowLRUMachine = RowLRUMachine.TestCase
 TestRowLRUMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_rows_for_consecutive_keys_ascend_after_eviction():
+    """Copies of a request coalesce only if its rows ascend; evicted rows come back reversed."""
+    p = pool(8)
+    first = p.prepare_store([bytes([n]) for n in range(8)], A)
+    p.complete_store(list(first.keys), A, success=True)
+    plan = p.prepare_store([bytes([100 + n]) for n in range(8)], B)  # evicts all 8, in LRU order
+    assert plan is not None and len(plan.evicted) == 8
+    assert list(plan.rows) == sorted(plan.rows) == list(range(8))
+    p.check_invariants()
