@@ -17,7 +17,7 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import ActorRef, ActorStoppedError, Runtime, ThreadRuntime
 from kvactors.actors.secondary import SecondaryTierActor
 from kvactors.actors.supervisor import LifecycleSupervisor
-from kvactors.core.errors import ManagerStoppedError
+from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.core.policies import POLICIES
 from kvactors.logs import make_event_logger
 from kvactors.tiers.base import SecondaryTier
@@ -79,6 +79,11 @@ class TieringManager:
         self._sink = sink
         self.tier_names = (PRIMARY_TIER_NAME, *tier_names)
         self._gate = threading.Lock()
+        # Identities the primary holds a record for: added here by on_new_request
+        # (under the gate, with the message's put), removed by the primary's
+        # thread once the record is gone. Duplicates are refused here, at the
+        # caller, without a round trip.
+        self._live: set[tuple[str, int]] = set()
         self._closed = False
         self._stopped = threading.Event()
         self._log: Any = None
@@ -134,14 +139,15 @@ class TieringManager:
         runtime = runtime if runtime is not None else ThreadRuntime(f"kvactors-{manager_id}")
         work_ids = itertools.count(1)
 
+        tier_actors = [SecondaryTierActor(tier) for tier in tiers]
         primary = PrimaryTier(num_blocks=num_blocks, eviction=eviction, tier_names=names[1:],
-                              transfer_timeout_s=float(transfer_timeout_s), work_ids=work_ids)
+                              transfer_timeout_s=float(transfer_timeout_s), work_ids=work_ids,
+                              announce_starts=any(actor.wants_new_request for actor in tier_actors))
         supervisor = LifecycleSupervisor(
             tier_limits=[(tier.name, max(1, int(tier.max_inflight_jobs))) for tier in tiers],
             transfer_timeout_s=float(transfer_timeout_s),
             lookup_timeout_s=float(lookup_timeout_s),
         )
-        tier_actors = [SecondaryTierActor(tier) for tier in tiers]
         for actor in (primary, supervisor, *tier_actors):
             actor.log = log
         primary_ref = runtime.spawn(primary, "primary")
@@ -156,13 +162,13 @@ class TieringManager:
             runtime.stop([primary_ref, supervisor_ref, *tier_refs.values()], 5.0)
             sink.close()
             raise
-        primary.connect(supervisor_ref)
-        supervisor.connect(primary_ref, {actor.tier.name: actor.link() for actor in tier_actors})
-        log.info("manager_started", num_blocks=num_blocks, block_bytes=block_bytes, tiers=",".join(names),
-                 eviction=eviction, transfer_timeout_s=transfer_timeout_s)
         manager = cls(runtime=runtime, pool=pool, primary=primary_ref,
                       actors=[primary_ref, supervisor_ref, *tier_refs.values()], sink=sink, tier_names=names[1:])
         manager._log = log
+        primary.connect(supervisor_ref, forget=manager._live.discard)
+        supervisor.connect(primary_ref, {actor.tier.name: actor.link() for actor in tier_actors})
+        log.info("manager_started", num_blocks=num_blocks, block_bytes=block_bytes, tiers=",".join(names),
+                 eviction=eviction, transfer_timeout_s=transfer_timeout_s)
         return manager
 
     # ------------------------------------------------------------ plumbing
@@ -191,9 +197,25 @@ class TieringManager:
         return self._pool
 
     def on_new_request(self, ctx: ReqContext) -> None:
-        """First sight of a request attempt. ``LifecycleError`` if it is active."""
-        reply: Reply[None] = Reply()
-        self._ask(m.NewRequest(_check_ctx(ctx), reply), reply)
+        """First sight of a request attempt. ``LifecycleError`` if it is active
+        (or finished and not yet finalized).
+
+        Returns once the request is registered and its message queued, without
+        a round trip to the primary: every later call, from any thread, is
+        queued behind it and sees it.
+        """
+        ctx = _check_ctx(ctx)
+        identity = ctx.identity
+        with self._gate:
+            if self._closed:
+                raise ManagerStoppedError("the TieringManager is stopped")
+            if identity in self._live:
+                raise LifecycleError(f"on_new_request: request {ctx} is already active (or finishing)")
+            try:
+                self._primary.tell(m.NewRequest(ctx, None))
+            except ActorStoppedError:
+                raise ManagerStoppedError("the TieringManager is stopped") from None
+            self._live.add(identity)
 
     def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """One result per key. A key found only in a secondary tier starts its

@@ -501,3 +501,70 @@ def test_lookups_overtake_queued_submits_of_a_blocking_tier():
         settled(manager)
     assert order == ["submit_store", "lookup", "submit_store"]
     assert tier.violations == []
+
+
+# ----------------------------------------------------------------------------- the facade's request registry
+
+
+def test_duplicate_new_request_is_refused_at_the_caller_from_any_thread(rec):
+    """on_new_request needs no round trip: the facade refuses a live identity itself."""
+    ctx = ReqContext("dup")
+    with start(rec) as manager:
+        manager.on_new_request(ctx)
+        errors: list[BaseException] = []
+
+        def again() -> None:
+            try:
+                manager.on_new_request(ctx)
+            except BaseException as exc:
+                errors.append(exc)
+
+        others = [threading.Thread(target=again) for _ in range(4)]
+        for thread in others:
+            thread.start()
+        for thread in others:
+            thread.join()
+        assert len(errors) == 4 and all(isinstance(e, LifecycleError) for e in errors)
+        out = store(manager, ctx, [1], complete=False)  # the first registration is intact
+        manager.on_request_finished(ctx)
+        settled(manager)
+        with pytest.raises(LifecycleError, match="already active"):
+            manager.on_new_request(ctx)  # finished, not finalized (a store is pending): still refused
+        manager.complete_store(out.keys_to_store, ctx)
+        stats = settled(manager)
+        assert stats["active_requests"] == 0 and stats["internal_errors"] == 0
+        manager.on_new_request(ctx)  # finalized: the identity starts a new lifetime
+        manager.on_request_finished(ctx)
+        assert settled(manager)["active_requests"] == 0
+    assert rec.count("on_new_request", ctx) == 2
+    assert rec.count("on_request_finished", ctx) == 2
+    assert rec.violations == []
+
+
+class HooklessTier(RecordingTier):
+    """No on_new_request override: the runtime never sends that hook, so the
+    supervisor opens each request's state with its first fact."""
+
+    on_new_request = MemoryTier.on_new_request
+
+
+def test_without_the_new_request_hook_the_supervisor_opens_state_lazily():
+    quiet = HooklessTier(name="quiet")
+    idle, busy = ReqContext("idle"), ReqContext("busy")
+    with start(quiet) as manager:
+        manager.on_new_request(idle)
+        manager.on_new_request(busy)
+        stats = settled(manager)
+        assert stats["active_requests"] == 2 and stats["supervisor_requests"] == 0
+        assert manager.lookup(keys(9), busy) == [LookupResult.MISS]  # opens busy's state
+        assert settled(manager)["supervisor_requests"] == 1
+        store(manager, busy, [1, 2])
+        manager.on_request_finished(busy)
+        manager.on_request_finished(idle)  # the finish is idle's first fact: it opens and finalizes at once
+        stats = settled(manager)
+        assert stats["active_requests"] == 0 and stats["supervisor_requests"] == 0
+        assert stats["internal_errors"] == 0 and stats["guard_violations"] == 0
+    assert quiet.count("on_new_request") == 0
+    assert quiet.count("on_request_finished", idle) == quiet.count("on_request_finished", busy) == 1
+    assert quiet.count("submit_store", busy) == 1
+    assert quiet.violations == []

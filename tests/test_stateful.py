@@ -220,7 +220,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 event(f"run had {name}")
         if self.expected_violations:
             event("run had misuse")
-        assert stats["active_requests"] == 0
+        assert stats["active_requests"] == 0 and stats["supervisor_requests"] == 0
         assert stats["blocks_pending"] == 0 and stats["blocks_pinned"] == 0
         assert stats["jobs_in_flight"] == 0 and stats["jobs_queued"] == 0
         assert stats["contract_violations"] == self.expected_violations

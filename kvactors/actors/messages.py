@@ -29,8 +29,10 @@ Keys = tuple[OffloadKey, ...]
 
 @dataclass(frozen=True, slots=True)
 class NewRequest:
+    """``reply`` is ``None`` when the facade already refused duplicates (nobody waits)."""
+
     ctx: ReqContext
-    reply: Reply[None]
+    reply: Reply[None] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,9 @@ class Shutdown:
 
 @dataclass(frozen=True, slots=True)
 class RequestStarted:
+    """Sent at once only when some tier wants ``on_new_request``; otherwise the
+    supervisor opens a request's state with its first fact that has ``opens`` set."""
+
     ctx: ReqContext
 
 
@@ -136,19 +141,24 @@ class CascadeJob:
 class StoresCompleted:
     """``live`` pending keys of ``ctx`` completed; ``cascades`` are to be submitted.
 
-    Sent when there are cascades, or when the request is finished (the count matters then)."""
+    Sent when there are cascades, or when the request is finished (the count matters then).
+    ``opens``: the first fact about ``ctx`` the supervisor gets (see :class:`RequestStarted`)."""
 
     ctx: ReqContext
     live: int
     cascades: tuple[CascadeJob, ...]
+    opens: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
-    """``pending_stores``: the request's keys prepared and still pending at its finish."""
+    """``pending_stores``: the request's keys prepared and still pending at its finish.
+
+    ``opens``: the first fact about ``ctx`` the supervisor gets (see :class:`RequestStarted`)."""
 
     ctx: ReqContext
     pending_stores: int
+    opens: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +175,7 @@ class SecondaryLookup:
     missing: tuple[int, ...]
     results: tuple[LookupResult, ...]
     reply: Reply[list[LookupResult]]
+    opens: bool = False
 
 
 @dataclass(frozen=True, slots=True)

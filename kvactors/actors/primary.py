@@ -16,13 +16,19 @@ facts, in the order it processed them: a request started, stores completed
 (with cascade jobs whose rows it pinned), the request finished (with the
 number of its stores still pending), and, after the finish, every completion
 or deadline that ends one of those. The supervisor decides everything else.
+
+"A request started" is a message of its own only when some tier wants the
+``on_new_request`` hook. Otherwise the supervisor first hears of a request
+with its first other fact (a secondary lookup, completed stores or the
+finish), flagged ``opens``: a request that never needs the supervisor before
+its finish costs it no message.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvactors.actors import messages as m
 from kvactors.actors.runtime import Actor, ActorRef, handles
@@ -47,12 +53,20 @@ class _RequestRecord:
     (not completed, not past its deadline, not voided by a reset).
     """
 
-    __slots__ = ("ctx", "finished", "pending_stores")
+    __slots__ = ("announced", "ctx", "finished", "pending_stores")
 
     def __init__(self, ctx: ReqContext) -> None:
         self.ctx = ctx
         self.finished = False
         self.pending_stores = 0
+        self.announced = False  # the supervisor has heard of this request
+
+    def opens(self) -> bool:
+        """Whether the next fact about this request is the supervisor's first."""
+        if self.announced:
+            return False
+        self.announced = True
+        return True
 
 
 class PrimaryTier(Actor):
@@ -68,9 +82,11 @@ class PrimaryTier(Actor):
         tier_names: Sequence[str],
         transfer_timeout_s: float,
         work_ids: itertools.count[int],
+        announce_starts: bool = True,
     ) -> None:
         self.pool = BlockPool(num_blocks, make_policy(eviction, num_blocks))
         self.tier_names = tuple(tier_names)
+        self.announce_starts = announce_starts
         self.transfer_timeout_s = transfer_timeout_s
         self.work_ids = work_ids
         self.supervisor: ActorRef
@@ -80,9 +96,12 @@ class PrimaryTier(Actor):
         # One deadline per prepare_store call: its keys that are still pending when it passes expire.
         self._store_deadlines: DeadlineQueue[tuple[ReqContext, tuple[OffloadKey, ...]]] = DeadlineQueue()
         self._timer_due: float | None = None
+        self._forget: Callable[[tuple[str, int]], None] | None = None
 
-    def connect(self, supervisor: ActorRef) -> None:
+    def connect(self, supervisor: ActorRef, forget: Callable[[tuple[str, int]], None] | None = None) -> None:
+        """``forget(identity)`` is called (on this actor's thread) once a request's record is gone."""
         self.supervisor = supervisor
+        self._forget = forget
 
     # ------------------------------------------------------------ helpers
 
@@ -118,11 +137,20 @@ class PrimaryTier(Actor):
         record = self._requests.get(ctx.identity)
         if record is not None:
             state = "finishing" if record.finished else "active"
+            if msg.reply is None:
+                # The facade refuses duplicates before they are sent: its registry is out of step.
+                self.internal_errors += 1
+                self.log.error("invariant_broken", req_id=ctx.req_id, attempt=ctx.attempt,
+                               error=f"on_new_request for a request already {state}")
+                return
             raise LifecycleError(f"on_new_request: request {ctx} is already {state}")
-        self._requests[ctx.identity] = _RequestRecord(ctx)
+        record = self._requests[ctx.identity] = _RequestRecord(ctx)
         self.log.debug("request_started", req_id=ctx.req_id, attempt=ctx.attempt)
-        self.supervisor.tell(m.RequestStarted(ctx))
-        msg.reply.set_result(None)
+        if self.announce_starts:
+            record.announced = True
+            self.supervisor.tell(m.RequestStarted(ctx))
+        if msg.reply is not None:
+            msg.reply.set_result(None)
 
     @handles(m.FinishRequest)
     def _on_finish_request(self, msg: m.FinishRequest) -> None:
@@ -136,22 +164,26 @@ class PrimaryTier(Actor):
         # Logged before the tell: the supervisor's finalize events must come after it in the log.
         self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier="cpu",
                        pending_stores=record.pending_stores)
-        self.supervisor.tell(m.RequestFinished(ctx, record.pending_stores))
+        self.supervisor.tell(m.RequestFinished(ctx, record.pending_stores, record.opens()))
 
     @handles(m.RequestFinalized)
     def _on_request_finalized(self, msg: m.RequestFinalized) -> None:
-        self._requests.pop(msg.ctx.identity, None)
+        identity = msg.ctx.identity
+        # The record goes first: a new lifetime the facade admits next must find none.
+        if self._requests.pop(identity, None) is not None and self._forget is not None:
+            self._forget(identity)
 
     # ------------------------------------------------------------ lookups and loads
 
     @handles(m.Lookup)
     def _on_lookup(self, msg: m.Lookup) -> None:
-        self._require_active(msg.ctx, "lookup")
+        record = self._require_active(msg.ctx, "lookup")
         results = self.pool.lookup(msg.keys)
         missing = tuple(i for i, result in enumerate(results) if result is LookupResult.MISS)
         if missing and self.tier_names:
             lookup_id = next(self.work_ids)
-            self.supervisor.tell(m.SecondaryLookup(lookup_id, msg.ctx, msg.keys, missing, tuple(results), msg.reply))
+            self.supervisor.tell(m.SecondaryLookup(lookup_id, msg.ctx, msg.keys, missing, tuple(results), msg.reply,
+                                                   record.opens()))
             return
         msg.reply.set_result(results)
 
@@ -231,7 +263,8 @@ class PrimaryTier(Actor):
             rows = self.pool.pin_for_job(job_id, outcome.stored)
             cascades.append(m.CascadeJob(tier, TransferJob(job_id, outcome.stored, rows, ctx, False)))
         if cascades or (record is not None and record.finished):
-            self.supervisor.tell(m.StoresCompleted(ctx, outcome.live, tuple(cascades)))
+            opens = record is not None and record.opens()
+            self.supervisor.tell(m.StoresCompleted(ctx, outcome.live, tuple(cascades), opens))
 
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:

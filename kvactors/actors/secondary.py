@@ -64,13 +64,13 @@ class SecondaryTierActor(Actor):
         self.supervisor: ActorRef
         self.tier_errors = 0
         self._lane: deque[m.TierLookup] = deque()
-        self._wants_new_request = _overrides(tier, "on_new_request")
+        self.wants_new_request = _overrides(tier, "on_new_request")
         # Requests whose on_new_request the plugin has seen: their lookups may take the lane.
         self._open: set[tuple[str, int]] = set()
 
     def link(self) -> TierLink:
         """The supervisor's handle on this actor (after it was spawned)."""
-        return TierLink(self.ref, self._lane, self._wants_new_request, _overrides(self.tier, "touch"))
+        return TierLink(self.ref, self._lane, self.wants_new_request, _overrides(self.tier, "touch"))
 
     def connect(self, supervisor: ActorRef, pool: torch.Tensor) -> None:
         """Attach the plugin; runs before the actor receives any message."""
@@ -135,7 +135,7 @@ class SecondaryTierActor(Actor):
     def _serve_lane(self) -> None:
         """Answer the lookups waiting behind this submit, in order, while their requests are open here."""
         lane = self._lane
-        while lane and (not self._wants_new_request or lane[0].ctx.identity in self._open):
+        while lane and (not self.wants_new_request or lane[0].ctx.identity in self._open):
             self._lookup(lane.popleft())
 
     @handles(m.TierLookup)

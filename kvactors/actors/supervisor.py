@@ -24,6 +24,10 @@ secondary tier:
    ends one of them afterwards. The primary rejects every submit call after
    a finish, so no new pending store can appear once the finish is sent, and
    before the finish nothing can finalize, so the count is not needed sooner.
+   A request's state opens with the primary's first fact about it (flagged
+   ``opens``; a separate "request started" only when a tier wants that
+   hook), so a fact without the flag for a request with no state is about a
+   request already finalized, and :meth:`_submit` still refuses its jobs.
 
 Hence at every tier, for every request attempt, every submit is processed
 before the one ``on_request_finished``, and none after it. State is keyed by
@@ -50,6 +54,7 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.actors.secondary import TierLink
 from kvactors.core.deadlines import DeadlineQueue
+from kvactors.core.errors import LifecycleError
 from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
@@ -185,8 +190,18 @@ class LifecycleSupervisor(Actor):
             if self.tiers[tier].wants_new_request:
                 self.tiers[tier].ref.tell(m.TierNewRequest(msg.ctx))
 
+    def _open(self, ctx: ReqContext) -> None:
+        """The primary's first fact about ``ctx``: its state starts here."""
+        try:
+            self.table.start(ctx)
+        except LifecycleError as exc:  # the primary announces each lifetime once: unreachable
+            self.internal_errors += 1
+            self.log.error("invariant_broken", req_id=ctx.req_id, attempt=ctx.attempt, error=str(exc))
+
     @handles(m.RequestFinished)
     def _on_request_finished(self, msg: m.RequestFinished) -> None:
+        if msg.opens:
+            self._open(msg.ctx)
         state = self.table.finish(msg.ctx)
         if state is not None:
             self._count(msg.ctx, "pending_primary_stores", msg.pending_stores)
@@ -200,6 +215,8 @@ class LifecycleSupervisor(Actor):
 
     @handles(m.StoresCompleted)
     def _on_stores_completed(self, msg: m.StoresCompleted) -> None:
+        if msg.opens:
+            self._open(msg.ctx)
         state = self.table.get(msg.ctx)
         if state is not None and state.is_finished:
             # Before its finish a request's pending stores are not counted here (see point 3).
@@ -360,6 +377,8 @@ class LifecycleSupervisor(Actor):
 
     @handles(m.SecondaryLookup)
     def _on_secondary_lookup(self, msg: m.SecondaryLookup) -> None:
+        if msg.opens:
+            self._open(msg.ctx)
         results = list(msg.results)
         if self.stopping or self._count(msg.ctx, "pending_lookups", +1) is None:
             msg.reply.set_result(results)
@@ -532,7 +551,10 @@ class LifecycleSupervisor(Actor):
     def _on_stats(self, msg: m.SupervisorStats) -> None:
         stats: dict[str, int | float] = dict(msg.stats)
         stats.update(self.counters)
-        stats["active_requests"] = len(self.table)
+        # The primary's records: from on_new_request to finalize (the supervisor's
+        # table holds a request only from its first fact that needs it).
+        stats["active_requests"] = int(stats.get("primary_requests", 0))
+        stats["supervisor_requests"] = len(self.table)
         stats["requests_finished_pending"] = sum(1 for s in self.table.states() if s.is_finished)
         stats["jobs_in_flight"] = sum(self._inflight.values())
         stats["jobs_queued"] = sum(len(q) for q in self._queues.values())

@@ -27,7 +27,7 @@ from typing import Any
 
 HELP = "Run the random workload on real threads and check the lifecycle contract."
 
-LEAK_STATS = ("active_requests", "primary_requests", "lookups_in_flight")
+LEAK_STATS = ("active_requests", "primary_requests", "supervisor_requests", "lookups_in_flight")
 PIN_STATS = ("blocks_pinned", "jobs_pinning", "blocks_pending")
 JOB_STATS = ("jobs_in_flight", "jobs_queued")
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvactors.manager import TieringManager
 from kvactors.sim.runtime import SimRuntime, SimulationStuck
-from kvactors.sim.tiers import Faults, RecordingTier, SimDeferrer
+from kvactors.sim.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer
 from kvactors.sim.workload import Env, WorkloadConfig, make_clients
 
 
@@ -75,6 +75,7 @@ def check_stats(env: Env, stats: dict[str, Any], tiers: list[Any]) -> list[str]:
     expect = {
         "active_requests": 0,
         "primary_requests": 0,
+        "supervisor_requests": 0,
         "blocks_pending": 0,
         "blocks_pinned": 0,
         "jobs_in_flight": 0,
@@ -155,6 +156,8 @@ def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]
         "eviction": rng.choice(("lru", "arc")),
         "tiers": tiers,
         "time_jump_chance": rng.choice((0.005, 0.02, 0.1)),
+        # Without the hook the primary never announces a start: the supervisor opens state lazily.
+        "tier_hooks": rng.random() < 0.5,
     }
 
 
@@ -165,7 +168,8 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
     config: WorkloadConfig = params["config"]
     runtime = SimRuntime(seed, time_jump_chance=params["time_jump_chance"], trace=trace)
     deferrer = SimDeferrer(runtime)
-    tiers = [RecordingTier(deferrer=deferrer, seed=seed, keep_calls=trace, **spec) for spec in params["tiers"]]
+    tier_class = RecordingTier if params["tier_hooks"] else HooklessRecordingTier
+    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, **spec) for spec in params["tiers"]]
     manager = TieringManager.start(
         num_blocks=params["num_blocks"], block_bytes=params["block_bytes"], secondary_tiers=tiers,
         eviction=params["eviction"], transfer_timeout_s=config.transfer_timeout_s,

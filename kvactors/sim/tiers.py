@@ -330,6 +330,16 @@ class RecordingTier(SecondaryTier):
             return list(self._blocks)
 
 
+class HooklessRecordingTier(RecordingTier):
+    """A :class:`RecordingTier` that leaves ``on_new_request`` to the base class.
+
+    The runtime sends no hook a tier does not override, so with these tiers the
+    primary never announces a start and the supervisor opens each request's
+    state with its first fact.
+    """
+
+    on_new_request = SecondaryTier.on_new_request
+
 class FaultTier(DelegatingTier):
     """A real tier (disk, Redis, ...) with faults injected and the contract recorded at its door.
 
