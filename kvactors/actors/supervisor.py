@@ -56,6 +56,7 @@ from kvactors.actors.secondary import TierLink
 from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
 from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
+from kvactors.core.lookups import resolve_lookup
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 
@@ -403,31 +404,12 @@ class LifecycleSupervisor(Actor):
             self._resolve_lookup(pending)
 
     def _resolve_lookup(self, pending: _PendingLookup, *, promote: bool = True) -> None:
-        """Combine the tiers' answers; ask the primary to allocate promotions, if any.
-
-        Per key, the first tier (in the manager's order) that answers ``HIT``
-        promotes it. Without a hit, ``RETRY`` if some tier failed, timed out or
-        said ``RETRY``, else ``MISS``.
-        """
+        """Combine the tiers' answers (:func:`~kvactors.core.lookups.resolve_lookup`);
+        ask the primary to allocate promotions, if any, else answer the frontend."""
         del self._lookups[pending.lookup_id]
         self._lookup_deadlines.discard(pending.lookup_id)
-        position = {key: n for n, key in enumerate(pending.asked)}
-        plan: dict[str, list[OffloadKey]] = {}
-        for i in pending.missing:
-            key = pending.keys[i]
-            verdict, source = LookupResult.MISS, None
-            for tier in self.tier_order:
-                answer = pending.answers.get(tier)
-                result = LookupResult.RETRY if answer is None else answer[position[key]]
-                if result is LookupResult.HIT:
-                    verdict, source = result, tier
-                    break
-                if result is LookupResult.RETRY:
-                    verdict = result
-            if source is not None and promote:
-                plan.setdefault(source, []).append(key)
-            else:
-                pending.results[i] = LookupResult.RETRY if verdict is LookupResult.HIT else verdict
+        pending.results, plan = resolve_lookup(pending.keys, pending.missing, pending.results, pending.asked,
+                                               self.tier_order, pending.answers, promote=promote)
         ctx = pending.ctx
         if plan:
             self._allocations[pending.lookup_id] = ctx

@@ -1,0 +1,55 @@
+"""Combining the secondary tiers' answers to one lookup: which keys to promote, what to answer.
+
+A plain function, no threads: the supervisor calls it once every tier answered
+(or the lookup's deadline passed, or a reset or a stop cut it short).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvactors.types import LookupResult, OffloadKey
+
+
+def resolve_lookup(
+    keys: Sequence[OffloadKey],
+    missing: Sequence[int],
+    results: Sequence[LookupResult],
+    asked: Sequence[OffloadKey],
+    tier_order: Sequence[str],
+    answers: Mapping[str, Sequence[LookupResult] | None],
+    *,
+    promote: bool = True,
+) -> tuple[list[LookupResult], dict[str, list[OffloadKey]]]:
+    """The answer to a lookup, and the promotions it starts.
+
+    ``results``: the primary's answer (``MISS`` at the ``missing`` positions);
+    ``asked``: the missing keys, de-duplicated, as the tiers were asked;
+    ``answers``: per tier, one result per asked key, or ``None`` if the tier
+    failed (a tier absent from ``answers`` did not answer in time).
+
+    Per key, the first tier in ``tier_order`` that answers ``HIT`` promotes it
+    (when ``promote``; the key stays at the primary's answer until the promotion
+    is allocated). Without a hit, ``RETRY`` if some tier failed, timed out or
+    said ``RETRY``, else ``MISS``; a hit that is not promoted is a ``RETRY``.
+    Returns the results (a new list) and the plan: tier -> keys, in key order.
+    """
+    out = list(results)
+    position = {key: n for n, key in enumerate(asked)}
+    plan: dict[str, list[OffloadKey]] = {}
+    for i in missing:
+        key = keys[i]
+        verdict, source = LookupResult.MISS, None
+        for tier in tier_order:
+            answer = answers.get(tier)
+            result = LookupResult.RETRY if answer is None else answer[position[key]]
+            if result is LookupResult.HIT:
+                verdict, source = result, tier
+                break
+            if result is LookupResult.RETRY:
+                verdict = result
+        if source is not None and promote:
+            plan.setdefault(source, []).append(key)
+        else:
+            out[i] = LookupResult.RETRY if verdict is LookupResult.HIT else verdict
+    return out, plan
