@@ -194,3 +194,48 @@ def test_deadline_queue_orders_and_discards():
     queue.add("late", 5.0)  # re-armed: the old entry is ignored
     assert queue.pop_expired(4.0) == []
     assert queue.pop_expired(5.0) == ["late"]
+
+
+def test_lookup_lane_takes_each_lookup_once_while_its_sender_pushes():
+    """The lane is shared by the supervisor (pushing) and the tier actor (taking out of
+    order). A bare deque's remove() compares with a dataclass __eq__ (Python code), and
+    an append meanwhile made it raise "deque mutated during iteration"."""
+    from kvactors.actors import messages as m
+    from kvactors.actors.secondary import LookupLane
+
+    lookups = [m.TierLookup(n, (b"k%d" % n,), ReqContext(f"r{n % 7}")) for n in range(2000)]
+    lane = LookupLane()
+    pushed = [0]
+    done = threading.Event()
+    taken: list[int] = []
+    errors: list[BaseException] = []
+
+    def push() -> None:
+        for n, lookup in enumerate(lookups):
+            lane.push(lookup)
+            pushed[0] = n + 1
+        done.set()
+
+    def take() -> None:
+        try:
+            while not done.is_set():
+                newest = pushed[0] - 1
+                # Out of order: the newest, past every older one still waiting ahead of it.
+                if newest >= 0 and (not taken or taken[-1] != newest) and lane.take(lookups[newest]):
+                    taken.append(newest)
+            taken.extend(lookup.lookup_id for lookup in lane.take_leading(lambda _: True))
+        except BaseException as exc:
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=take), threading.Thread(target=push)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == []
+    assert sorted(taken) == list(range(len(lookups))) and len(lane) == 0

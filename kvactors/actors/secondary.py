@@ -21,7 +21,9 @@ submits anything, so the contract is unaffected) but never the
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,45 @@ def _overrides(tier: SecondaryTier, hook: str) -> bool:
     return getattr(type(tier), hook) is not getattr(SecondaryTier, hook)
 
 
+class LookupLane:
+    """Lookups waiting for one tier actor, shared by their sender and that actor.
+
+    Thread-safe: one lock around every operation. (A bare ``deque`` is not
+    enough: ``deque.remove`` compares with ``==``, which runs Python code, and
+    an append from the other thread meanwhile makes it raise.)
+    """
+
+    __slots__ = ("_items", "_lock")
+
+    def __init__(self) -> None:
+        self._items: deque[m.TierLookup] = deque()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, lookup: m.TierLookup) -> None:
+        with self._lock:
+            self._items.append(lookup)
+
+    def take(self, lookup: m.TierLookup) -> bool:
+        """Remove ``lookup`` (by identity); ``False`` if it was served already."""
+        with self._lock:
+            for index, item in enumerate(self._items):
+                if item is lookup:
+                    del self._items[index]
+                    return True
+            return False
+
+    def take_leading(self, ready: Callable[[m.TierLookup], bool]) -> list[m.TierLookup]:
+        """Remove and return the lookups at the front for which ``ready`` holds, in order."""
+        with self._lock:
+            taken = []
+            while self._items and ready(self._items[0]):
+                taken.append(self._items.popleft())
+            return taken
+
+
 @dataclass(frozen=True, slots=True)
 class TierLink:
     """How the supervisor reaches one tier actor.
@@ -46,12 +87,12 @@ class TierLink:
     """
 
     ref: ActorRef
-    lane: deque[m.TierLookup]
+    lane: LookupLane
     wants_new_request: bool
     wants_touch: bool
 
     def lookup(self, message: m.TierLookup) -> None:
-        self.lane.append(message)
+        self.lane.push(message)
         self.ref.tell(message)
 
 
@@ -63,7 +104,7 @@ class SecondaryTierActor(Actor):
         self.name = f"tier-{tier.name}"
         self.supervisor: ActorRef
         self.tier_errors = 0
-        self._lane: deque[m.TierLookup] = deque()
+        self._lane = LookupLane()
         self.wants_new_request = _overrides(tier, "on_new_request")
         # Requests whose on_new_request the plugin has seen: their lookups may take the lane.
         self._open: set[tuple[str, int]] = set()
@@ -134,17 +175,17 @@ class SecondaryTierActor(Actor):
 
     def _serve_lane(self) -> None:
         """Answer the lookups waiting behind this submit, in order, while their requests are open here."""
-        lane = self._lane
-        while lane and (not self.wants_new_request or lane[0].ctx.identity in self._open):
-            self._lookup(lane.popleft())
+        if self.wants_new_request:
+            ready = self._lane.take_leading(lambda lookup: lookup.ctx.identity in self._open)
+        else:
+            ready = self._lane.take_leading(lambda lookup: True)
+        for lookup in ready:
+            self._lookup(lookup)
 
     @handles(m.TierLookup)
     def _on_lookup(self, msg: m.TierLookup) -> None:
-        try:
-            self._lane.remove(msg)
-        except ValueError:
-            return  # already answered from the lane
-        self._lookup(msg)
+        if self._lane.take(msg):  # else answered from the lane already
+            self._lookup(msg)
 
     def _lookup(self, msg: m.TierLookup) -> None:
         results: tuple[LookupResult, ...] | None
