@@ -177,12 +177,16 @@ class TieringManager:
         # The gate makes "closed" and "queued" atomic: after stop() queued its
         # shutdown, no frontend message can land behind it.
         with self._gate:
-            if self._closed:
-                raise ManagerStoppedError("the TieringManager is stopped")
-            try:
-                self._primary.tell(message)
-            except ActorStoppedError:
-                raise ManagerStoppedError("the TieringManager is stopped") from None
+            self._put(message)
+
+    def _put(self, message: object) -> None:
+        """Queue ``message`` for the primary; the caller holds the gate."""
+        if self._closed:
+            raise ManagerStoppedError("the TieringManager is stopped")
+        try:
+            self._primary.tell(message)
+        except ActorStoppedError:
+            raise ManagerStoppedError("the TieringManager is stopped") from None
 
     def _ask(self, message: object, reply: Reply[T]) -> T:
         self._send(message)
@@ -207,14 +211,9 @@ class TieringManager:
         ctx = _check_ctx(ctx)
         identity = ctx.identity
         with self._gate:
-            if self._closed:
-                raise ManagerStoppedError("the TieringManager is stopped")
-            if identity in self._live:
+            if identity in self._live and not self._closed:
                 raise LifecycleError(f"on_new_request: request {ctx} is already active (or finishing)")
-            try:
-                self._primary.tell(m.NewRequest(ctx, None))
-            except ActorStoppedError:
-                raise ManagerStoppedError("the TieringManager is stopped") from None
+            self._put(m.NewRequest(ctx, None))
             self._live.add(identity)
 
     def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:

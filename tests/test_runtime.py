@@ -223,7 +223,7 @@ def test_lookup_lane_takes_each_lookup_once_while_its_sender_pushes():
                 # Out of order: the newest, past every older one still waiting ahead of it.
                 if newest >= 0 and (not taken or taken[-1] != newest) and lane.take(lookups[newest]):
                     taken.append(newest)
-            taken.extend(lookup.lookup_id for lookup in lane.take_leading(lambda _: True))
+            taken.extend(lookup.lookup_id for lookup in lane.take_leading())
         except BaseException as exc:
             errors.append(exc)
 

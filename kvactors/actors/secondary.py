@@ -68,11 +68,11 @@ class LookupLane:
                     return True
             return False
 
-    def take_leading(self, ready: Callable[[m.TierLookup], bool]) -> list[m.TierLookup]:
-        """Remove and return the lookups at the front for which ``ready`` holds, in order."""
+    def take_leading(self, ready: Callable[[m.TierLookup], bool] | None = None) -> list[m.TierLookup]:
+        """Remove and return the lookups at the front for which ``ready`` holds (all, without it), in order."""
         with self._lock:
             taken = []
-            while self._items and ready(self._items[0]):
+            while self._items and (ready is None or ready(self._items[0])):
                 taken.append(self._items.popleft())
             return taken
 
@@ -175,11 +175,8 @@ class SecondaryTierActor(Actor):
 
     def _serve_lane(self) -> None:
         """Answer the lookups waiting behind this submit, in order, while their requests are open here."""
-        if self.wants_new_request:
-            ready = self._lane.take_leading(lambda lookup: lookup.ctx.identity in self._open)
-        else:
-            ready = self._lane.take_leading(lambda lookup: True)
-        for lookup in ready:
+        is_open = (lambda lookup: lookup.ctx.identity in self._open) if self.wants_new_request else None
+        for lookup in self._lane.take_leading(is_open):
             self._lookup(lookup)
 
     @handles(m.TierLookup)
