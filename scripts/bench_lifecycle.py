@@ -264,7 +264,11 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="write a PNG of requests/s against threads here")
     parser.add_argument("--headline-repeats", type=int, default=3,
                         help="repeats (median) of the configurations the JSON summary reports: the most threads")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the whole run, both implementations (default: 5 ms)")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     duration = args.duration or (1.2 if args.quick else 3.0)
     repeats = args.repeats or (1 if args.quick else 3)
     thread_counts = [int(t) for t in args.threads.split(",")]
