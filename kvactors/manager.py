@@ -63,9 +63,12 @@ class TieringManager:
     ``contract_violation`` event and counted in ``stats()``, never raised.
 
     Every call goes to the primary tier's actor first, as one message, whatever
-    the number of keys: one actor round trip per blocking call (a lookup that
-    misses in the pool continues through the supervisor and the tiers before
-    it answers, still one round trip for the caller).
+    the number of keys. When the primary is idle (no handler running, nothing
+    queued to it), the calling thread claims it and runs the handler itself:
+    one handler at a time still, in the same order, but no thread hand-off
+    (a lookup that misses in the pool then waits for the supervisor and the
+    tiers on their threads). Otherwise the message is queued to the primary's
+    thread: one round trip per blocking call.
 
     Use :meth:`start` to create one; it is a context manager that stops on exit.
     """
@@ -177,16 +180,26 @@ class TieringManager:
         # The gate makes "closed" and "queued" atomic: after stop() queued its
         # shutdown, no frontend message can land behind it.
         with self._gate:
-            self._put(message)
+            claimed = self._put(message)
+        if claimed:
+            self._primary.run_claimed(message)
 
-    def _put(self, message: object) -> None:
-        """Queue ``message`` for the primary; the caller holds the gate."""
+    def _put(self, message: object) -> bool:
+        """Queue ``message`` for the primary, or claim the idle primary to run it here.
+
+        The caller holds the gate. True: claimed; the caller must then
+        ``run_claimed(message)``, after releasing the gate (the claim already
+        orders it before anything queued later, the shutdown included, and
+        the other frontends need not wait for the handler to queue theirs)."""
         if self._closed:
             raise ManagerStoppedError("the TieringManager is stopped")
+        if self._primary.claim():
+            return True
         try:
             self._primary.tell(message)
         except ActorStoppedError:
             raise ManagerStoppedError("the TieringManager is stopped") from None
+        return False
 
     def _ask(self, message: object, reply: Reply[T]) -> T:
         self._send(message)
@@ -213,8 +226,11 @@ class TieringManager:
         with self._gate:
             if identity in self._live and not self._closed:
                 raise LifecycleError(f"on_new_request: request {ctx} is already active (or finishing)")
-            self._put(m.NewRequest(ctx, None))
+            message = m.NewRequest(ctx, None)
+            claimed = self._put(message)
             self._live.add(identity)
+        if claimed:
+            self._primary.run_claimed(message)
 
     def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """One result per key. A key found only in a secondary tier starts its

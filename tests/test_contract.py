@@ -74,18 +74,18 @@ def test_rule2_secondary_finish_waits_for_pending_store(rec):
 
 def test_rule3_primary_is_told_at_once(rec):
     ctx = ReqContext("r")
-    tier = ControlledTier()
-    with start(tier) as manager:
+    with start(rec) as manager:
         manager.on_new_request(ctx)
-        store(manager, ctx, [1])
-        tier.wait_held(1)  # the cascade is in flight
+        pending = store(manager, ctx, [1], complete=False)  # holds the tiers' finish
         manager.on_request_finished(ctx)
         # The very next call of this thread sees the finish, though tiers do not yet.
         with pytest.raises(LifecycleError, match="finished"):
             manager.prepare_store(keys(2), ctx)
-        tier.release_all()
+        assert manager.wait_idle(5)
+        assert rec.count("on_request_finished", ctx) == 0
+        manager.complete_store(pending.keys_to_store, ctx)
         settled(manager)
-        assert tier.count("on_request_finished", ctx) == 1
+        assert rec.count("on_request_finished", ctx) == 1
 
 
 def test_rule4_queued_promotion_holds_the_finish():

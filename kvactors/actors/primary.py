@@ -99,7 +99,7 @@ class PrimaryTier(Actor):
         self._forget: Callable[[tuple[str, int]], None] | None = None
 
     def connect(self, supervisor: ActorRef, forget: Callable[[tuple[str, int]], None] | None = None) -> None:
-        """``forget(identity)`` is called (on this actor's thread) once a request's record is gone."""
+        """``forget(identity)`` is called by a handler (on whatever thread runs it) once a request's record is gone."""
         self.supervisor = supervisor
         self._forget = forget
 

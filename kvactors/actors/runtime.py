@@ -9,6 +9,13 @@ runtimes implement that interface:
 * :class:`kvactors.sim.SimRuntime` (tests, race hunting): every actor on the
   caller's thread, a seeded scheduler choosing what runs next.
 
+Besides ``tell``, a ref lets a caller *claim* an idle actor and run one
+message on its own thread (:meth:`ThreadActorRef.claim`): the handler still
+runs alone, and after everything told before it, but no thread is woken and
+the caller does not wait for one. The manager uses this for the frontend's
+calls to the primary tier; it is an interleaving the actors already allow
+(the actor handling the message the moment it is put), taken on purpose.
+
 pykka's own weak spots are kept out here:
 
 * **the stop race**: pykka's ``tell`` checks ``is_alive()`` and then puts, so a
@@ -52,11 +59,27 @@ class ActorStoppedError(RuntimeError):
 
 
 class ActorRef(Protocol):
-    """Where to send messages to one actor. ``tell`` is thread-safe and never blocks."""
+    """Where to send messages to one actor. Thread-safe; nothing here blocks."""
 
     name: str
 
-    def tell(self, message: object) -> None: ...
+    def tell(self, message: object) -> None:
+        """Queue ``message``; the actor handles it after everything queued before it."""
+        ...
+
+    def claim(self) -> bool:
+        """Take the actor's turn for the calling thread if the actor is idle.
+
+        Idle: no handler running and every message told to it handled. True:
+        the caller holds the turn and must call :meth:`run_claimed` exactly
+        once; until then the actor handles nothing else. False: nothing
+        changed (the caller should ``tell`` instead).
+        """
+        ...
+
+    def run_claimed(self, message: object) -> None:
+        """Handle ``message`` on the calling thread, then give the turn back."""
+        ...
 
 
 class Runtime(Protocol):
@@ -96,7 +119,9 @@ class Actor:
 
     Subclasses mark their handlers with :func:`handles`; :meth:`deliver` runs
     the handler of a message's type. The runtime calls :meth:`deliver` for one
-    message at a time, so a subclass needs no locks for its own state.
+    message at a time (on the actor's thread, or on a caller's that claimed
+    it), so a subclass needs no locks for its own state, but must not assume
+    which thread it runs on.
     """
 
     _handlers: ClassVar[dict[type, str]] = {}
@@ -148,16 +173,37 @@ class Actor:
 # --------------------------------------------------------------------- threads
 
 
+class _Turn:
+    """Whose turn it is to run an actor's handlers: its thread's, or a claiming caller's.
+
+    ``mutex`` is held around every handler run, so handlers never overlap.
+    ``queued`` counts the messages told (raised before each put, under the
+    ref's lock); ``handled`` counts those handled (raised under ``mutex``).
+    A thread holding ``mutex`` with the two equal knows the actor is idle:
+    nothing running, nothing told and unhandled. A message told concurrently
+    by another thread may still be in flight; it is unordered with the claim,
+    as two senders' messages always are.
+    """
+
+    __slots__ = ("handled", "mutex", "queued")
+
+    def __init__(self) -> None:
+        self.mutex = threading.Lock()
+        self.queued = 0
+        self.handled = 0
+
+
 class _PykkaShell(pykka.ThreadingActor):
     """One kvactors actor on one pykka thread."""
 
     # A tier stuck in a blocking call must not keep the interpreter alive.
     use_daemon_thread = True
 
-    def __init__(self, actor: Actor, thread_name: str) -> None:
+    def __init__(self, actor: Actor, thread_name: str, turn: _Turn) -> None:
         super().__init__()
         self._actor = actor
         self._thread_name = thread_name
+        self._turn = turn
 
     @staticmethod
     def _create_actor_inbox() -> Any:
@@ -168,20 +214,28 @@ class _PykkaShell(pykka.ThreadingActor):
         threading.current_thread().name = self._thread_name
 
     def on_receive(self, message: Any) -> None:
-        self._actor.deliver(message)
+        turn = self._turn
+        with turn.mutex:
+            self._actor.deliver(message)
+            turn.handled += 1
 
     def on_stop(self) -> None:
-        self._actor.on_stop()
+        with self._turn.mutex:
+            self._actor.on_stop()
 
 
 class ThreadActorRef:
     """A reference to an actor on a pykka thread, free of pykka's stop race."""
 
-    __slots__ = ("_closed", "_lock", "_pykka_ref", "name")
+    __slots__ = ("_actor", "_claims", "_closed", "_lock", "_pykka_ref", "_turn", "name")
 
-    def __init__(self, name: str, pykka_ref: pykka.ActorRef[Any]) -> None:
+    def __init__(self, name: str, pykka_ref: pykka.ActorRef[Any], actor: Actor, turn: _Turn,
+                 *, claims: bool = True) -> None:
         self.name = name
         self._pykka_ref = pykka_ref
+        self._actor = actor
+        self._turn = turn
+        self._claims = claims
         self._lock = threading.Lock()
         self._closed = False
 
@@ -189,7 +243,31 @@ class ThreadActorRef:
         with self._lock:
             if self._closed:
                 raise ActorStoppedError(f"actor {self.name} is stopped")
-            self._pykka_ref.tell(message)
+            # Counted before the put: a claim must never see this message as handled.
+            self._turn.queued += 1
+            try:
+                self._pykka_ref.tell(message)
+            except BaseException:
+                self._turn.queued -= 1
+                raise
+
+    def claim(self) -> bool:
+        """See :meth:`ActorRef.claim`. Never blocks; always False once closed
+        (or with ``claims=False``)."""
+        turn = self._turn
+        if not self._claims or not turn.mutex.acquire(blocking=False):
+            return False
+        if turn.queued != turn.handled or self._closed:
+            turn.mutex.release()
+            return False
+        return True
+
+    def run_claimed(self, message: object) -> None:
+        """Handle ``message`` on the calling thread, then give the turn back."""
+        try:
+            self._actor.deliver(message)
+        finally:
+            self._turn.mutex.release()
 
     def close(self) -> pykka.Future[Any] | None:
         """Queue the stop after every message already told; refuse all later ones."""
@@ -250,21 +328,24 @@ class ThreadRuntime:
     """Actors on pykka threads: one thread per actor, plus one timer thread.
 
     Thread count is fixed by the number of actors (tiers + 2) and never grows
-    with requests.
+    with requests. ``claims=False`` makes every :meth:`ThreadActorRef.claim`
+    fail, so every message goes through the actors' threads (for comparison).
     """
 
     _instances = itertools.count()
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init__(self, name: str | None = None, *, claims: bool = True) -> None:
         self.name = name or f"kvactors-{next(self._instances)}"
+        self.claims = claims
         self._timer = _TimerThread(f"{self.name}-timer")
         self._refs: list[ThreadActorRef] = []
 
     def spawn(self, actor: Actor, name: str) -> ThreadActorRef:
-        pykka_ref = _PykkaShell.start(actor, f"{self.name}-{name}")
+        turn = _Turn()
+        pykka_ref = _PykkaShell.start(actor, f"{self.name}-{name}", turn)
         # Out of the process-global registry: another library's stop_all() must not stop us.
         pykka.ActorRegistry.unregister(pykka_ref)
-        ref = ThreadActorRef(name, pykka_ref)
+        ref = ThreadActorRef(name, pykka_ref, actor, turn, claims=self.claims)
         actor.bind(self, ref)
         self._refs.append(ref)
         return ref

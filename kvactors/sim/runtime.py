@@ -10,7 +10,9 @@ next:
 * run one *deferred task* (work that would happen on another thread: a tier's
   I/O completing, a copy finishing), registered with :meth:`defer`;
 * run one step of a *client* (a generator standing for a frontend thread,
-  registered with :meth:`spawn_client`);
+  registered with :meth:`spawn_client`); a client's claim of an idle actor
+  (:meth:`SimActorRef.claim`) is granted or not by the seed too, and a
+  claimed message is handled within the client's step;
 * advance virtual time to the next timer (so deadlines race with completions).
 
 A seed therefore fixes a whole interleaving, and the same seed replays it
@@ -46,7 +48,7 @@ Client = Generator["Reply[Any] | Future[Any] | None", None, None]
 class SimActorRef:
     """An actor's inbox in a :class:`SimRuntime`."""
 
-    __slots__ = ("actor", "closed", "inbox", "name", "runtime")
+    __slots__ = ("actor", "closed", "inbox", "name", "running", "runtime")
 
     def __init__(self, runtime: SimRuntime, actor: Actor, name: str) -> None:
         self.runtime = runtime
@@ -54,11 +56,22 @@ class SimActorRef:
         self.name = name
         self.inbox: deque[object] = deque()
         self.closed = False
+        self.running = False
 
     def tell(self, message: object) -> None:
         if self.closed:
             raise ActorStoppedError(f"actor {self.name} is stopped")
         self.inbox.append(message)
+
+    def claim(self) -> bool:
+        """Granted when the actor is idle (no mail, not running) and the seed says so:
+        on threads a claim of an idle actor can fail too (another caller's turn)."""
+        if self.closed or self.inbox or self.running:
+            return False
+        return self.runtime.rng.random() < self.runtime.claim_chance
+
+    def run_claimed(self, message: object) -> None:
+        self.runtime._deliver_now(self, message, claimed=True)
 
     def __repr__(self) -> str:
         return f"SimActorRef({self.name!r}, inbox={len(self.inbox)})"
@@ -73,11 +86,15 @@ class SimRuntime:
 
     ``time_jump_chance``: how often, when other work is possible, the scheduler
     jumps to the next timer instead (higher makes deadlines fire "early", as a
-    slow machine would). ``trace``: keep a readable log of every choice.
+    slow machine would). ``claim_chance``: how often a claim of an idle actor
+    is granted (the claimed message then runs within the caller's step).
+    ``trace``: keep a readable log of every choice.
     """
 
-    def __init__(self, seed: int, *, time_jump_chance: float = 0.02, trace: bool = False) -> None:
+    def __init__(self, seed: int, *, time_jump_chance: float = 0.02, claim_chance: float = 0.5,
+                 trace: bool = False) -> None:
         self.seed = seed
+        self.claim_chance = claim_chance
         self.rng = random.Random(seed)
         self.time_jump_chance = time_jump_chance
         self.steps = 0
@@ -175,10 +192,16 @@ class SimRuntime:
         return True
 
     def _deliver(self, ref: SimActorRef) -> None:
-        message = ref.inbox.popleft()
+        self._deliver_now(ref, ref.inbox.popleft(), claimed=False)
+
+    def _deliver_now(self, ref: SimActorRef, message: object, *, claimed: bool) -> None:
         if self.trace is not None:
-            self.trace.append(f"{self.steps} {ref.name} <- {type(message).__name__}")
-        ref.actor.deliver(message)
+            self.trace.append(f"{self.steps} {ref.name} <- {type(message).__name__}{' (claimed)' if claimed else ''}")
+        ref.running = True
+        try:
+            ref.actor.deliver(message)
+        finally:
+            ref.running = False
 
     def _run_task(self) -> None:
         label, task = self._tasks.pop(self.rng.randrange(len(self._tasks)))
