@@ -158,6 +158,8 @@ def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]
         "time_jump_chance": rng.choice((0.005, 0.02, 0.1)),
         # Without the hook the primary never announces a start: the supervisor opens state lazily.
         "tier_hooks": rng.random() < 0.5,
+        # How often a frontend call runs the idle primary itself (0: never, as with claims off).
+        "claim_chance": rng.choice((0.0, 0.5, 0.9)),
     }
 
 
@@ -166,7 +168,8 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
     """Run the workload of ``seed`` on a fresh :class:`SimRuntime` and check it."""
     params = draw_params(seed, base)
     config: WorkloadConfig = params["config"]
-    runtime = SimRuntime(seed, time_jump_chance=params["time_jump_chance"], trace=trace)
+    runtime = SimRuntime(seed, time_jump_chance=params["time_jump_chance"], claim_chance=params["claim_chance"],
+                         trace=trace)
     deferrer = SimDeferrer(runtime)
     tier_class = RecordingTier if params["tier_hooks"] else HooklessRecordingTier
     tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, **spec) for spec in params["tiers"]]
