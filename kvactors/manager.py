@@ -35,13 +35,6 @@ T = TypeVar("T")
 
 _manager_ids = itertools.count()
 
-# The frontend messages whose caller claims the idle primary (see TieringManager._send):
-# the blocking calls', and the completions'.
-_CLAIMING: frozenset[type] = frozenset({
-    m.Lookup, m.PrepareLoad, m.PrepareStore, m.ResetCache, m.TakeEvents, m.Barrier, m.QueryStats,
-    m.CompleteStore, m.CompleteLoad,
-})
-
 
 def _check_ctx(ctx: object) -> ReqContext:
     if not isinstance(ctx, ReqContext):
@@ -70,13 +63,12 @@ class TieringManager:
     ``contract_violation`` event and counted in ``stats()``, never raised.
 
     Every call goes to the primary tier's actor first, as one message, whatever
-    the number of keys. Blocking calls and completions claim the primary when
-    it is idle (no handler running, nothing queued to it): the calling thread
-    runs the handler itself, still one handler at a time and in order, with
-    no thread hand-off (a lookup that misses in the pool then waits for the
-    supervisor and the tiers on their threads). Otherwise, and for the other
-    calls, the message is queued to the primary's thread: at most one round
-    trip per blocking call.
+    the number of keys. When the primary is idle (no handler running, nothing
+    queued to it), the calling thread claims it and runs the handler itself:
+    still one handler at a time and in order, but no thread hand-off (a
+    lookup that misses in the pool then waits for the supervisor and the
+    tiers on their threads). Otherwise the message is queued to the
+    primary's thread: at most one round trip per blocking call.
 
     Use :meth:`start` to create one; it is a context manager that stops on exit.
     """
@@ -185,32 +177,30 @@ class TieringManager:
     # ------------------------------------------------------------ plumbing
 
     def _send(self, message: object) -> None:
-        """Queue ``message`` for the primary or, for the kinds in ``_CLAIMING``,
-        run it here if the primary is idle.
+        """Run ``message`` here if the primary is idle (a claim), or queue it to the primary's thread.
 
-        Who claims: a caller that would wait for the answer anyway (every
-        blocking call), and completions, which start the latency-critical
-        work (cascades, releases, the finalize decision). The other
-        non-blocking calls only queue: their caller does not wait, and
-        running their handler would lengthen its hold on the GIL while the
-        completion path waits for it (claiming ``on_request_finished`` too
-        moved the finalize p99 from 1.9 to 2.5 ms in the benchmark).
+        Every frontend call claims: its handler then costs no thread hand-off
+        and no wake-up. The price is paid by the actors' threads: a frontend
+        running a handler holds the GIL longer, so a supervisor or tier thread
+        woken meanwhile waits longer for it (the benchmark's finalize p99 went
+        up about 0.4 ms while requests/s went up 10-20%; see
+        ``docs/perf-actors-vs-lock.md``).
         """
         # The gate makes "closed" and "queued" atomic: after stop() queued its
         # shutdown, no frontend message can land behind it. A claimed message
         # runs after the gate: the claim already orders it before anything
         # queued later, and the other callers need not wait for the handler.
         with self._gate:
-            claimed = self._put(message, type(message) in _CLAIMING)
+            claimed = self._put(message)
         if claimed:
             self._primary.run_claimed(message)
 
-    def _put(self, message: object, claim: bool) -> bool:
+    def _put(self, message: object) -> bool:
         """Claim the idle primary (True: the caller must ``run_claimed``) or queue;
         the caller holds the gate."""
         if self._closed:
             raise ManagerStoppedError("the TieringManager is stopped")
-        if claim and self._primary.claim():
+        if self._primary.claim():
             return True
         try:
             self._primary.tell(message)
@@ -243,8 +233,11 @@ class TieringManager:
         with self._gate:
             if identity in self._live and not self._closed:
                 raise LifecycleError(f"on_new_request: request {ctx} is already active (or finishing)")
-            self._put(m.NewRequest(ctx, None), claim=False)
+            message = m.NewRequest(ctx, None)
+            claimed = self._put(message)
             self._live.add(identity)
+        if claimed:
+            self._primary.run_claimed(message)
 
     def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """One result per key. A key found only in a secondary tier starts its

@@ -172,7 +172,7 @@ def test_claims_keep_each_senders_order_and_one_handler_at_a_time(runtime):
     assert 0 < total_claimed < senders * per_sender
 
 
-def test_blocking_calls_and_completions_claim_the_idle_primary_other_calls_queue(tmp_path):
+def test_frontend_calls_run_on_the_caller_when_the_primary_is_idle(tmp_path):
     log = tmp_path / "events.jsonl"
     ctx = ReqContext("r")
     with TieringManager.start(num_blocks=8, block_bytes=8, event_log=log) as manager:
@@ -188,8 +188,20 @@ def test_blocking_calls_and_completions_claim_the_idle_primary_other_calls_queue
     here = threading.current_thread().name
     assert ran_on["store_prepared"] == here
     assert ran_on["store_completed"] == here
+    assert ran_on["request_finished"] == here
+
+
+def test_frontend_calls_queue_when_claims_are_off(tmp_path):
+    log = tmp_path / "events.jsonl"
+    ctx = ReqContext("r")
+    with TieringManager.start(num_blocks=8, block_bytes=8, event_log=log,
+                              runtime=ThreadRuntime(claims=False)) as manager:
+        manager.on_new_request(ctx)
+        assert manager.prepare_store(keys(1), ctx) is not None
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    ran_on = {e["event"]: e["thread"] for e in events if e.get("req_id") == "r"}
     assert ran_on["request_started"].endswith("-primary")
-    assert ran_on["request_finished"].endswith("-primary")
+    assert ran_on["store_prepared"].endswith("-primary")
 
 
 @pytest.mark.parametrize("claim_chance", [0.0, 1.0])
