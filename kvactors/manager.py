@@ -154,7 +154,9 @@ class TieringManager:
         for actor in (primary, supervisor, *tier_actors):
             actor.log = log
         primary_ref = runtime.spawn(primary, "primary")
-        supervisor_ref = runtime.spawn(supervisor, "supervisor")
+        # One thread for both: the finalize path (completion -> primary -> supervisor -> tiers)
+        # then waits for the GIL once less; the supervisor stays an actor of its own.
+        supervisor_ref = runtime.spawn(supervisor, "supervisor", colocate_with=primary_ref)
         tier_refs = {}
         try:
             for actor in tier_actors:

@@ -94,16 +94,18 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_phase(impl: str, variant: str, threads: int, duration_s: float, claims: bool = True) -> dict[str, Any]:
+def run_phase(impl: str, variant: str, threads: int, duration_s: float, claims: bool = True,
+              colocation: bool = True) -> dict[str, Any]:
     """One phase: ``threads`` frontends for ``duration_s``; returns its figures.
 
-    ``claims=False``: kvactors without claims (every message through the actors' threads)."""
+    ``claims=False``: kvactors without claims (every message through the actors' threads);
+    ``colocation=False``: every kvactors actor on its own thread."""
     cost = 0.001 if variant == "slow" else 0.0
     fin = [{}, {}]  # per tier: identity -> perf_counter at its on_request_finished
     tiers = [BenchTier(f"t{i}", cost, fin[i]) for i in range(2)]
     if impl == "kvactors":
         mgr: Any = TieringManager.start(num_blocks=NUM_BLOCKS, block_bytes=BLOCK_BYTES, secondary_tiers=tiers,
-                                        runtime=ThreadRuntime(claims=claims))
+                                        runtime=ThreadRuntime(claims=claims, colocation=colocation))
     else:
         mgr = LockedManager(num_blocks=NUM_BLOCKS, pool=torch.zeros((NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8),
                             secondary_tiers=tiers)
@@ -272,8 +274,10 @@ def main() -> None:
                         help="sys.setswitchinterval for the whole run, both implementations (default: 5 ms)")
     parser.add_argument("--no-claims", action="store_true",
                         help="kvactors without claims: frontend calls never run the idle primary on their thread")
+    parser.add_argument("--no-colocation", action="store_true",
+                        help="kvactors with the supervisor on a thread of its own, not the primary's")
     args = parser.parse_args()
-    claims = not args.no_claims
+    options = {"claims": not args.no_claims, "colocation": not args.no_colocation}
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     duration = args.duration or (1.2 if args.quick else 3.0)
@@ -286,7 +290,7 @@ def main() -> None:
         for variant in variants:
             for threads in thread_counts:
                 for impl in ("lock", "kvactors"):  # interleaved
-                    row = run_phase(impl, variant, threads, duration, claims)
+                    row = run_phase(impl, variant, threads, duration, **options)
                     raw.setdefault((impl, variant, threads), []).append(row)
     # The summary's figures come from one configuration each: more repeats there
     # (a single 1.2 s phase swings +-25% on a shared 2-core machine).
@@ -294,7 +298,7 @@ def main() -> None:
     for _ in range(max(args.headline_repeats - repeats, 0)):
         for variant in variants:
             for impl in ("lock", "kvactors"):
-                raw[(impl, variant, top)].append(run_phase(impl, variant, top, duration, claims))
+                raw[(impl, variant, top)].append(run_phase(impl, variant, top, duration, **options))
     rows = [merge(v) for v in raw.values()]
 
     def get(impl: str, variant: str, threads: int) -> dict[str, Any]:

@@ -63,9 +63,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.manager = TieringManager.start(num_blocks=6, block_bytes=8, secondary_tiers=self.tiers,
                                             eviction=eviction, transfer_timeout_s=5.0, lookup_timeout_s=1.0,
                                             runtime=self.runtime)
-        refs = {ref.name: ref for ref in self.runtime._refs}
-        self.primary = refs["primary"].actor
-        self.supervisor = refs["supervisor"].actor
+        self.primary = self.runtime.ref("primary").actor
+        self.supervisor = self.runtime.ref("supervisor").actor
         self.started: set[tuple[str, int]] = set()
         self.finished: set[tuple[str, int]] = set()
         self.ever_started: set[tuple[str, int]] = set()

@@ -16,6 +16,12 @@ the caller does not wait for one. The manager uses this for the frontend's
 calls to the primary tier; it is an interleaving the actors already allow
 (the actor handling the message the moment it is put), taken on purpose.
 
+An actor may also be spawned *colocated with* another: it keeps its own
+logic, state and ref, but shares the other's thread and mailbox, so the two
+handle their messages one at a time, in the order they were told, across
+both. Fewer threads on a request's path mean fewer hand-offs of the GIL; the
+manager colocates the supervisor with the primary.
+
 pykka's own weak spots are kept out here:
 
 * **the stop race**: pykka's ``tell`` checks ``is_alive()`` and then puts, so a
@@ -85,7 +91,10 @@ class ActorRef(Protocol):
 class Runtime(Protocol):
     """What an actor may ask of the world it runs in."""
 
-    def spawn(self, actor: Actor, name: str) -> ActorRef: ...
+    def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> ActorRef:
+        """Start ``actor``: on its own thread, or on ``colocate_with``'s thread and mailbox
+        (a runtime may decline and give it its own). Colocated actors stop together."""
+        ...
 
     def now(self) -> float:
         """Seconds on a monotonic clock (virtual in a simulation)."""
@@ -173,37 +182,52 @@ class Actor:
 # --------------------------------------------------------------------- threads
 
 
-class _Turn:
-    """Whose turn it is to run an actor's handlers: its thread's, or a claiming caller's.
+class Routed:
+    """A message for a colocated actor, in its host's mailbox."""
 
-    ``mutex`` is held around every handler run, so handlers never overlap.
-    ``queued`` counts the messages told (raised before each put, under the
-    ref's lock); ``handled`` counts those handled (raised under ``mutex``).
-    A thread holding ``mutex`` with the two equal knows the actor is idle:
+    __slots__ = ("actor", "message")
+
+    def __init__(self, actor: Actor, message: object) -> None:
+        self.actor = actor
+        self.message = message
+
+
+class _Mailbox:
+    """One pykka thread's inbox and turn, shared by the actors colocated on it.
+
+    ``lock`` makes "closed" and "put" atomic (pykka's stop race). ``mutex``
+    is held around every handler run, so handlers never overlap. ``queued``
+    counts the messages told (raised before each put, under ``lock``);
+    ``handled`` counts those handled (raised under ``mutex``). A thread
+    holding ``mutex`` with the two equal knows the thread's actors are idle:
     nothing running, nothing told and unhandled. A message told concurrently
     by another thread may still be in flight; it is unordered with the claim,
     as two senders' messages always are.
     """
 
-    __slots__ = ("handled", "mutex", "queued")
+    __slots__ = ("actors", "closed", "handled", "lock", "mutex", "pykka_ref", "queued")
 
-    def __init__(self) -> None:
+    def __init__(self, actor: Actor) -> None:
+        self.actors = [actor]  # the host first, then its guests
+        self.pykka_ref: pykka.ActorRef[Any] | None = None
+        self.lock = threading.Lock()
+        self.closed = False
         self.mutex = threading.Lock()
         self.queued = 0
         self.handled = 0
 
 
 class _PykkaShell(pykka.ThreadingActor):
-    """One kvactors actor on one pykka thread."""
+    """The pykka thread of one actor and of the actors colocated with it."""
 
     # A tier stuck in a blocking call must not keep the interpreter alive.
     use_daemon_thread = True
 
-    def __init__(self, actor: Actor, thread_name: str, turn: _Turn) -> None:
+    def __init__(self, mailbox: _Mailbox, thread_name: str) -> None:
         super().__init__()
-        self._actor = actor
+        self._mailbox = mailbox
+        self._actor = mailbox.actors[0]
         self._thread_name = thread_name
-        self._turn = turn
 
     @staticmethod
     def _create_actor_inbox() -> Any:
@@ -214,51 +238,58 @@ class _PykkaShell(pykka.ThreadingActor):
         threading.current_thread().name = self._thread_name
 
     def on_receive(self, message: Any) -> None:
-        turn = self._turn
-        with turn.mutex:
-            self._actor.deliver(message)
-            turn.handled += 1
+        mailbox = self._mailbox
+        with mailbox.mutex:
+            if type(message) is Routed:
+                message.actor.deliver(message.message)
+            else:
+                self._actor.deliver(message)
+            mailbox.handled += 1
 
     def on_stop(self) -> None:
-        with self._turn.mutex:
-            self._actor.on_stop()
+        with self._mailbox.mutex:
+            for actor in self._mailbox.actors:
+                actor.on_stop()
 
 
 class ThreadActorRef:
-    """A reference to an actor on a pykka thread, free of pykka's stop race."""
+    """A reference to an actor on a pykka thread, free of pykka's stop race.
 
-    __slots__ = ("_actor", "_claims", "_closed", "_lock", "_pykka_ref", "_turn", "name")
+    Colocated actors' refs share their host's mailbox: closing one closes all.
+    """
 
-    def __init__(self, name: str, pykka_ref: pykka.ActorRef[Any], actor: Actor, turn: _Turn,
-                 *, claims: bool = True) -> None:
+    __slots__ = ("_actor", "_claims", "_mailbox", "_routed", "name")
+
+    def __init__(self, name: str, mailbox: _Mailbox, actor: Actor, *, claims: bool = True) -> None:
         self.name = name
-        self._pykka_ref = pykka_ref
+        self._mailbox = mailbox
         self._actor = actor
-        self._turn = turn
+        self._routed = actor is not mailbox.actors[0]
         self._claims = claims
-        self._lock = threading.Lock()
-        self._closed = False
 
     def tell(self, message: object) -> None:
-        with self._lock:
-            if self._closed:
+        mailbox = self._mailbox
+        with mailbox.lock:
+            if mailbox.closed:
                 raise ActorStoppedError(f"actor {self.name} is stopped")
             # Counted before the put: a claim must never see this message as handled.
-            self._turn.queued += 1
+            mailbox.queued += 1
             try:
-                self._pykka_ref.tell(message)
+                assert mailbox.pykka_ref is not None
+                mailbox.pykka_ref.tell(Routed(self._actor, message) if self._routed else message)
             except BaseException:
-                self._turn.queued -= 1
+                mailbox.queued -= 1
                 raise
 
     def claim(self) -> bool:
         """See :meth:`ActorRef.claim`. Never blocks; always False once closed
-        (or with ``claims=False``)."""
-        turn = self._turn
-        if not self._claims or not turn.mutex.acquire(blocking=False):
+        (or with ``claims=False``). Claims the thread's turn: the actors
+        colocated with this one are idle too until :meth:`run_claimed`."""
+        mailbox = self._mailbox
+        if not self._claims or not mailbox.mutex.acquire(blocking=False):
             return False
-        if turn.queued != turn.handled or self._closed:
-            turn.mutex.release()
+        if mailbox.queued != mailbox.handled or mailbox.closed:
+            mailbox.mutex.release()
             return False
         return True
 
@@ -267,22 +298,24 @@ class ThreadActorRef:
         try:
             self._actor.deliver(message)
         finally:
-            self._turn.mutex.release()
+            self._mailbox.mutex.release()
 
     def close(self) -> pykka.Future[Any] | None:
         """Queue the stop after every message already told; refuse all later ones."""
-        with self._lock:
-            if self._closed:
+        mailbox = self._mailbox
+        with mailbox.lock:
+            if mailbox.closed:
                 return None
-            self._closed = True
-            return self._pykka_ref.stop(block=False)
+            mailbox.closed = True
+            assert mailbox.pykka_ref is not None
+            return mailbox.pykka_ref.stop(block=False)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._mailbox.closed
 
     def __repr__(self) -> str:
-        return f"ThreadActorRef({self.name!r}, closed={self._closed})"
+        return f"ThreadActorRef({self.name!r}, closed={self.closed})"
 
 
 class _TimerThread:
@@ -327,25 +360,33 @@ class _TimerThread:
 class ThreadRuntime:
     """Actors on pykka threads: one thread per actor, plus one timer thread.
 
-    Thread count is fixed by the number of actors (tiers + 2) and never grows
-    with requests. ``claims=False`` makes every :meth:`ThreadActorRef.claim`
-    fail, so every message goes through the actors' threads (for comparison).
+    Thread count is fixed by the actors (one per actor not colocated with
+    another) and never grows with requests. For comparisons:
+    ``claims=False`` makes every :meth:`ThreadActorRef.claim` fail, so every
+    message goes through the actors' threads; ``colocation=False`` gives
+    every actor its own thread, whatever ``colocate_with`` says.
     """
 
     _instances = itertools.count()
 
-    def __init__(self, name: str | None = None, *, claims: bool = True) -> None:
+    def __init__(self, name: str | None = None, *, claims: bool = True, colocation: bool = True) -> None:
         self.name = name or f"kvactors-{next(self._instances)}"
         self.claims = claims
+        self.colocation = colocation
         self._timer = _TimerThread(f"{self.name}-timer")
         self._refs: list[ThreadActorRef] = []
 
-    def spawn(self, actor: Actor, name: str) -> ThreadActorRef:
-        turn = _Turn()
-        pykka_ref = _PykkaShell.start(actor, f"{self.name}-{name}", turn)
-        # Out of the process-global registry: another library's stop_all() must not stop us.
-        pykka.ActorRegistry.unregister(pykka_ref)
-        ref = ThreadActorRef(name, pykka_ref, actor, turn, claims=self.claims)
+    def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> ThreadActorRef:
+        if colocate_with is not None and self.colocation:
+            assert isinstance(colocate_with, ThreadActorRef)
+            mailbox = colocate_with._mailbox
+            mailbox.actors.append(actor)
+        else:
+            mailbox = _Mailbox(actor)
+            mailbox.pykka_ref = _PykkaShell.start(mailbox, f"{self.name}-{name}")
+            # Out of the process-global registry: another library's stop_all() must not stop us.
+            pykka.ActorRegistry.unregister(mailbox.pykka_ref)
+        ref = ThreadActorRef(name, mailbox, actor, claims=self.claims)
         actor.bind(self, ref)
         self._refs.append(ref)
         return ref

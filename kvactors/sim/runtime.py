@@ -39,26 +39,36 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError
+from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, Routed
 
 Client = Generator["Reply[Any] | Future[Any] | None", None, None]
 """A simulated frontend thread: yields a future to wait for it, or ``None`` to let others run."""
 
 
 class SimActorRef:
-    """An actor's inbox in a :class:`SimRuntime`."""
+    """An actor's inbox in a :class:`SimRuntime`.
 
-    __slots__ = ("actor", "closed", "inbox", "name", "running", "runtime")
+    A colocated actor's ref has no inbox of its own: it puts its messages,
+    :class:`~kvactors.actors.runtime.Routed`, in its host's, as on threads.
+    """
 
-    def __init__(self, runtime: SimRuntime, actor: Actor, name: str) -> None:
+    __slots__ = ("actor", "closed", "guests", "host", "inbox", "name", "running", "runtime")
+
+    def __init__(self, runtime: SimRuntime, actor: Actor, name: str, host: SimActorRef | None = None) -> None:
         self.runtime = runtime
         self.actor = actor
         self.name = name
+        self.host = host
+        self.guests: list[SimActorRef] = []
         self.inbox: deque[object] = deque()
         self.closed = False
         self.running = False
 
     def tell(self, message: object) -> None:
+        host = self.host
+        if host is not None:
+            host.tell(Routed(self.actor, message))
+            return
         if self.closed:
             raise ActorStoppedError(f"actor {self.name} is stopped")
         self.inbox.append(message)
@@ -66,11 +76,16 @@ class SimActorRef:
     def claim(self) -> bool:
         """Granted when the actor is idle (no mail, not running) and the seed says so:
         on threads a claim of an idle actor can fail too (another caller's turn)."""
+        if self.host is not None:
+            return self.host.claim()
         if self.closed or self.inbox or self.running:
             return False
         return self.runtime.rng.random() < self.runtime.claim_chance
 
     def run_claimed(self, message: object) -> None:
+        if self.host is not None:
+            self.host.run_claimed(Routed(self.actor, message))
+            return
         self.runtime._deliver_now(self, message, claimed=True)
 
     def __repr__(self) -> str:
@@ -108,10 +123,17 @@ class SimRuntime:
 
     # ------------------------------------------------------------ the Runtime interface
 
-    def spawn(self, actor: Actor, name: str) -> SimActorRef:
-        ref = SimActorRef(self, actor, name)
+    def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> SimActorRef:
+        host = None
+        if colocate_with is not None:
+            assert isinstance(colocate_with, SimActorRef) and colocate_with.host is None
+            host = colocate_with
+        ref = SimActorRef(self, actor, name, host)
         actor.bind(self, ref)
-        self._refs.append(ref)
+        if host is not None:
+            host.guests.append(ref)
+        else:
+            self._refs.append(ref)  # the scheduler's list: refs with an inbox
         return ref
 
     def now(self) -> float:
@@ -133,14 +155,18 @@ class SimRuntime:
         return True
 
     def stop(self, refs: list[ActorRef], timeout_s: float | None) -> None:
-        # Everything already queued to these actors is delivered first, as pykka does.
-        targets = [ref for ref in self._refs if ref in refs]
+        # Everything already queued to these actors is delivered first, as pykka does;
+        # colocated actors stop with their host.
+        hosts = {id(ref.host if isinstance(ref, SimActorRef) and ref.host is not None else ref) for ref in refs}
+        targets = [ref for ref in self._refs if id(ref) in hosts]
         while any(ref.inbox for ref in targets):
             self.step()
         for ref in targets:
             if not ref.closed:
                 ref.closed = True
-                ref.actor.on_stop()
+                for stopping in (ref, *ref.guests):
+                    stopping.closed = True
+                    stopping.actor.on_stop()
 
     # ------------------------------------------------------------ simulation-only hooks
 
@@ -151,6 +177,14 @@ class SimRuntime:
     def spawn_client(self, name: str, client: Client) -> None:
         """Run ``client`` step by step, interleaved with everything else."""
         self._clients.append((name, client, None))
+
+    def ref(self, name: str) -> SimActorRef:
+        """The ref of the actor spawned as ``name`` (colocated ones included)."""
+        for ref in self._refs:
+            for candidate in (ref, *ref.guests):
+                if candidate.name == name:
+                    return candidate
+        raise KeyError(name)
 
     @property
     def pending_work(self) -> int:
@@ -196,10 +230,14 @@ class SimRuntime:
 
     def _deliver_now(self, ref: SimActorRef, message: object, *, claimed: bool) -> None:
         if self.trace is not None:
-            self.trace.append(f"{self.steps} {ref.name} <- {type(message).__name__}{' (claimed)' if claimed else ''}")
+            to, shown = (message.actor.name, message.message) if type(message) is Routed else (ref.name, message)
+            self.trace.append(f"{self.steps} {to} <- {type(shown).__name__}{' (claimed)' if claimed else ''}")
         ref.running = True
         try:
-            ref.actor.deliver(message)
+            if type(message) is Routed:
+                message.actor.deliver(message.message)
+            else:
+                ref.actor.deliver(message)
         finally:
             ref.running = False
 
