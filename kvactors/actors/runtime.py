@@ -5,7 +5,8 @@ message at a time and talks to the world only through its :class:`Runtime`:
 ``tell`` another actor, read the clock, schedule a message for later. Two
 runtimes implement that interface:
 
-* :class:`ThreadRuntime` (production): each actor on its own pykka thread;
+* :class:`ThreadRuntime` (production): each actor on a pykka thread, its own
+  or that of the actor it is colocated with;
 * :class:`kvactors.sim.SimRuntime` (tests, race hunting): every actor on the
   caller's thread, a seeded scheduler choosing what runs next.
 
@@ -358,7 +359,7 @@ class _TimerThread:
 
 
 class ThreadRuntime:
-    """Actors on pykka threads: one thread per actor, plus one timer thread.
+    """Actors on pykka threads: one per actor not colocated with another, plus one timer thread.
 
     Thread count is fixed by the actors (one per actor not colocated with
     another) and never grows with requests. For comparisons:

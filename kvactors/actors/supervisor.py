@@ -29,6 +29,10 @@ secondary tier:
    hook), so a fact without the flag for a request with no state is about a
    request already finalized, and :meth:`_submit` still refuses its jobs.
 
+The supervisor runs colocated with the primary (one thread and mailbox, see
+:mod:`kvactors.actors.runtime`): that orders the two actors' messages
+further, removing interleavings; the argument above needs none of them.
+
 Hence at every tier, for every request attempt, every submit is processed
 before the one ``on_request_finished``, and none after it. State is keyed by
 ``(req_id, attempt)``, so a late completion of a preempted attempt never
