@@ -182,13 +182,11 @@ class TieringManager:
         """Run ``message`` here if the primary is idle (a claim), or queue it to the primary's thread.
 
         Every frontend call claims: its handler then costs no thread hand-off
-        and no wake-up. With one frontend thread that is 13% less CPU per
-        request and 14% more requests/s. With eight, the machine is bound by
-        the GIL either way: requests/s change little, calls the primary
-        answers alone get faster (``prepare_store`` p50 667 -> 66 µs), and
-        the actors' threads wait longer for the GIL that frontends now hold
-        longer (lookup p50 +15%, finalize p99 +0.5 ms). Figures:
-        ``docs/perf-actors-vs-lock.md``.
+        and no wake-up. That pays where the primary is often idle (one
+        frontend thread: frontend p50 57 -> 36 µs). With eight the process
+        is bound by the GIL either way and most claims fail, the primary's
+        thread being busy with the supervisor's work too; requests/s do not
+        change beyond noise. Figures: ``docs/perf-actors-vs-lock.md``.
         """
         # The gate makes "closed" and "queued" atomic: after stop() queued its
         # shutdown, no frontend message can land behind it. A claimed message
