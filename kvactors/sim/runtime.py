@@ -157,13 +157,12 @@ class SimRuntime:
     def stop(self, refs: list[ActorRef], timeout_s: float | None) -> None:
         # Everything already queued to these actors is delivered first, as pykka does;
         # colocated actors stop with their host.
-        hosts = {id(ref.host if isinstance(ref, SimActorRef) and ref.host is not None else ref) for ref in refs}
-        targets = [ref for ref in self._refs if id(ref) in hosts]
+        hosts = [ref.host or ref for ref in refs if isinstance(ref, SimActorRef)]
+        targets = [ref for ref in self._refs if any(ref is host for host in hosts)]
         while any(ref.inbox for ref in targets):
             self.step()
         for ref in targets:
             if not ref.closed:
-                ref.closed = True
                 for stopping in (ref, *ref.guests):
                     stopping.closed = True
                     stopping.actor.on_stop()
