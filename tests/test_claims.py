@@ -138,8 +138,8 @@ def test_claims_keep_each_senders_order_and_one_handler_at_a_time(runtime):
     """Senders race claims against queued messages on a tiny switch interval.
 
     A claim that looked only at "is a handler running" would overtake the
-    sender's own message still in the queue; the count of told-but-unhandled
-    messages is what forbids it."""
+    sender's own message still in the mailbox; the mailbox's owner (nobody
+    only when nothing is pending) is what forbids it."""
     actor = Ordered()
     ref = runtime.spawn(actor, "ordered")
     senders, per_sender = 6, 3000

@@ -16,12 +16,12 @@ class Recorder(Actor):
 
     def __init__(self, name: str, log: list[tuple[str, object, int]]) -> None:
         self.name = name
-        self.log = log
+        self.entries = log
         self.stopped = False
 
     @handles(int)
     def _on_int(self, value: int) -> None:
-        self.log.append((self.name, value, threading.get_ident()))
+        self.entries.append((self.name, value, threading.get_ident()))
 
     @handles(Reply)
     def _on_reply(self, reply: Reply) -> None:

@@ -145,7 +145,8 @@ class PrimaryTier(Actor):
                 return
             raise LifecycleError(f"on_new_request: request {ctx} is already {state}")
         record = self._requests[ctx.identity] = _RequestRecord(ctx)
-        self.log.debug("request_started", req_id=ctx.req_id, attempt=ctx.attempt)
+        if self.tracing:
+            self.log.debug("request_started", req_id=ctx.req_id, attempt=ctx.attempt)
         if self.announce_starts:
             record.announced = True
             self.supervisor.tell(m.RequestStarted(ctx))
@@ -158,12 +159,14 @@ class PrimaryTier(Actor):
         record = self._requests.get(ctx.identity)
         if record is None or record.finished:
             # Idempotent: a repeated finish, or one for a request already finalized.
-            self.log.debug("finish_ignored", req_id=ctx.req_id, attempt=ctx.attempt, known=record is not None)
+            if self.tracing:
+                self.log.debug("finish_ignored", req_id=ctx.req_id, attempt=ctx.attempt, known=record is not None)
             return
         record.finished = True
         # Logged before the tell: the supervisor's finalize events must come after it in the log.
-        self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier="cpu",
-                       pending_stores=record.pending_stores)
+        if self.tracing:
+            self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier="cpu",
+                           pending_stores=record.pending_stores)
         self.supervisor.tell(m.RequestFinished(ctx, record.pending_stores, record.opens()))
 
     @handles(m.RequestFinalized)
@@ -195,7 +198,8 @@ class PrimaryTier(Actor):
             rows = self.pool.pin_for_load(msg.keys, ctx.identity)
         except PoolError as exc:
             raise LifecycleError(f"prepare_load: {exc}") from None
-        self.log.debug("load_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(rows), tier="cpu")
+        if self.tracing:
+            self.log.debug("load_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(rows), tier="cpu")
         msg.reply.set_result(LoadStoreSpec(rows))
 
     @handles(m.CompleteLoad)
@@ -206,7 +210,8 @@ class PrimaryTier(Actor):
         except PoolError as exc:
             self._violation("complete_load", ctx, str(exc))
             return
-        self.log.debug("load_completed", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
+        if self.tracing:
+            self.log.debug("load_completed", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
 
     @handles(m.Touch)
     def _on_touch(self, msg: m.Touch) -> None:
@@ -222,11 +227,13 @@ class PrimaryTier(Actor):
         record = self._require_active(ctx, "prepare_store")
         plan = self.pool.prepare_store(msg.keys, ctx.identity)
         if plan is None:
-            self.log.debug("store_rejected", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
+            if self.tracing:
+                self.log.debug("store_rejected", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
             msg.reply.set_result(None)
             return
-        self.log.debug("store_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(plan.keys),
-                       evicted=len(plan.evicted), tier="cpu")
+        if self.tracing:
+            self.log.debug("store_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(plan.keys),
+                           evicted=len(plan.evicted), tier="cpu")
         if plan.keys:
             # The supervisor learns the count with the finish: before it, nothing can finalize.
             record.pending_stores += len(plan.keys)
@@ -242,16 +249,17 @@ class PrimaryTier(Actor):
         except PoolError as exc:
             self._violation("complete_store", ctx, str(exc))
             return
-        self.log.debug(
-            "store_completed",
-            req_id=ctx.req_id,
-            attempt=ctx.attempt,
-            keys=len(msg.keys),
-            live=outcome.live,
-            stale=outcome.stale,
-            success=msg.success,
-            tier="cpu",
-        )
+        if self.tracing:
+            self.log.debug(
+                "store_completed",
+                req_id=ctx.req_id,
+                attempt=ctx.attempt,
+                keys=len(msg.keys),
+                live=outcome.live,
+                stale=outcome.stale,
+                success=msg.success,
+                tier="cpu",
+            )
         if outcome.live == 0:
             return  # only late completions of detached writes: nothing left to count
         record = self._requests.get(ctx.identity)
@@ -306,8 +314,9 @@ class PrimaryTier(Actor):
                 continue
             answer.update(dict.fromkeys(absent, LookupResult.HIT_PENDING))
             jobs.append(m.CascadeJob(tier, TransferJob(job_id, absent, rows, msg.ctx, True)))
-            self.log.debug("promotion_allocated", job_id=job_id, tier=tier, keys=len(absent), epoch=msg.epoch,
-                           req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
+            if self.tracing:
+                self.log.debug("promotion_allocated", job_id=job_id, tier=tier, keys=len(absent), epoch=msg.epoch,
+                               req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
         results = [answer.get(key, result) for key, result in zip(msg.keys, msg.results, strict=True)]
         self.supervisor.tell(m.PromotionsAllocated(msg.lookup_id, msg.ctx, msg.epoch, tuple(jobs)))
         msg.reply.set_result(results)

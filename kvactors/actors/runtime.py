@@ -23,6 +23,11 @@ handle their messages one at a time, in the order they were told, across
 both. Fewer threads on a request's path mean fewer hand-offs of the GIL; the
 manager colocates the supervisor with the primary.
 
+Messages to a pykka thread wait in kvactors' own mailbox (a deque behind a
+lock), not in pykka's inbox: pykka carries one "drain" per burst, and the
+thread handles everything that arrived meanwhile. A busy actor thus costs a
+deque append per message instead of a pykka envelope and a wake-up.
+
 pykka's own weak spots are kept out here:
 
 * **the stop race**: pykka's ``tell`` checks ``is_alive()`` and then puts, so a
@@ -44,10 +49,12 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import logging
 import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -138,8 +145,20 @@ class Actor:
     name: str = "actor"
     ref: ActorRef
     runtime: Runtime
-    log: FilteringBoundLogger = null_logger()
     internal_errors: int = 0
+    _log: FilteringBoundLogger = null_logger()
+    tracing: bool = False
+    """Whether ``DEBUG`` events are kept: hot paths skip building the ones that are not."""
+
+    @property
+    def log(self) -> FilteringBoundLogger:
+        """The lifecycle logger; setting it also sets :attr:`tracing`."""
+        return self._log
+
+    @log.setter
+    def log(self, logger: FilteringBoundLogger) -> None:
+        self._log = logger
+        self.tracing = logger.is_enabled_for(logging.DEBUG)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -193,29 +212,105 @@ class Routed:
         self.message = message
 
 
-class _Mailbox:
-    """One pykka thread's inbox and turn, shared by the actors colocated on it.
+_IDLE, _THREAD, _CLAIMER = 0, 1, 2  # who owns a mailbox's turn
 
-    ``lock`` makes "closed" and "put" atomic (pykka's stop race). ``mutex``
-    is held around every handler run, so handlers never overlap. ``queued``
-    counts the messages told (raised before each put, under ``lock``);
-    ``handled`` counts those handled (raised under ``mutex``). A thread
-    holding ``mutex`` with the two equal knows the thread's actors are idle:
-    nothing running, nothing told and unhandled. A message told concurrently
-    by another thread may still be in flight; it is unordered with the claim,
-    as two senders' messages always are.
+
+class _Drain:
+    """The one message pykka carries: "handle what the mailbox holds"."""
+
+    __slots__ = ()
+
+
+_DRAIN = _Drain()
+
+
+class _Mailbox:
+    """One pykka thread's queue and turn, shared by the actors colocated on it.
+
+    Messages wait here, in ``pending`` (actor, message) pairs, not in pykka's
+    inbox: pykka carries one :class:`_Drain` per burst, so a message costs a
+    deque append instead of a pykka envelope, and a busy actor's thread is
+    not woken per message.
+
+    ``owner`` says who handles what is pending: nobody (the actor is idle,
+    nothing pending), the pykka thread (a drain is queued to it or running),
+    or a claimer (a caller running a message on its own thread). Only the
+    owner runs handlers, and it holds ``turn`` while it does, so handlers
+    never overlap and ``on_stop`` waits for a claimer still running.
+    ``lock`` guards ``pending``, ``owner`` and ``closed``; a drain is told
+    under it, so it reaches pykka's inbox before the stop that ``close``
+    queues.
     """
 
-    __slots__ = ("actors", "closed", "handled", "lock", "mutex", "pykka_ref", "queued")
+    __slots__ = ("actors", "claim_drain", "closed", "lock", "owner", "pending", "pykka_ref", "turn")
 
-    def __init__(self, actor: Actor) -> None:
+    def __init__(self, actor: Actor, claim_drain: int) -> None:
         self.actors = [actor]  # the host first, then its guests
         self.pykka_ref: pykka.ActorRef[Any] | None = None
         self.lock = threading.Lock()
+        self.turn = threading.Lock()
+        self.pending: deque[tuple[Actor, object]] = deque()
+        self.owner = _IDLE
         self.closed = False
-        self.mutex = threading.Lock()
-        self.queued = 0
-        self.handled = 0
+        self.claim_drain = claim_drain
+
+    def put(self, actor: Actor, message: object, name: str) -> None:
+        with self.lock:
+            if self.closed:
+                raise ActorStoppedError(f"actor {name} is stopped")
+            self.pending.append((actor, message))
+            if self.owner != _IDLE:
+                return  # whoever owns the turn looks at pending before giving it up
+            self.owner = _THREAD
+            try:
+                assert self.pykka_ref is not None
+                self.pykka_ref.tell(_DRAIN)
+            except BaseException:
+                self.pending.pop()
+                self.owner = _IDLE
+                raise
+
+    def claim(self) -> bool:
+        with self.lock:
+            if self.owner != _IDLE or self.closed or not self.turn.acquire(blocking=False):
+                return False
+            self.owner = _CLAIMER
+            return True
+
+    def drain(self) -> None:
+        """The pykka thread's turn: handle everything pending, then go idle."""
+        with self.turn:
+            while True:
+                with self.lock:
+                    if not self.pending:
+                        self.owner = _IDLE
+                        return
+                    batch, self.pending = self.pending, deque()
+                for actor, message in batch:
+                    actor.deliver(message)
+
+    def end_claim(self) -> None:
+        """A claimer's turn ends: it handles up to ``claim_drain`` messages told
+        meanwhile (all of them once closed: no drain can follow the stop), then
+        hands the rest to the pykka thread."""
+        budget = self.claim_drain
+        try:
+            while True:
+                with self.lock:
+                    if not self.pending:
+                        self.owner = _IDLE
+                        return
+                    if budget <= 0 and not self.closed:
+                        self.owner = _THREAD
+                        assert self.pykka_ref is not None
+                        self.pykka_ref.tell(_DRAIN)
+                        return
+                    batch, self.pending = self.pending, deque()
+                budget -= len(batch)
+                for actor, message in batch:
+                    actor.deliver(message)
+        finally:
+            self.turn.release()
 
 
 class _PykkaShell(pykka.ThreadingActor):
@@ -227,7 +322,6 @@ class _PykkaShell(pykka.ThreadingActor):
     def __init__(self, mailbox: _Mailbox, thread_name: str) -> None:
         super().__init__()
         self._mailbox = mailbox
-        self._actor = mailbox.actors[0]
         self._thread_name = thread_name
 
     @staticmethod
@@ -239,16 +333,10 @@ class _PykkaShell(pykka.ThreadingActor):
         threading.current_thread().name = self._thread_name
 
     def on_receive(self, message: Any) -> None:
-        mailbox = self._mailbox
-        with mailbox.mutex:
-            if type(message) is Routed:
-                message.actor.deliver(message.message)
-            else:
-                self._actor.deliver(message)
-            mailbox.handled += 1
+        self._mailbox.drain()
 
     def on_stop(self) -> None:
-        with self._mailbox.mutex:
+        with self._mailbox.turn:
             for actor in self._mailbox.actors:
                 actor.on_stop()
 
@@ -259,47 +347,33 @@ class ThreadActorRef:
     Colocated actors' refs share their host's mailbox: closing one closes all.
     """
 
-    __slots__ = ("_actor", "_claims", "_mailbox", "_routed", "name")
+    __slots__ = ("_actor", "_claims", "_mailbox", "name")
 
     def __init__(self, name: str, mailbox: _Mailbox, actor: Actor, *, claims: bool = True) -> None:
         self.name = name
         self._mailbox = mailbox
         self._actor = actor
-        self._routed = actor is not mailbox.actors[0]
         self._claims = claims
 
     def tell(self, message: object) -> None:
-        mailbox = self._mailbox
-        with mailbox.lock:
-            if mailbox.closed:
-                raise ActorStoppedError(f"actor {self.name} is stopped")
-            # Counted before the put: a claim must never see this message as handled.
-            mailbox.queued += 1
-            try:
-                assert mailbox.pykka_ref is not None
-                mailbox.pykka_ref.tell(Routed(self._actor, message) if self._routed else message)
-            except BaseException:
-                mailbox.queued -= 1
-                raise
+        self._mailbox.put(self._actor, message, self.name)
 
     def claim(self) -> bool:
         """See :meth:`ActorRef.claim`. Never blocks; always False once closed
         (or with ``claims=False``). Claims the thread's turn: the actors
         colocated with this one are idle too until :meth:`run_claimed`."""
-        mailbox = self._mailbox
-        if not self._claims or not mailbox.mutex.acquire(blocking=False):
-            return False
-        if mailbox.queued != mailbox.handled or mailbox.closed:
-            mailbox.mutex.release()
-            return False
-        return True
+        return self._claims and self._mailbox.claim()
 
     def run_claimed(self, message: object) -> None:
-        """Handle ``message`` on the calling thread, then give the turn back."""
+        """Handle ``message`` on the calling thread, then give the turn back.
+
+        Messages told to this mailbox meanwhile (by the handler itself, say,
+        to a colocated actor) are handled here too, up to the runtime's
+        ``claim_drain``; the rest go to the actor's thread."""
         try:
             self._actor.deliver(message)
         finally:
-            self._mailbox.mutex.release()
+            self._mailbox.end_claim()
 
     def close(self) -> pykka.Future[Any] | None:
         """Queue the stop after every message already told; refuse all later ones."""
@@ -366,14 +440,18 @@ class ThreadRuntime:
     ``claims=False`` makes every :meth:`ThreadActorRef.claim` fail, so every
     message goes through the actors' threads; ``colocation=False`` gives
     every actor its own thread, whatever ``colocate_with`` says.
+    ``claim_drain``: how many messages told to a mailbox during a claim the
+    claimer handles itself before handing the rest to the actor's thread.
     """
 
     _instances = itertools.count()
 
-    def __init__(self, name: str | None = None, *, claims: bool = True, colocation: bool = True) -> None:
+    def __init__(self, name: str | None = None, *, claims: bool = True, colocation: bool = True,
+                 claim_drain: int = 8) -> None:
         self.name = name or f"kvactors-{next(self._instances)}"
         self.claims = claims
         self.colocation = colocation
+        self.claim_drain = claim_drain
         self._timer = _TimerThread(f"{self.name}-timer")
         self._refs: list[ThreadActorRef] = []
 
@@ -383,7 +461,7 @@ class ThreadRuntime:
             mailbox = colocate_with._mailbox
             mailbox.actors.append(actor)
         else:
-            mailbox = _Mailbox(actor)
+            mailbox = _Mailbox(actor, self.claim_drain)
             mailbox.pykka_ref = _PykkaShell.start(mailbox, f"{self.name}-{name}")
             # Out of the process-global registry: another library's stop_all() must not stop us.
             pykka.ActorRegistry.unregister(mailbox.pykka_ref)

@@ -144,7 +144,8 @@ class SecondaryTierActor(Actor):
     @handles(m.TierFinished)
     def _on_finished(self, msg: m.TierFinished) -> None:
         self._open.discard(msg.ctx.identity)
-        self.log.debug("tier_finish_received", tier=self.tier.name, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
+        if self.tracing:
+            self.log.debug("tier_finish_received", tier=self.tier.name, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
         try:
             self.tier.on_request_finished(msg.ctx)
         except BaseException as exc:
@@ -162,8 +163,9 @@ class SecondaryTierActor(Actor):
         self._serve_lane()
         job = msg.job
         ctx = job.req_context
-        self.log.debug("tier_submit_received", tier=self.tier.name, job_id=job.job_id, promotion=job.is_promotion,
-                       req_id=ctx.req_id, attempt=ctx.attempt)
+        if self.tracing:
+            self.log.debug("tier_submit_received", tier=self.tier.name, job_id=job.job_id, promotion=job.is_promotion,
+                           req_id=ctx.req_id, attempt=ctx.attempt)
         try:
             if job.is_promotion:
                 self.tier.submit_load(job)

@@ -172,10 +172,12 @@ class LifecycleSupervisor(Actor):
         ctx = state.req_context
         for tier in self.tier_order:
             # Every event is logged before the tell that causes the next one: the log's order is causal.
-            self.log.debug("tier_finalized", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier)
+            if self.tracing:
+                self.log.debug("tier_finalized", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier)
             self.tiers[tier].ref.tell(m.TierFinished(ctx))
         self.counters["requests_finalized"] += 1
-        self.log.debug("request_finalized", req_id=ctx.req_id, attempt=ctx.attempt)
+        if self.tracing:
+            self.log.debug("request_finalized", req_id=ctx.req_id, attempt=ctx.attempt)
         self.primary.tell(m.RequestFinalized(ctx))
 
     def _count(self, ctx: ReqContext, counter: str, delta: int) -> RequestState | None:
@@ -210,12 +212,13 @@ class LifecycleSupervisor(Actor):
         state = self.table.finish(msg.ctx)
         if state is not None:
             self._count(msg.ctx, "pending_primary_stores", msg.pending_stores)
-            self.log.debug("request_finish_seen", req_id=msg.ctx.req_id, attempt=msg.ctx.attempt, **state.counts())
+            if self.tracing:
+                self.log.debug("request_finish_seen", req_id=msg.ctx.req_id, attempt=msg.ctx.attempt, **state.counts())
             self._maybe_finalize_request(msg.ctx)
 
     @handles(m.StoresExpired)
     def _on_stores_expired(self, msg: m.StoresExpired) -> None:
-        self._count(msg.ctx, "pending_primary_stores", -msg.count)
+        self._count(msg.ctx, "pending_primary_stores", -msg.expired)
         self._maybe_finalize_request(msg.ctx)
 
     @handles(m.StoresCompleted)
@@ -250,8 +253,9 @@ class LifecycleSupervisor(Actor):
         else:
             self._queues[tier].append(job.job.job_id)
             self._count(job.job.req_context, job.counter, +1)
-            self.log.debug("job_queued", kind=job.kind, job_id=job.job.job_id, tier=tier,
-                           req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
+            if self.tracing:
+                self.log.debug("job_queued", kind=job.kind, job_id=job.job.job_id, tier=tier,
+                               req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
 
     def _submit(self, job: _Job) -> None:
         ctx = job.job.req_context
@@ -268,8 +272,9 @@ class LifecycleSupervisor(Actor):
         self.counters["jobs_submitted"] += 1
         self._job_deadlines.add(job.job.job_id, self.runtime.now() + self.transfer_timeout_s)
         self._arm_timer()
-        self.log.debug(f"{job.kind}_submitted", job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
-                       req_id=ctx.req_id, attempt=ctx.attempt)
+        if self.tracing:
+            self.log.debug(f"{job.kind}_submitted", job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
+                           req_id=ctx.req_id, attempt=ctx.attempt)
         self.tiers[job.tier].ref.tell(m.TierSubmit(job.job))
 
     def _end_unsubmitted(self, job: _Job, reason: str) -> None:
@@ -331,9 +336,10 @@ class LifecycleSupervisor(Actor):
         del self._jobs[result.job_id]
         self.counters["jobs_succeeded" if result.success else "jobs_failed"] += 1
         ctx = job.job.req_context
-        log = self.log.debug if result.success else self.log.warning
-        log(f"{job.kind}_completed", job_id=result.job_id, tier=job.tier, success=result.success,
-            error=result.error, req_id=ctx.req_id, attempt=ctx.attempt)
+        if not result.success or self.tracing:
+            log = self.log.debug if result.success else self.log.warning
+            log(f"{job.kind}_completed", job_id=result.job_id, tier=job.tier, success=result.success,
+                error=result.error, req_id=ctx.req_id, attempt=ctx.attempt)
         self.primary.tell(m.JobEnded(result.job_id, job.job.is_promotion, success=result.success, hold=False))
         self._job_over(job)
 
