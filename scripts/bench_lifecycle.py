@@ -66,6 +66,8 @@ FRONTEND_CALLS = ("on_new_request", "lookup", "prepare_store", "on_request_finis
 class BenchTier(SecondaryTier):
     """Holds nothing (every lookup misses); records when ``on_request_finished`` ran."""
 
+    inline_lookup = True  # answers from memory (as MemoryTier and DiskTier do)
+
     def __init__(self, name: str, submit_cost_s: float, finalized: dict[tuple[str, int], float]) -> None:
         super().__init__(name=name)
         self.submit_cost_s = submit_cost_s

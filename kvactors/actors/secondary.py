@@ -17,6 +17,10 @@ The supervisor also puts each lookup in the link's lane, and the actor serves
 the lane before each submit it runs. A lookup may overtake submits (it never
 submits anything, so the contract is unaffected) but never the
 ``on_new_request`` of its request.
+
+A tier whose lookup answers from memory (``inline_lookup``) skips the round
+trip when its actor is idle: the supervisor claims the actor and runs the
+lookup on its own thread, still alone and after everything sent before it.
 """
 
 from __future__ import annotations
@@ -84,16 +88,23 @@ class TierLink:
     ``wants_new_request`` / ``wants_touch``: whether the plugin overrides those
     optional hooks (a message not worth sending otherwise). ``on_request_finished``
     is always sent: the actor logs its arrival for ``check-log``.
+    ``inline_lookup``: the plugin's :attr:`~SecondaryTier.inline_lookup`.
     """
 
     ref: ActorRef
     lane: LookupLane
     wants_new_request: bool
     wants_touch: bool
+    inline_lookup: bool = False
 
     def lookup(self, message: m.TierLookup) -> None:
+        """Send a lookup; for an ``inline_lookup`` tier whose actor is idle, answer it
+        here (a claim: after everything sent to the tier before, alone)."""
         self.lane.push(message)
-        self.ref.tell(message)
+        if self.inline_lookup and self.ref.claim():
+            self.ref.run_claimed(message)
+        else:
+            self.ref.tell(message)
 
 
 class SecondaryTierActor(Actor):
@@ -111,7 +122,8 @@ class SecondaryTierActor(Actor):
 
     def link(self) -> TierLink:
         """The supervisor's handle on this actor (after it was spawned)."""
-        return TierLink(self.ref, self._lane, self.wants_new_request, _overrides(self.tier, "touch"))
+        return TierLink(self.ref, self._lane, self.wants_new_request, _overrides(self.tier, "touch"),
+                        bool(self.tier.inline_lookup))
 
     def connect(self, supervisor: ActorRef, pool: torch.Tensor) -> None:
         """Attach the plugin; runs before the actor receives any message."""

@@ -111,7 +111,7 @@ def _make_tiers(args: argparse.Namespace, deferrer: Any, faults: Any, seed: int)
     for name in filter(None, (n.strip() for n in args.tiers.split(","))):
         if name == "memory":
             tiers.append(RecordingTier(name="memory", capacity_blocks=max(4 * args.num_blocks, 16),
-                                       deferrer=deferrer, faults=faults, seed=seed))
+                                       deferrer=deferrer, faults=faults, seed=seed, inline_lookup=True))
         elif name == "disk":
             root = args.disk_dir or tempfile.mkdtemp(prefix="kvactors-stress-")
             inner: SecondaryTier = DiskTier(root, capacity_bytes=64 * args.num_blocks * args.block_bytes)

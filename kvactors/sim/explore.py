@@ -160,6 +160,8 @@ def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]
         "tier_hooks": rng.random() < 0.5,
         # How often a frontend call runs the idle primary itself (0: never, as with claims off).
         "claim_chance": rng.choice((0.0, 0.5, 0.9)),
+        # Drawn last, so the draws above still give every earlier seed its scenario.
+        "inline_lookups": rng.random() < 0.5,
     }
 
 
@@ -172,7 +174,8 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
                          trace=trace)
     deferrer = SimDeferrer(runtime)
     tier_class = RecordingTier if params["tier_hooks"] else HooklessRecordingTier
-    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, **spec) for spec in params["tiers"]]
+    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, inline_lookup=params["inline_lookups"], **spec)
+             for spec in params["tiers"]]
     manager = TieringManager.start(
         num_blocks=params["num_blocks"], block_bytes=params["block_bytes"], secondary_tiers=tiers,
         eviction=params["eviction"], transfer_timeout_s=config.transfer_timeout_s,

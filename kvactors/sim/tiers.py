@@ -201,10 +201,12 @@ class RecordingTier(SecondaryTier):
     """An in-memory tier that checks the contract at its door; see the module docstring."""
 
     def __init__(self, *, name: str, capacity_blocks: int, deferrer: Deferrer, faults: Faults = Faults(),
-                 seed: int = 0, max_inflight_jobs: int = 16, keep_calls: bool = False) -> None:
+                 seed: int = 0, max_inflight_jobs: int = 16, keep_calls: bool = False,
+                 inline_lookup: bool = False) -> None:
         super().__init__(name=name)
         self.capacity_blocks = capacity_blocks
         self.max_inflight_jobs = max_inflight_jobs  # type: ignore[misc]
+        self.inline_lookup = inline_lookup  # type: ignore[misc]
         self.deferrer = deferrer
         self.faults = faults
         self.rng = random.Random(f"{seed}/{name}")

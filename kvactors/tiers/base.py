@@ -21,7 +21,8 @@ class SecondaryTier(abc.ABC):
     Threading: each tier instance is owned by one actor, and every method below
     is called on that actor's thread, one call at a time, never concurrently.
     The only exception is the ``report`` callable given to :meth:`attach`, which
-    the tier may call from any thread (its own I/O workers, typically).
+    the tier may call from any thread (its own I/O workers, typically), and
+    ``lookup`` when :attr:`inline_lookup` is set.
 
     Lifecycle contract: after ``on_request_finished(ctx)`` the tier receives no
     ``submit_store``/``submit_load`` for ``ctx``; reports of jobs submitted
@@ -38,6 +39,14 @@ class SecondaryTier(abc.ABC):
     max_inflight_jobs: ClassVar[int] = 16
     """Jobs submitted to this tier and not yet reported, at most. Further jobs
     wait in the supervisor's queue (they still hold their request open)."""
+
+    inline_lookup: ClassVar[bool] = False
+    """Set it when :meth:`lookup` answers from memory, without I/O or waiting.
+    The runtime may then call it on the thread that asks (the supervisor's)
+    while this tier's actor is idle, instead of a round trip through the
+    actor's thread: still one call at a time with every other method, and
+    after every call sent to the tier before it. Leave it unset for a tier
+    whose lookup can block (a network call): it would stall the primary."""
 
     def __init__(self, *, name: str) -> None:
         if not isinstance(name, str) or not name:

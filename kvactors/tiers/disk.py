@@ -131,6 +131,8 @@ class DiskTier(SecondaryTier):
     opens its directory produce no events.
     """
 
+    inline_lookup = True  # the index is in memory: a lookup does no disk I/O
+
     def __init__(
         self,
         root: str | os.PathLike[str],

@@ -26,6 +26,8 @@ class MemoryTier(SecondaryTier):
     ``stats`` may also be called from other threads (a lock guards the state).
     """
 
+    inline_lookup = True  # a dict lookup under a lock
+
     def __init__(self, *, name: str = "memory", capacity_blocks: int) -> None:
         super().__init__(name=name)
         if not isinstance(capacity_blocks, int) or capacity_blocks <= 0:

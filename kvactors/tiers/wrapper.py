@@ -21,6 +21,7 @@ class DelegatingTier(SecondaryTier):
         super().__init__(name=inner.name)
         self.inner = inner
         self.max_inflight_jobs = max_inflight_jobs or inner.max_inflight_jobs  # type: ignore[misc]
+        self.inline_lookup = inner.inline_lookup  # type: ignore[misc]
 
     def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
         super().attach(pool, report)
