@@ -260,9 +260,13 @@ class TierSubmit(NamedTuple):
 
 
 class TierLookup(NamedTuple):
+    """``reply`` is set only for a lookup run by a claim (``inline_lookup``):
+    the answer comes back through it instead of a :class:`TierLookupAnswered`."""
+
     lookup_id: int
     keys: Keys
     ctx: ReqContext
+    reply: Reply[tuple[LookupResult, ...] | None] | None = None
 
 
 class TierGather(NamedTuple):

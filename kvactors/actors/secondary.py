@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from kvactors.actors import messages as m
+from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, handles
 from kvactors.tiers.base import SecondaryTier
-from kvactors.types import JobResult, LookupResult
+from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext
 
 
 def _overrides(tier: SecondaryTier, hook: str) -> bool:
@@ -97,14 +98,24 @@ class TierLink:
     wants_touch: bool
     inline_lookup: bool = False
 
-    def lookup(self, message: m.TierLookup) -> None:
-        """Send a lookup; for an ``inline_lookup`` tier whose actor is idle, answer it
-        here (a claim: after everything sent to the tier before, alone)."""
-        self.lane.push(message)
+    def lookup(self, lookup_id: int, keys: tuple[OffloadKey, ...],
+               ctx: ReqContext) -> tuple[bool, tuple[LookupResult, ...] | None]:
+        """Ask the tier about ``keys``.
+
+        An ``inline_lookup`` tier whose actor is idle answers here, on the
+        caller's thread (a claim: alone, after everything sent to the tier
+        before): ``(True, answer)``, the answer ``None`` if the tier failed.
+        Otherwise the lookup is sent, ``(False, None)`` is returned, and the
+        answer comes back as a :class:`~kvactors.actors.messages.TierLookupAnswered`.
+        """
         if self.inline_lookup and self.ref.claim():
-            self.ref.run_claimed(message)
-        else:
-            self.ref.tell(message)
+            reply: Reply[tuple[LookupResult, ...] | None] = Reply()
+            self.ref.run_claimed(m.TierLookup(lookup_id, keys, ctx, reply))
+            return True, reply.result() if reply.done() and reply.exception() is None else None
+        message = m.TierLookup(lookup_id, keys, ctx)
+        self.lane.push(message)
+        self.ref.tell(message)
+        return False, None
 
 
 class SecondaryTierActor(Actor):
@@ -195,7 +206,7 @@ class SecondaryTierActor(Actor):
 
     @handles(m.TierLookup)
     def _on_lookup(self, msg: m.TierLookup) -> None:
-        if self._lane.take(msg):  # else answered from the lane already
+        if msg.reply is not None or self._lane.take(msg):  # else answered from the lane already
             self._lookup(msg)
 
     def _lookup(self, msg: m.TierLookup) -> None:
@@ -203,12 +214,18 @@ class SecondaryTierActor(Actor):
         try:
             answer = self.tier.lookup(msg.keys, msg.ctx)
             results = tuple(answer)
-            if len(results) != len(msg.keys) or not all(isinstance(r, LookupResult) for r in results):
+            if len(results) != len(msg.keys):
                 raise TypeError(f"lookup returned {len(results)} values for {len(msg.keys)} keys")
+            for result in results:
+                if type(result) is not LookupResult:
+                    raise TypeError(f"lookup returned {result!r}, not a LookupResult")
         except BaseException as exc:
             self._failed("lookup", exc)
             results = None
-        self.supervisor.tell(m.TierLookupAnswered(msg.lookup_id, self.tier.name, results))
+        if msg.reply is not None:
+            msg.reply.set_result(results)
+        else:
+            self.supervisor.tell(m.TierLookupAnswered(msg.lookup_id, self.tier.name, results))
 
     @handles(m.TierGather)
     def _on_gather(self, msg: m.TierGather) -> None:

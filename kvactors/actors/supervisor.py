@@ -395,13 +395,20 @@ class LifecycleSupervisor(Actor):
             msg.reply.set_result(results)
             return
         keys = tuple(dict.fromkeys(msg.keys[i] for i in msg.missing))
-        self._lookups[msg.lookup_id] = _PendingLookup(
-            msg.lookup_id, msg.ctx, msg.keys, msg.missing, results, msg.reply, keys, set(self.tier_order)
-        )
+        pending = _PendingLookup(msg.lookup_id, msg.ctx, msg.keys, msg.missing, results, msg.reply, keys,
+                                 set(self.tier_order))
+        for tier in self.tier_order:
+            answered, answer = self.tiers[tier].lookup(msg.lookup_id, keys, msg.ctx)
+            if answered:
+                pending.answers[tier] = answer
+                pending.waiting.discard(tier)
+        if not pending.waiting:  # every tier answered inline
+            self._resolve_lookup(pending)
+            return
+        # The other answers are messages to this actor: they come after this handler.
+        self._lookups[msg.lookup_id] = pending
         self._lookup_deadlines.add(msg.lookup_id, self.runtime.now() + self.lookup_timeout_s)
         self._arm_timer()
-        for tier in self.tier_order:
-            self.tiers[tier].lookup(m.TierLookup(msg.lookup_id, keys, msg.ctx))
 
     @handles(m.TierLookupAnswered)
     def _on_tier_lookup_answered(self, msg: m.TierLookupAnswered) -> None:
@@ -416,7 +423,7 @@ class LifecycleSupervisor(Actor):
     def _resolve_lookup(self, pending: _PendingLookup, *, promote: bool = True) -> None:
         """Combine the tiers' answers (:func:`~kvactors.core.lookups.resolve_lookup`);
         ask the primary to allocate promotions, if any, else answer the frontend."""
-        del self._lookups[pending.lookup_id]
+        self._lookups.pop(pending.lookup_id, None)  # absent if every tier answered inline
         self._lookup_deadlines.discard(pending.lookup_id)
         pending.results, plan = resolve_lookup(pending.keys, pending.missing, pending.results, pending.asked,
                                                self.tier_order, pending.answers, promote=promote)

@@ -35,6 +35,11 @@ def resolve_lookup(
     Returns the results (a new list) and the plan: tier -> keys, in key order.
     """
     out = list(results)
+    if len(answers) == len(tier_order) and all(
+        answer is not None and LookupResult.HIT not in answer and LookupResult.RETRY not in answer
+        for answer in answers.values()
+    ):
+        return out, {}  # every tier answered MISS for every key: the primary's answer stands
     position = {key: n for n, key in enumerate(asked)}
     plan: dict[str, list[OffloadKey]] = {}
     for i in missing:
