@@ -66,12 +66,14 @@ FRONTEND_CALLS = ("on_new_request", "lookup", "prepare_store", "on_request_finis
 class BenchTier(SecondaryTier):
     """Holds nothing (every lookup misses); records when ``on_request_finished`` ran."""
 
-    inline_lookup = True  # answers from memory (as MemoryTier and DiskTier do)
-
     def __init__(self, name: str, submit_cost_s: float, finalized: dict[tuple[str, int], float]) -> None:
         super().__init__(name=name)
         self.submit_cost_s = submit_cost_s
         self.finalized = finalized
+        # What returns at once, declared as a real tier would (DiskTier: all but the hooks it
+        # leaves alone); the slow variant's blocking submit_store is not.
+        inline = {"lookup", "submit_load", "on_request_finished"} | (set() if submit_cost_s else {"submit_store"})
+        self.inline_calls = frozenset(inline)  # type: ignore[misc]
 
     def lookup(self, keys: Sequence[bytes], ctx: ReqContext) -> list[LookupResult]:
         return [LookupResult.MISS] * len(keys)

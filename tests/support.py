@@ -99,7 +99,7 @@ class ControlledTier(RecordingTier):
     (an Event) blocks ``lookup`` until it is set.
     """
 
-    inline_lookup = False  # its lookup may wait on lookup_gate: never on the supervisor's thread
+    inline_calls = frozenset()  # its lookup may wait on lookup_gate: never on the supervisor's thread
 
     def __init__(self, *, name: str = "ctl", capacity_blocks: int = 1 << 20, hold: bool = True,
                  max_inflight: int | None = None, raise_on: Sequence[str] = ()) -> None:

@@ -260,7 +260,7 @@ class TierSubmit(NamedTuple):
 
 
 class TierLookup(NamedTuple):
-    """``reply`` is set only for a lookup run by a claim (``inline_lookup``):
+    """``reply`` is set only for a lookup run by a claim (an inline call):
     the answer comes back through it instead of a :class:`TierLookupAnswered`."""
 
     lookup_id: int

@@ -18,9 +18,10 @@ the lane before each submit it runs. A lookup may overtake submits (it never
 submits anything, so the contract is unaffected) but never the
 ``on_new_request`` of its request.
 
-A tier whose lookup answers from memory (``inline_lookup``) skips the round
-trip when its actor is idle: the supervisor claims the actor and runs the
-lookup on its own thread, still alone and after everything sent before it.
+A tier's *inline* calls (:attr:`~kvactors.tiers.base.SecondaryTier.inline_calls`:
+the methods that never block) skip the hand-off when its actor is idle: the
+supervisor claims the actor and runs the call on its own thread, still alone
+and after everything sent before it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, handles
-from kvactors.tiers.base import SecondaryTier
+from kvactors.tiers.base import SecondaryTier, inline_calls_of
 from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext
 
 
@@ -89,26 +90,36 @@ class TierLink:
     ``wants_new_request`` / ``wants_touch``: whether the plugin overrides those
     optional hooks (a message not worth sending otherwise). ``on_request_finished``
     is always sent: the actor logs its arrival for ``check-log``.
-    ``inline_lookup``: the plugin's :attr:`~SecondaryTier.inline_lookup`.
+    ``inline``: the plugin's methods that may run on the sender's thread
+    (:func:`~kvactors.tiers.base.inline_calls_of`).
     """
 
     ref: ActorRef
     lane: LookupLane
     wants_new_request: bool
     wants_touch: bool
-    inline_lookup: bool = False
+    inline: frozenset[str] = frozenset()
+
+    def send(self, message: object, call: str) -> None:
+        """Send a hook or a submit (the plugin's method ``call``); if that method is
+        inline and the actor idle, run it here (a claim: alone, after everything
+        sent to the tier before)."""
+        if call in self.inline and self.ref.claim():
+            self.ref.run_claimed(message)
+        else:
+            self.ref.tell(message)
 
     def lookup(self, lookup_id: int, keys: tuple[OffloadKey, ...],
                ctx: ReqContext) -> tuple[bool, tuple[LookupResult, ...] | None]:
         """Ask the tier about ``keys``.
 
-        An ``inline_lookup`` tier whose actor is idle answers here, on the
+        A tier whose lookup is inline and whose actor is idle answers here, on the
         caller's thread (a claim: alone, after everything sent to the tier
         before): ``(True, answer)``, the answer ``None`` if the tier failed.
         Otherwise the lookup is sent, ``(False, None)`` is returned, and the
         answer comes back as a :class:`~kvactors.actors.messages.TierLookupAnswered`.
         """
-        if self.inline_lookup and self.ref.claim():
+        if "lookup" in self.inline and self.ref.claim():
             reply: Reply[tuple[LookupResult, ...] | None] = Reply()
             self.ref.run_claimed(m.TierLookup(lookup_id, keys, ctx, reply))
             return True, reply.result() if reply.done() and reply.exception() is None else None
@@ -128,13 +139,13 @@ class SecondaryTierActor(Actor):
         self.tier_errors = 0
         self._lane = LookupLane()
         self.wants_new_request = _overrides(tier, "on_new_request")
+        self.inline = inline_calls_of(tier)  # ValueError here, at the manager's start, if it names a stranger
         # Requests whose on_new_request the plugin has seen: their lookups may take the lane.
         self._open: set[tuple[str, int]] = set()
 
     def link(self) -> TierLink:
         """The supervisor's handle on this actor (after it was spawned)."""
-        return TierLink(self.ref, self._lane, self.wants_new_request, _overrides(self.tier, "touch"),
-                        bool(self.tier.inline_lookup))
+        return TierLink(self.ref, self._lane, self.wants_new_request, _overrides(self.tier, "touch"), self.inline)
 
     def connect(self, supervisor: ActorRef, pool: torch.Tensor) -> None:
         """Attach the plugin; runs before the actor receives any message."""

@@ -174,7 +174,7 @@ class LifecycleSupervisor(Actor):
             # Every event is logged before the tell that causes the next one: the log's order is causal.
             if self.tracing:
                 self.log.debug("tier_finalized", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier)
-            self.tiers[tier].ref.tell(m.TierFinished(ctx))
+            self.tiers[tier].send(m.TierFinished(ctx), "on_request_finished")
         self.counters["requests_finalized"] += 1
         if self.tracing:
             self.log.debug("request_finalized", req_id=ctx.req_id, attempt=ctx.attempt)
@@ -195,7 +195,7 @@ class LifecycleSupervisor(Actor):
         self.table.start(msg.ctx)
         for tier in self.tier_order:
             if self.tiers[tier].wants_new_request:
-                self.tiers[tier].ref.tell(m.TierNewRequest(msg.ctx))
+                self.tiers[tier].send(m.TierNewRequest(msg.ctx), "on_new_request")
 
     def _open(self, ctx: ReqContext) -> None:
         """The primary's first fact about ``ctx``: its state starts here."""
@@ -241,7 +241,7 @@ class LifecycleSupervisor(Actor):
     def _on_touch_tiers(self, msg: m.TouchTiers) -> None:
         for tier in self.tier_order:
             if self.tiers[tier].wants_touch:
-                self.tiers[tier].ref.tell(m.TierTouch(msg.keys, msg.ctx))
+                self.tiers[tier].send(m.TierTouch(msg.keys, msg.ctx), "touch")
 
     # ------------------------------------------------------------ jobs
 
@@ -275,7 +275,7 @@ class LifecycleSupervisor(Actor):
         if self.tracing:
             self.log.debug(f"{job.kind}_submitted", job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
                            req_id=ctx.req_id, attempt=ctx.attempt)
-        self.tiers[job.tier].ref.tell(m.TierSubmit(job.job))
+        self.tiers[job.tier].send(m.TierSubmit(job.job), "submit_load" if job.job.is_promotion else "submit_store")
 
     def _end_unsubmitted(self, job: _Job, reason: str) -> None:
         """A job that never reached its tier fails: release its rows at once."""

@@ -103,7 +103,7 @@ class Watch:
 
 def _make_tiers(args: argparse.Namespace, deferrer: Any, faults: Any, seed: int) -> list[Any]:
     from kvactors.sim.tiers import FaultTier, RecordingTier
-    from kvactors.tiers.base import SecondaryTier
+    from kvactors.tiers.base import INLINE_CALLS, SecondaryTier
     from kvactors.tiers.disk import DiskTier
     from kvactors.tiers.redis import RedisTier
 
@@ -111,7 +111,7 @@ def _make_tiers(args: argparse.Namespace, deferrer: Any, faults: Any, seed: int)
     for name in filter(None, (n.strip() for n in args.tiers.split(","))):
         if name == "memory":
             tiers.append(RecordingTier(name="memory", capacity_blocks=max(4 * args.num_blocks, 16),
-                                       deferrer=deferrer, faults=faults, seed=seed, inline_lookup=True))
+                                       deferrer=deferrer, faults=faults, seed=seed, inline_calls=INLINE_CALLS))
         elif name == "disk":
             root = args.disk_dir or tempfile.mkdtemp(prefix="kvactors-stress-")
             inner: SecondaryTier = DiskTier(root, capacity_bytes=64 * args.num_blocks * args.block_bytes)

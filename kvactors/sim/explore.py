@@ -30,6 +30,7 @@ from kvactors.manager import TieringManager
 from kvactors.sim.runtime import SimRuntime, SimulationStuck
 from kvactors.sim.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer
 from kvactors.sim.workload import Env, WorkloadConfig, make_clients
+from kvactors.tiers.base import INLINE_CALLS
 
 
 @dataclass
@@ -161,7 +162,8 @@ def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]
         # How often a frontend call runs the idle primary itself (0: never, as with claims off).
         "claim_chance": rng.choice((0.0, 0.5, 0.9)),
         # Drawn last, so the draws above still give every earlier seed its scenario.
-        "inline_lookups": rng.random() < 0.5,
+        # Every call of every tier inline (run by the supervisor when the tier's actor is idle), or none.
+        "inline_calls": rng.random() < 0.5,
     }
 
 
@@ -174,7 +176,8 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
                          trace=trace)
     deferrer = SimDeferrer(runtime)
     tier_class = RecordingTier if params["tier_hooks"] else HooklessRecordingTier
-    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, inline_lookup=params["inline_lookups"], **spec)
+    inline = INLINE_CALLS if params["inline_calls"] else frozenset()
+    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, inline_calls=inline, **spec)
              for spec in params["tiers"]]
     manager = TieringManager.start(
         num_blocks=params["num_blocks"], block_bytes=params["block_bytes"], secondary_tiers=tiers,

@@ -30,7 +30,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -202,11 +202,11 @@ class RecordingTier(SecondaryTier):
 
     def __init__(self, *, name: str, capacity_blocks: int, deferrer: Deferrer, faults: Faults = Faults(),
                  seed: int = 0, max_inflight_jobs: int = 16, keep_calls: bool = False,
-                 inline_lookup: bool = False) -> None:
+                 inline_calls: Collection[str] = ()) -> None:
         super().__init__(name=name)
         self.capacity_blocks = capacity_blocks
         self.max_inflight_jobs = max_inflight_jobs  # type: ignore[misc]
-        self.inline_lookup = inline_lookup  # type: ignore[misc]
+        self.inline_calls = frozenset(inline_calls)  # type: ignore[misc]
         self.deferrer = deferrer
         self.faults = faults
         self.rng = random.Random(f"{seed}/{name}")

@@ -11,6 +11,9 @@ from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey,
 if TYPE_CHECKING:
     import torch
 
+INLINE_CALLS = frozenset(("lookup", "submit_store", "submit_load", "on_new_request", "on_request_finished", "touch"))
+"""The methods a tier may name in :attr:`SecondaryTier.inline_calls`."""
+
 ReportFn = Callable[[JobResult], None]
 """Reports that a job ended. Thread-safe: may be called from any thread, once per job."""
 
@@ -22,7 +25,8 @@ class SecondaryTier(abc.ABC):
     is called on that actor's thread, one call at a time, never concurrently.
     The only exception is the ``report`` callable given to :meth:`attach`, which
     the tier may call from any thread (its own I/O workers, typically), and
-    ``lookup`` when :attr:`inline_lookup` is set.
+    the methods named in :attr:`inline_calls`, which may also be called on
+    the thread that sends them (still one call at a time, in order).
 
     Lifecycle contract: after ``on_request_finished(ctx)`` the tier receives no
     ``submit_store``/``submit_load`` for ``ctx``; reports of jobs submitted
@@ -40,13 +44,15 @@ class SecondaryTier(abc.ABC):
     """Jobs submitted to this tier and not yet reported, at most. Further jobs
     wait in the supervisor's queue (they still hold their request open)."""
 
-    inline_lookup: ClassVar[bool] = False
-    """Set it when :meth:`lookup` answers from memory, without I/O or waiting.
-    The runtime may then call it on the thread that asks (the supervisor's)
-    while this tier's actor is idle, instead of a round trip through the
-    actor's thread: still one call at a time with every other method, and
-    after every call sent to the tier before it. Leave it unset for a tier
-    whose lookup can block (a network call): it would stall the primary."""
+    inline_calls: ClassVar[frozenset[str]] = frozenset()
+    """The methods of this tier that return promptly: no I/O and no waiting
+    on the calling thread (work handed to the tier's own threads is fine).
+    Any of ``INLINE_CALLS``. While this tier's actor is idle, the runtime
+    may call them on the thread that sends them (the supervisor's) instead
+    of handing them to the actor's thread: still one call at a time with
+    every other method, after every call sent before. A hook the tier does
+    not override counts as inline. Leave out whatever can block (a network
+    round trip, a blocking write): it would stall the primary tier."""
 
     def __init__(self, *, name: str) -> None:
         if not isinstance(name, str) or not name:
@@ -121,3 +127,19 @@ class SecondaryTier(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+_HOOKS = ("on_new_request", "on_request_finished", "touch")
+
+
+def inline_calls_of(tier: SecondaryTier) -> frozenset[str]:
+    """``tier.inline_calls`` and the hooks it leaves to the base class (no-ops).
+
+    ``ValueError`` if it names a method outside :data:`INLINE_CALLS`."""
+    declared = frozenset(tier.inline_calls)
+    unknown = declared - INLINE_CALLS
+    if unknown:
+        raise ValueError(f"tier {tier.name!r}: inline_calls names {sorted(unknown)}; "
+                         f"choose from {sorted(INLINE_CALLS)}")
+    inherited = {hook for hook in _HOOKS if getattr(type(tier), hook) is getattr(SecondaryTier, hook)}
+    return declared | inherited

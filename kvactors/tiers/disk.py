@@ -131,7 +131,8 @@ class DiskTier(SecondaryTier):
     opens its directory produce no events.
     """
 
-    inline_lookup = True  # the index is in memory: a lookup does no disk I/O
+    # The index is in memory, and submits hand their I/O to the workers.
+    inline_calls = frozenset(("lookup", "touch", "submit_store", "submit_load"))
 
     def __init__(
         self,

@@ -26,7 +26,8 @@ class MemoryTier(SecondaryTier):
     ``stats`` may also be called from other threads (a lock guards the state).
     """
 
-    inline_lookup = True  # a dict lookup under a lock
+    # Dict work under a lock. Not the submits: a copy of large blocks takes a while.
+    inline_calls = frozenset(("lookup", "touch"))
 
     def __init__(self, *, name: str = "memory", capacity_blocks: int) -> None:
         super().__init__(name=name)

@@ -114,6 +114,8 @@ class RedisTier(SecondaryTier):
     """
 
     max_inflight_jobs = 16
+    # The I/O runs on the I/O threads; a lookup is a network round trip, not inline.
+    inline_calls = frozenset(("submit_store", "submit_load", "touch"))
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvactors.tiers.base import ReportFn, SecondaryTier
+from kvactors.tiers.base import ReportFn, SecondaryTier, inline_calls_of
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 
@@ -21,7 +21,7 @@ class DelegatingTier(SecondaryTier):
         super().__init__(name=inner.name)
         self.inner = inner
         self.max_inflight_jobs = max_inflight_jobs or inner.max_inflight_jobs  # type: ignore[misc]
-        self.inline_lookup = inner.inline_lookup  # type: ignore[misc]
+        self.inline_calls = inline_calls_of(inner)  # type: ignore[misc]
 
     def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
         super().attach(pool, report)

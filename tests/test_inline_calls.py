@@ -1,4 +1,4 @@
-"""``inline_lookup``: an idle tier answers a lookup on the asking thread, never beside another call."""
+"""Inline calls: an idle tier answers a lookup on the asking thread, never beside another call."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class ThreadNotingTier(RecordingTier):
 
     def __init__(self, *, inline: bool, fail_lookups: bool = False, gate: threading.Event | None = None) -> None:
         super().__init__(name="mem")
-        self.inline_lookup = inline  # type: ignore[misc]
+        self.inline_calls = frozenset({"lookup"} if inline else ())  # type: ignore[misc]
         self.fail_lookups = fail_lookups
         self.gate = gate
         self.lookup_threads: list[str] = []
