@@ -100,3 +100,53 @@ def test_a_busy_inline_tier_gets_its_lookup_through_its_actor_after_the_running_
     assert tier.overlaps == 0
     assert tier.lookup_threads[0].endswith("-tier-mem")
     assert tier.violations == []
+
+
+class InlineRecordingTier(RecordingTier):
+    """Records the thread of every call; submits report at once (they never block)."""
+
+    def __init__(self, inline_calls: frozenset[str]) -> None:
+        super().__init__(name="mem")
+        self.inline_calls = inline_calls  # type: ignore[misc]
+        self.threads: list[tuple[str, str]] = []
+
+    def _record(self, call, ctx, job_id=None):
+        self.threads.append((call, threading.current_thread().name))
+        super()._record(call, ctx, job_id)
+
+
+def test_inline_submits_and_finishes_run_on_the_supervisors_thread_in_the_contracts_order():
+    tier = InlineRecordingTier(frozenset({"submit_store", "on_request_finished"}))
+    ctx = ReqContext("r")
+    with start(tier) as manager:
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys(1, 2), ctx)
+        assert out is not None
+        manager.on_request_finished(ctx)
+        assert manager.wait_idle(10)
+        manager.complete_store(out.keys_to_store, ctx)  # the last store: cascade, then finalize
+        settled(manager)
+    calls = [(call, thread) for call, thread in tier.threads if call in ("submit_store", "on_request_finished")]
+    assert [call for call, _ in calls] == ["submit_store", "on_request_finished"]
+    assert not any(thread.endswith("-tier-mem") for _, thread in calls)
+    # Not declared (and overridden): on the tier's own thread.
+    assert next(thread for call, thread in tier.threads if call == "on_new_request").endswith("-tier-mem")
+    assert tier.violations == []
+
+
+def test_a_tier_naming_an_unknown_inline_call_is_refused_at_start():
+    tier = InlineRecordingTier(frozenset({"lookup", "drain"}))
+    with pytest.raises(ValueError, match="drain"):
+        TieringManager.start(num_blocks=4, block_bytes=8, secondary_tiers=[tier])
+
+
+def test_hooks_a_tier_leaves_alone_count_as_inline_and_wrappers_keep_the_inner_tiers():
+    from kvactors import DiskTier, MemoryTier
+    from kvactors.tiers.base import inline_calls_of
+    from kvactors.tiers.wrapper import DelegatingTier
+
+    memory = MemoryTier(capacity_blocks=4)
+    assert inline_calls_of(memory) == {"lookup", "touch", "on_new_request", "on_request_finished"}
+    assert inline_calls_of(DelegatingTier(memory)) == inline_calls_of(memory)
+    assert "submit_store" in DiskTier.inline_calls and "submit_store" not in MemoryTier.inline_calls
+    assert inline_calls_of(RecordingTier()) == {"lookup", "touch"}  # it overrides both finish hooks
