@@ -182,7 +182,8 @@ class PrimaryTier(Actor):
     def _on_lookup(self, msg: m.Lookup) -> None:
         record = self._require_active(msg.ctx, "lookup")
         results = self.pool.lookup(msg.keys)
-        missing = tuple(i for i, result in enumerate(results) if result is LookupResult.MISS)
+        miss = LookupResult.MISS
+        missing = tuple([i for i, result in enumerate(results) if result is miss])
         if missing and self.tier_names:
             lookup_id = next(self.work_ids)
             self.supervisor.tell(m.SecondaryLookup(lookup_id, msg.ctx, msg.keys, missing, tuple(results), msg.reply,
@@ -238,7 +239,8 @@ class PrimaryTier(Actor):
             # The supervisor learns the count with the finish: before it, nothing can finalize.
             record.pending_stores += len(plan.keys)
             self._store_deadlines.add((ctx, plan.keys), self.runtime.now() + self.transfer_timeout_s)
-            self._arm_timer()
+            if self._timer_due is None:  # else a tick is due first: deadlines only grow
+                self._arm_timer()
         msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
 
     @handles(m.CompleteStore)

@@ -270,6 +270,8 @@ class _Mailbox:
                 raise
 
     def claim(self) -> bool:
+        if self.owner != _IDLE:
+            return False  # busy, as seen without the lock: a sure "no" (checked again under it otherwise)
         with self.lock:
             if self.owner != _IDLE or self.closed or not self.turn.acquire(blocking=False):
                 return False
