@@ -203,7 +203,8 @@ class Actor:
 
 
 class Routed:
-    """A message for a colocated actor, in its host's mailbox."""
+    """A message for a colocated actor, in its host's inbox (the simulation's;
+    a thread mailbox keeps (actor, message) pairs instead)."""
 
     __slots__ = ("actor", "message")
 
