@@ -36,12 +36,8 @@ import torch
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, handles
-from kvactors.tiers.base import SecondaryTier, inline_calls_of
+from kvactors.tiers.base import SecondaryTier, inline_calls_of, overrides
 from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext
-
-
-def _overrides(tier: SecondaryTier, hook: str) -> bool:
-    return getattr(type(tier), hook) is not getattr(SecondaryTier, hook)
 
 
 class LookupLane:
@@ -138,14 +134,14 @@ class SecondaryTierActor(Actor):
         self.supervisor: ActorRef
         self.tier_errors = 0
         self._lane = LookupLane()
-        self.wants_new_request = _overrides(tier, "on_new_request")
+        self.wants_new_request = overrides(tier, "on_new_request")
         self.inline = inline_calls_of(tier)  # ValueError here, at the manager's start, if it names a stranger
         # Requests whose on_new_request the plugin has seen: their lookups may take the lane.
         self._open: set[tuple[str, int]] = set()
 
     def link(self) -> TierLink:
         """The supervisor's handle on this actor (after it was spawned)."""
-        return TierLink(self.ref, self._lane, self.wants_new_request, _overrides(self.tier, "touch"), self.inline)
+        return TierLink(self.ref, self._lane, self.wants_new_request, overrides(self.tier, "touch"), self.inline)
 
     def connect(self, supervisor: ActorRef, pool: torch.Tensor) -> None:
         """Attach the plugin; runs before the actor receives any message."""

@@ -132,6 +132,11 @@ class SecondaryTier(abc.ABC):
 _HOOKS = ("on_new_request", "on_request_finished", "touch")
 
 
+def overrides(tier: SecondaryTier, method: str) -> bool:
+    """Whether ``tier``'s class replaces the base class's ``method``."""
+    return getattr(type(tier), method) is not getattr(SecondaryTier, method)
+
+
 def inline_calls_of(tier: SecondaryTier) -> frozenset[str]:
     """``tier.inline_calls`` and the hooks it leaves to the base class (no-ops).
 
@@ -141,5 +146,5 @@ def inline_calls_of(tier: SecondaryTier) -> frozenset[str]:
     if unknown:
         raise ValueError(f"tier {tier.name!r}: inline_calls names {sorted(unknown)}; "
                          f"choose from {sorted(INLINE_CALLS)}")
-    inherited = {hook for hook in _HOOKS if getattr(type(tier), hook) is getattr(SecondaryTier, hook)}
+    inherited = {hook for hook in _HOOKS if not overrides(tier, hook)}
     return declared | inherited
