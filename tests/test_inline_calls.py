@@ -1,4 +1,4 @@
-"""Inline calls: an idle tier answers a lookup on the asking thread, never beside another call."""
+"""Inline tier calls: an idle tier runs them on the sender's thread, in order, never beside another call."""
 
 from __future__ import annotations
 
