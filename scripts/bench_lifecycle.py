@@ -14,7 +14,10 @@ thread, which calls ``complete_store`` (as copy workers would; a frontend has
 at most 2 stores handed over and not yet completed, as a copy engine of bounded
 depth, and waits for a slot otherwise); then ``on_request_finished``. Two secondary tiers. Variants: ``instant`` (tiers
 report at once) and ``slow`` (``submit_store`` does 1 ms of blocking work,
-``time.sleep(0.001)`` standing for a disk or Redis call, then reports).
+``time.sleep(0.001)`` standing for a disk or Redis call, then reports). Each
+tier declares the calls that return at once (``SecondaryTier.inline_calls``,
+as ``DiskTier`` does): every call in ``instant``, all but ``submit_store`` in
+``slow``; the lock calls every tier method inline whatever it declares.
 
 Reported per variant and thread count, for both implementations (phases
 interleaved: lock, kvactors, lock, kvactors, ... so other load on the machine
