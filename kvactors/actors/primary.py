@@ -123,8 +123,10 @@ class PrimaryTier(Actor):
         )
 
     def _arm_timer(self) -> None:
+        if self._timer_due is not None:
+            return  # a tick is due, no later than any deadline: they are now + a constant, so only grow
         deadline = self._store_deadlines.next_deadline()
-        if deadline is None or (self._timer_due is not None and self._timer_due <= deadline):
+        if deadline is None:
             return
         self._timer_due = deadline
         self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
@@ -239,8 +241,7 @@ class PrimaryTier(Actor):
             # The supervisor learns the count with the finish: before it, nothing can finalize.
             record.pending_stores += len(plan.keys)
             self._store_deadlines.add((ctx, plan.keys), self.runtime.now() + self.transfer_timeout_s)
-            if self._timer_due is None:  # else a tick is due first: deadlines only grow
-                self._arm_timer()
+            self._arm_timer()
         msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
 
     @handles(m.CompleteStore)
