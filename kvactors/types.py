@@ -103,11 +103,20 @@ class TransferJob:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
-    """A tier's report that a job ended."""
+    """A tier's report that a job ended.
+
+    ``successful_keys=None``: every key of the job follows ``success``. A
+    tuple: the job ended for each key on its own: those keys succeeded, the
+    job's other keys failed (as vLLM's ``JobResult.successful_keys``). How the
+    runtime reads a report that does not fit its job (a key the job does not
+    have, a value that is not a tuple of keys, ``success=False`` naming every
+    key) is :func:`kvactors.core.outcomes.key_outcomes`: every key failed.
+    """
 
     job_id: int
     success: bool
     error: str | None = None
+    successful_keys: tuple[OffloadKey, ...] | None = None
 
 
 PRIMARY_TIER_NAME = "cpu"

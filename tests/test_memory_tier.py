@@ -52,13 +52,21 @@ def test_a_job_larger_than_capacity_fails_instead_of_losing_blocks_silently():
     assert reports[0].success is False and "evicted" in reports[0].error
 
 
-def test_loading_a_missing_block_fails_and_writes_nothing():
+def test_loading_a_missing_block_fails_that_key_only():
     tier, pool, reports = attached(2)
     tier.submit_store(job(1, [b"a"], [0]))
     before = pool.clone()
     tier.submit_load(job(2, [b"a", b"gone"], [5, 6], promotion=True))
-    assert reports[-1] == JobResult(2, False, "1 blocks no longer in tier 'memory'")
-    assert torch.equal(pool, before)
+    assert reports[-1] == JobResult(2, False, "1 of 2 blocks failed: no longer in tier 'memory'",
+                                    successful_keys=(b"a",))
+    assert torch.equal(pool[5], before[0])  # the key present loaded
+    assert torch.equal(pool[6], before[6])  # the missing key's row is not written
+
+
+def test_a_job_larger_than_capacity_names_the_keys_it_kept():
+    tier, _, reports = attached(1)
+    tier.submit_store(job(1, [b"a", b"b"], [0, 1]))
+    assert reports[0].successful_keys == (b"b",) and list(tier._blocks) == [b"b"]
 
 
 def test_bad_capacity_is_a_value_error():

@@ -178,7 +178,9 @@ def test_corrupt_record_fails_load_then_misses(
     with caplog.at_level(logging.WARNING, logger="kvactors.tiers.redis"):
         res = h.result(h.load(keys, range(30, 33)))
     assert not res.success and res.error is not None and "corrupt" in res.error
-    assert torch.equal(h.pool[30:33], sentinel)  # no row written
+    assert res.successful_keys == (keys[0], keys[2])  # the job ended per key
+    assert torch.equal(h.pool[31], sentinel[1])  # the bad key's row is not written
+    assert torch.equal(h.pool[30], h.pool[0]) and torch.equal(h.pool[32], h.pool[2])  # the others loaded
     assert h.tier.take_events() == [OffloadingEvent((keys[1],), "redis", removed=True)]
     assert h.tier.lookup(keys, CTX) == [HIT, MISS, HIT]
     assert client.exists(victim) == 0

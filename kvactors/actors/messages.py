@@ -219,12 +219,14 @@ class AllocatePromotions(NamedTuple):
 
 class JobEnded(NamedTuple):
     """Release what a job holds in the pool. ``hold``: it timed out; keep its rows
-    unreusable until :class:`HoldReleased`."""
+    unreusable until :class:`HoldReleased`. ``ok_keys``: the job ended per key,
+    only these keys of a promotion become ready (``None``: all follow ``success``)."""
 
     job_id: int
     is_promotion: bool
     success: bool
     hold: bool
+    ok_keys: frozenset[OffloadKey] | None = None
 
 
 class HoldReleased(NamedTuple):

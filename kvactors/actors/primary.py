@@ -327,7 +327,7 @@ class PrimaryTier(Actor):
     @handles(m.JobEnded)
     def _on_job_ended(self, msg: m.JobEnded) -> None:
         if msg.is_promotion:
-            self.pool.end_promotion(msg.job_id, success=msg.success, hold=msg.hold)
+            self.pool.end_promotion(msg.job_id, success=msg.success, hold=msg.hold, ok_keys=msg.ok_keys)
         else:
             self.pool.end_job(msg.job_id, hold=msg.hold)
 

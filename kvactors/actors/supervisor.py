@@ -61,6 +61,8 @@ from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
 from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
 from kvactors.core.lookups import resolve_lookup
+from kvactors.core.outcomes import key_outcomes
+from kvactors.core.quarantine import PromotionQuarantine
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 
@@ -73,6 +75,9 @@ class _Job:
     origin: int  # the work id wait_idle waits on: the job's own, or its lookup's
     epoch: int
     submitted: bool = False
+    # A promotion's deadline runs from its allocation (its keys are HIT_PENDING from then on),
+    # queued or not; a cascade's from its submit.
+    deadline: float | None = None
 
     @property
     def counter(self) -> str:
@@ -131,6 +136,7 @@ class LifecycleSupervisor(Actor):
         self._inflight: dict[str, int] = dict.fromkeys(self.tier_order, 0)
         self._job_deadlines: DeadlineQueue[int] = DeadlineQueue()
         self._timed_out: dict[int, _Job] = {}
+        self.quarantine = PromotionQuarantine()
         self._lookups: dict[int, _PendingLookup] = {}
         self._lookup_deadlines: DeadlineQueue[int] = DeadlineQueue()
         self._allocations: dict[int, ReqContext] = {}  # lookup id -> request, while the primary allocates
@@ -149,6 +155,10 @@ class LifecycleSupervisor(Actor):
                 "jobs_dropped",
                 "late_reports",
                 "unexpected_reports",
+                "invalid_reports",
+                "jobs_partial",
+                "job_keys_failed",
+                "promotion_hits_ignored",
                 "lookups_timed_out",
                 "requests_finalized",
                 "guard_violations",
@@ -248,11 +258,17 @@ class LifecycleSupervisor(Actor):
     def _enqueue(self, job: _Job) -> None:
         self._jobs[job.job.job_id] = job
         tier = job.tier
+        if job.job.is_promotion:
+            job.deadline = self.runtime.now() + self.transfer_timeout_s
         if self._inflight[tier] < self.max_inflight[tier] and not self._queues[tier]:
             self._submit(job)
         else:
             self._queues[tier].append(job.job.job_id)
             self._count(job.job.req_context, job.counter, +1)
+            if job.deadline is not None:
+                # A promotion waiting for a slot times out too: no key is HIT_PENDING past the deadline.
+                self._job_deadlines.add(job.job.job_id, job.deadline)
+                self._arm_timer()
             if self.tracing:
                 self.log.debug("job_queued", kind=job.kind, job_id=job.job.job_id, tier=tier,
                                req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
@@ -270,7 +286,8 @@ class LifecycleSupervisor(Actor):
         job.submitted = True
         self._inflight[job.tier] += 1
         self.counters["jobs_submitted"] += 1
-        self._job_deadlines.add(job.job.job_id, self.runtime.now() + self.transfer_timeout_s)
+        deadline = job.deadline if job.deadline is not None else self.runtime.now() + self.transfer_timeout_s
+        self._job_deadlines.add(job.job.job_id, deadline)
         self._arm_timer()
         if self.tracing:
             self.log.debug(f"{job.kind}_submitted", job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
@@ -279,6 +296,7 @@ class LifecycleSupervisor(Actor):
 
     def _end_unsubmitted(self, job: _Job, reason: str) -> None:
         """A job that never reached its tier fails: release its rows at once."""
+        self._job_deadlines.discard(job.job.job_id)
         self.counters["jobs_dropped"] += 1
         self.log.info("job_dropped", kind=job.kind, job_id=job.job.job_id, tier=job.tier, reason=reason,
                       req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
@@ -334,14 +352,39 @@ class LifecycleSupervisor(Actor):
                 self.log.warning("job_report_unexpected", job_id=result.job_id, tier=msg.tier)
             return
         del self._jobs[result.job_id]
-        self.counters["jobs_succeeded" if result.success else "jobs_failed"] += 1
         ctx = job.job.req_context
-        if not result.success or self.tracing:
-            log = self.log.debug if result.success else self.log.warning
-            log(f"{job.kind}_completed", job_id=result.job_id, tier=job.tier, success=result.success,
-                error=result.error, req_id=ctx.req_id, attempt=ctx.attempt)
-        self.primary.tell(m.JobEnded(result.job_id, job.job.is_promotion, success=result.success, hold=False))
+        outcomes = key_outcomes(job.job.keys, result)
+        if outcomes.problem is not None:
+            # A report that does not fit its job is no one's word for any key: all of them failed.
+            self.counters["invalid_reports"] += 1
+            self.log.warning("job_report_invalid", job_id=result.job_id, tier=job.tier, reason=outcomes.problem,
+                             req_id=ctx.req_id, attempt=ctx.attempt)
+        success = outcomes.all_ok
+        self.counters["jobs_succeeded" if success else "jobs_failed"] += 1
+        self.counters["jobs_partial"] += outcomes.partial
+        self.counters["job_keys_failed"] += len(outcomes.failed)
+        if not success or self.tracing:
+            log = self.log.debug if success else self.log.warning
+            log(f"{job.kind}_completed", job_id=result.job_id, tier=job.tier, success=success,
+                keys=len(job.job.keys), failed_keys=len(outcomes.failed), error=result.error,
+                req_id=ctx.req_id, attempt=ctx.attempt)
+        ok_keys = None if success else frozenset(outcomes.ok)
+        self.primary.tell(m.JobEnded(result.job_id, job.job.is_promotion, success=bool(outcomes.ok), hold=False,
+                                     ok_keys=ok_keys))
+        if job.job.is_promotion:
+            for key in outcomes.ok:
+                self.quarantine.succeeded(job.tier, key)
+            self._back_off(job, outcomes.failed)
         self._job_over(job)
+
+    def _back_off(self, job: _Job, keys: Sequence[OffloadKey]) -> None:
+        """Promotions of ``keys`` from ``job``'s tier failed: that tier is not asked for them for a while."""
+        if not keys:
+            return
+        now = self.runtime.now()
+        backoff = max(self.quarantine.failed(job.tier, key, now) for key in keys)
+        self.log.info("promotions_backed_off", job_id=job.job.job_id, tier=job.tier, keys=len(keys),
+                      backoff_s=backoff)
 
     # ------------------------------------------------------------ deadlines
 
@@ -363,7 +406,11 @@ class LifecycleSupervisor(Actor):
         self._timer_due = None
         now = self.runtime.now()
         for job_id in self._job_deadlines.pop_expired(now):
-            self._time_out(self._jobs.pop(job_id))
+            job = self._jobs.pop(job_id)
+            if job.submitted:
+                self._time_out(job)
+            else:
+                self._expire_queued(job)
         for lookup_id in self._lookup_deadlines.pop_expired(now):
             pending = self._lookups.get(lookup_id)
             if pending is not None:
@@ -373,9 +420,23 @@ class LifecycleSupervisor(Actor):
                 self._resolve_lookup(pending)
         self._arm_timer()
 
+    def _expire_queued(self, job: _Job) -> None:
+        """A promotion still waiting for a tier slot passed its deadline: it fails, never sent."""
+        self._queues[job.tier].remove(job.job.job_id)
+        ctx = job.job.req_context
+        self._count(ctx, job.counter, -1)
+        self.counters["jobs_timed_out"] += 1
+        self._end_unsubmitted(job, "timed_out")
+        self._back_off(job, job.job.keys)
+        self._maybe_finalize_request(ctx)
+        self._check_barriers()
+        self._check_shutdown()
+
     def _time_out(self, job: _Job) -> None:
         """A job past its deadline fails; its rows stay held until its late report."""
         self.counters["jobs_timed_out"] += 1
+        if job.job.is_promotion:
+            self._back_off(job, job.job.keys)
         self._timed_out[job.job.job_id] = job
         ctx = job.job.req_context
         self.log.warning("job_timed_out", kind=job.kind, job_id=job.job.job_id, tier=job.tier,
@@ -425,6 +486,8 @@ class LifecycleSupervisor(Actor):
         ask the primary to allocate promotions, if any, else answer the frontend."""
         self._lookups.pop(pending.lookup_id, None)  # absent if every tier answered inline
         self._lookup_deadlines.discard(pending.lookup_id)
+        if promote and self.quarantine:
+            self._ignore_backed_off(pending)
         pending.results, plan = resolve_lookup(pending.keys, pending.missing, pending.results, pending.asked,
                                                self.tier_order, pending.answers, promote=promote)
         ctx = pending.ctx
@@ -448,6 +511,23 @@ class LifecycleSupervisor(Actor):
             self._count(ctx, "pending_lookups", -1)
             self._maybe_finalize_request(ctx)
         self._check_barriers()
+
+    def _ignore_backed_off(self, pending: _PendingLookup) -> None:
+        """A tier's HIT for a key it failed to promote lately is taken as a MISS (see
+        :mod:`~kvactors.core.quarantine`): it is not asked to promote it again yet."""
+        now = self.runtime.now()
+        hit, miss = LookupResult.HIT, LookupResult.MISS
+        for tier, answer in list(pending.answers.items()):
+            if answer is None or hit not in answer:
+                continue
+            blocked = [i for i, (key, result) in enumerate(zip(pending.asked, answer, strict=True))
+                       if result is hit and self.quarantine.blocked(tier, key, now)]
+            if blocked:
+                self.counters["promotion_hits_ignored"] += len(blocked)
+                changed = list(answer)
+                for i in blocked:
+                    changed[i] = miss
+                pending.answers[tier] = tuple(changed)
 
     @handles(m.PromotionsAllocated)
     def _on_promotions_allocated(self, msg: m.PromotionsAllocated) -> None:
@@ -558,6 +638,7 @@ class LifecycleSupervisor(Actor):
         stats["jobs_in_flight"] = sum(self._inflight.values())
         stats["jobs_queued"] = sum(len(q) for q in self._queues.values())
         stats["jobs_awaiting_late_report"] = len(self._timed_out)
+        stats["promotions_quarantined"] = len(self.quarantine)
         stats["lookups_in_flight"] = len(self._lookups) + len(self._allocations)
         stats["contract_violations"] = int(stats.pop("primary_violations", 0)) + self.counters["guard_violations"]
         stats["internal_errors"] = int(stats.pop("primary_internal_errors", 0)) + self.internal_errors

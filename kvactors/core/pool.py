@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -338,9 +338,12 @@ class BlockPool:
         self._promotions[job_id] = tuple(zip(keys, rows, strict=True))
         return rows
 
-    def end_promotion(self, job_id: int, *, success: bool, hold: bool = False) -> tuple[OffloadKey, ...]:
+    def end_promotion(self, job_id: int, *, success: bool, hold: bool = False,
+                      ok_keys: Collection[OffloadKey] | None = None) -> tuple[OffloadKey, ...]:
         """A promotion ended: its rows become ready (success) or are removed.
 
+        ``ok_keys``: the job ended per key; the rows of those keys become ready
+        (when ``success``), every other row of the job is removed, never served.
         ``hold``: it timed out; the rows are removed from lookups but stay
         unreusable (the tier may still write them) until :meth:`release_hold`.
         Returns the keys that became ready.
@@ -354,7 +357,7 @@ class BlockPool:
                 self._holds[row] += 1
             self._writer[row] = None
             if self._indexed[row]:
-                if success and not hold:
+                if success and not hold and (ok_keys is None or key in ok_keys):
                     self._make_ready(row)
                     stored.append(key)
                 else:

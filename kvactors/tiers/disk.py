@@ -94,8 +94,19 @@ class _Entry:
 class _JobState:
     job: TransferJob
     remaining: int = 0
-    error: str | None = None
+    failed: dict[int, str] = field(default_factory=dict)  # position in the job -> why that key failed
     pinned: list[OffloadKey] = field(default_factory=list)
+
+    def result(self) -> JobResult:
+        """The report: a success, or the keys that succeeded and the first error."""
+        keys = self.job.keys
+        if not self.failed:
+            return JobResult(self.job.job_id, True)
+        bad = {keys[i] for i in self.failed}
+        ok = tuple(key for key in dict.fromkeys(keys) if key not in bad)
+        first = self.failed[min(self.failed)]
+        error = f"{len(bad)} of {len(set(keys))} blocks failed: {first}"
+        return JobResult(self.job.job_id, False, error, successful_keys=ok)
 
 
 class DiskTier(SecondaryTier):
@@ -120,7 +131,14 @@ class DiskTier(SecondaryTier):
     then follows the files' modification times); files that are not valid
     records are deleted. A block whose file is missing, short or fails its
     checksum fails the load and is removed from the tier: a later lookup is a
-    miss, and bad bytes are never reported as a success.
+    miss, and bad bytes are never reported as a success. So does a block whose
+    read fails for any other reason (an I/O error, a directory or a symlink
+    where its file was, a file it may not open, a record of another format).
+
+    Jobs end per key: a key that fails (its read or write, or the directory
+    sync of ``fsync=True``) fails alone, the job's other keys are still done,
+    and the report names the keys that succeeded (``JobResult.successful_keys``).
+    After a store, exactly the keys reported successful are in the tier.
 
     One live tier per directory: two tiers (or processes) sharing a root keep
     separate indexes and would evict and clean up each other's files.
@@ -311,7 +329,7 @@ class DiskTier(SecondaryTier):
         """Write ``pool[job.block_ids]`` under ``job.keys`` on the workers; returns at once.
 
         Keys already present are not rewritten (their recency is refreshed).
-        The job succeeds when every key is in the tier.
+        Each key succeeds when it is in the tier; the report names them.
         """
         self._submit(job, self._store_one)
 
@@ -319,7 +337,8 @@ class DiskTier(SecondaryTier):
         """Read and verify ``job.keys`` into ``pool[job.block_ids]`` on the workers; returns at once.
 
         The keys are protected from eviction until their read ends. A key that
-        is missing or fails verification fails the job and leaves the tier.
+        is missing, cannot be read or fails verification fails alone (the
+        others still load; the report names them) and leaves the tier.
         """
         self._submit(job, self._load_one)
 
@@ -346,7 +365,7 @@ class DiskTier(SecondaryTier):
 
     # ------------------------------------------------------------ job plumbing
 
-    def _submit(self, job: TransferJob, do_one: Callable[[OffloadKey, int], None]) -> None:
+    def _submit(self, job: TransferJob, do_one: Callable[[OffloadKey, int], bool]) -> None:
         state = _JobState(job)
         n = len(job.keys)
         if n != len(job.block_ids):
@@ -374,7 +393,7 @@ class DiskTier(SecondaryTier):
             try:
                 fut = self._executor.submit(self._run_chunk, state, do_one, lo, hi)
             except RuntimeError as exc:  # executor shut down under us
-                self._chunk_done(state, lo, hi, f"tier {self.name!r} is shut down: {exc}")
+                self._cancel(state, lo, hi, f"tier {self.name!r} is shut down: {exc}")
                 continue
             fut.add_done_callback(self._on_cancelled(state, lo, hi))
 
@@ -384,35 +403,51 @@ class DiskTier(SecondaryTier):
         def callback(fut: concurrent.futures.Future[None]) -> None:
             # A cancelled chunk never ran, so _run_chunk will not report it.
             if fut.cancelled():
-                self._chunk_done(state, lo, hi, f"cancelled: tier {self.name!r} shut down")
+                self._cancel(state, lo, hi, f"cancelled: tier {self.name!r} shut down")
 
         return callback
 
     def _run_chunk(
-        self, state: _JobState, do_one: Callable[[OffloadKey, int], None], lo: int, hi: int
+        self, state: _JobState, do_one: Callable[[OffloadKey, int], bool], lo: int, hi: int
     ) -> None:
-        error: str | None = "worker interrupted"
+        """Do keys ``lo:hi`` of the job, each on its own: one key's failure fails that key only."""
+        failed: dict[int, str] = {}
+        written: list[int] = []
+        i = lo
         try:
             keys, rows = state.job.keys, state.job.block_ids
             for i in range(lo, hi):
-                do_one(keys[i], rows[i])
-            if self.fsync and not state.job.is_promotion:
-                self._fsync_dir()
-            error = None
-        except Exception as exc:
-            error = _describe(exc)
+                try:
+                    if do_one(keys[i], rows[i]):
+                        written.append(i)
+                except Exception as exc:
+                    failed[i] = _describe(exc)
+            i = hi
+            if self.fsync and written:
+                try:
+                    self._fsync_dir()
+                except Exception as exc:
+                    # The new files may not survive a crash, as their store promised: not stored.
+                    reason = f"directory sync failed: {_describe(exc)}"
+                    for j in written:
+                        self._forget(keys[j])
+                        failed[j] = reason
         finally:
-            self._chunk_done(state, lo, hi, error)
+            for j in range(i, hi):  # a BaseException stopped the loop: the rest never ran
+                failed.setdefault(j, "worker interrupted")
+            self._chunk_done(state, lo, hi, failed)
+
+    def _cancel(self, state: _JobState, lo: int, hi: int, error: str) -> None:
+        self._chunk_done(state, lo, hi, dict.fromkeys(range(lo, hi), error))
 
     def _finish_now(self, state: _JobState, error: str) -> None:
         """Report a job that never reached the workers."""
         self._log.warning("job_failed", job_id=state.job.job_id, error=error)
         self._safe_report(JobResult(state.job.job_id, False, error))
 
-    def _chunk_done(self, state: _JobState, lo: int, hi: int, error: str | None) -> None:
+    def _chunk_done(self, state: _JobState, lo: int, hi: int, failed: dict[int, str]) -> None:
         with self._lock:
-            if error is not None and state.error is None:
-                state.error = error
+            state.failed.update(failed)
             if state.pinned:
                 self._pins.subtract(state.pinned[lo:hi])
                 for key in state.pinned[lo:hi]:
@@ -421,12 +456,13 @@ class DiskTier(SecondaryTier):
             state.remaining -= 1
             if state.remaining > 0:
                 return
-            error = state.error
+            result = state.result()
         try:
-            if error is not None:
-                self._log.warning("job_failed", job_id=state.job.job_id, error=error,
-                                  promotion=state.job.is_promotion, keys=len(state.job.keys))
-            self._safe_report(JobResult(state.job.job_id, error is None, error))
+            if not result.success:
+                self._log.warning("job_failed", job_id=state.job.job_id, error=result.error,
+                                  promotion=state.job.is_promotion, keys=len(state.job.keys),
+                                  failed_keys=len(state.job.keys) - len(result.successful_keys or ()))
+            self._safe_report(result)
         finally:
             with self._lock:
                 self._inflight.discard(state)
@@ -471,12 +507,13 @@ class DiskTier(SecondaryTier):
             self._emit(evicted, removed=True)
         self._reserved += size
 
-    def _store_one(self, key: OffloadKey, row: int) -> None:
+    def _store_one(self, key: OffloadKey, row: int) -> bool:
+        """Store one block; returns whether a new file was written. Raises if the key is not stored."""
         size = codec.HEADER_SIZE + len(key) + self.block_bytes
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-                return
+                return False
             self._reserve(size)
         assert self.pool is not None
         final = file_name(key)
@@ -508,6 +545,7 @@ class DiskTier(SecondaryTier):
                 self._unlink_quietly(os.path.basename(tmp))
                 with self._lock:
                     self._reserved -= size
+        return renamed
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.root, os.O_RDONLY | _O_CLOEXEC)
@@ -518,21 +556,35 @@ class DiskTier(SecondaryTier):
 
     # ---------------------------------------------------------------- load
 
-    def _load_one(self, key: OffloadKey, row: int) -> None:
+    def _load_one(self, key: OffloadKey, row: int) -> bool:
+        """Read and verify one block into its row. Any failure removes the block from the
+        tier (its file goes too, if it can), so a later lookup is a miss; then raises."""
         with self._lock:
             entry = self._index.get(key)
             if entry is not None:
                 self._index.move_to_end(key)
         if entry is None:
             raise DiskTierError(f"block {key.hex()[:32]} is not in tier {self.name!r}")
-        assert self.pool is not None
-        block_bytes = self.block_bytes
-        expected = codec.HEADER_SIZE + len(key) + block_bytes
         try:
-            fd = os.open(self._path(entry.name), os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
+            self._read_into(key, row, entry)
+        except codec.CorruptRecordError as exc:
+            self._drop(key, entry)
+            raise DiskTierError(f"block {key.hex()[:32]}: corrupt file {entry.name}: {exc}") from None
         except (FileNotFoundError, NotADirectoryError) as exc:
             self._drop(key, entry)
             raise DiskTierError(f"block {key.hex()[:32]}: file is missing: {_describe(exc)}") from None
+        except Exception as exc:
+            # EIO, a directory or a symlink in the file's place, EACCES, ...: this block cannot be
+            # read, and asking again would fail again: it leaves the tier.
+            self._drop(key, entry)
+            raise DiskTierError(f"block {key.hex()[:32]}: unreadable file {entry.name}: {_describe(exc)}") from None
+        return False  # no file written
+
+    def _read_into(self, key: OffloadKey, row: int, entry: _Entry) -> None:
+        assert self.pool is not None
+        block_bytes = self.block_bytes
+        expected = codec.HEADER_SIZE + len(key) + block_bytes
+        fd = os.open(self._path(entry.name), os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
         try:
             head_size = codec.HEADER_SIZE + len(key)
             head = self._buffer(head_size + 1)
@@ -545,9 +597,6 @@ class DiskTier(SecondaryTier):
                 raise codec.CorruptRecordError(f"file is {got}{'+' if got > expected else ''} bytes, "
                                                f"expected {expected}")
             codec.verify_split(head[:head_size], row_view, key, block_bytes)
-        except codec.CorruptRecordError as exc:
-            self._drop(key, entry)
-            raise DiskTierError(f"block {key.hex()[:32]}: corrupt file {entry.name}: {exc}") from None
         finally:
             os.close(fd)
 
@@ -558,6 +607,13 @@ class DiskTier(SecondaryTier):
             buf = bytearray(size)
             self._tls.buf = buf
         return memoryview(buf)[:size]
+
+    def _forget(self, key: OffloadKey) -> None:
+        """Remove ``key``'s block, whatever file it has now."""
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is not None:
+            self._drop(key, entry)
 
     def _drop(self, key: OffloadKey, entry: _Entry) -> None:
         """Remove a block found bad, unless it was replaced since ``entry`` was read."""

@@ -56,14 +56,21 @@ class MemoryTier(SecondaryTier):
             return results
 
     def submit_store(self, job: TransferJob) -> None:
+        """Copy the rows in, key by key; a key that cannot be copied, or that its own job
+        evicts (capacity below the job's size), fails alone, and is not in the tier."""
         assert self.pool is not None
         stored, evicted = [], []
+        failed: dict[OffloadKey, str] = {}
         with self._lock:
             for key, row in zip(job.keys, job.block_ids, strict=True):
                 if key in self._blocks:
                     self._blocks.move_to_end(key)
                     continue
-                self._blocks[key] = self.pool[row].clone()
+                try:
+                    self._blocks[key] = self.pool[row].clone()
+                except Exception as exc:  # out of memory: this key is not stored
+                    failed.setdefault(key, f"{type(exc).__name__}: {exc}")
+                    continue
                 stored.append(key)
             while len(self._blocks) > self.capacity_blocks:
                 key, _ = self._blocks.popitem(last=False)
@@ -72,24 +79,24 @@ class MemoryTier(SecondaryTier):
                 self._events.append(OffloadingEvent(tuple(stored), self.name, False))
             if evicted:
                 self._events.append(OffloadingEvent(tuple(evicted), self.name, True))
-        # A block stored and evicted by the same job (capacity below the job's
-        # size) is not in the tier: the store of that key did not succeed.
         lost = set(evicted) & set(job.keys)
-        error = f"{len(lost)} blocks evicted by their own job (capacity {self.capacity_blocks})" if lost else None
-        self.report(JobResult(job.job_id, not lost, error))
+        for key in lost:
+            failed.setdefault(key, f"evicted by its own job (capacity {self.capacity_blocks})")
+        self.report(_result(job, failed))
 
     def submit_load(self, job: TransferJob) -> None:
+        """Copy the blocks present into their rows; a key no longer here fails alone."""
         assert self.pool is not None
+        failed: dict[OffloadKey, str] = {}
         with self._lock:
-            missing = [key for key in job.keys if key not in self._blocks]
-            if not missing:
-                for key, row in zip(job.keys, job.block_ids, strict=True):
-                    self._blocks.move_to_end(key)
-                    self.pool[row].copy_(self._blocks[key])
-        if missing:
-            self.report(JobResult(job.job_id, False, f"{len(missing)} blocks no longer in tier {self.name!r}"))
-        else:
-            self.report(JobResult(job.job_id, True))
+            for key, row in zip(job.keys, job.block_ids, strict=True):
+                block = self._blocks.get(key)
+                if block is None:
+                    failed[key] = f"no longer in tier {self.name!r}"
+                    continue
+                self._blocks.move_to_end(key)
+                self.pool[row].copy_(block)
+        self.report(_result(job, failed))
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         with self._lock:
@@ -101,3 +108,12 @@ class MemoryTier(SecondaryTier):
         with self._lock:
             events, self._events = self._events, []
             return events
+
+
+def _result(job: TransferJob, failed: dict[OffloadKey, str]) -> JobResult:
+    """A success, or the keys that succeeded (``successful_keys``) and the first failure."""
+    if not failed:
+        return JobResult(job.job_id, True)
+    ok = tuple(key for key in dict.fromkeys(job.keys) if key not in failed)
+    error = f"{len(failed)} of {len(set(job.keys))} blocks failed: {next(iter(failed.values()))}"
+    return JobResult(job.job_id, False, error, successful_keys=ok)

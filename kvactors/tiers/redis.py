@@ -82,8 +82,12 @@ class RedisTier(SecondaryTier):
         readable and makes namespaces disjoint: a block key's suffix never holds ``:``,
         so tenants with different namespaces never see each other's blocks, whatever
         the namespaces are. Values are :mod:`kvactors.tiers.codec` records (header,
-        key, payload, XXH3-64 checksum of key+payload); a load verifies the record, and a record
-        that fails verification fails the job and is deleted (a later lookup misses).
+        key, payload, XXH3-64 checksum of key+payload); a load verifies the record, and a
+        value that cannot be read (a record that fails verification, a truncated value,
+        another Redis type at the key) fails its key and is deleted (a later lookup misses).
+        Jobs end per key: a key whose value is missing or unreadable, or whose ``SET`` the
+        server refuses, fails alone, and the report names the keys that succeeded
+        (``JobResult.successful_keys``); the events name exactly the keys stored.
 
     Capacity
         Redis is the authority: run the server with ``maxmemory`` and
@@ -299,7 +303,8 @@ class RedisTier(SecondaryTier):
     def submit_load(self, job: TransferJob) -> None:
         """Load ``job.keys`` into ``pool[job.block_ids]`` (one pipeline of ``GET``, each
         record verified) on an I/O thread; returns at once. Reports exactly once; a
-        missing or corrupt block fails the job and no row is written."""
+        missing or unreadable block fails its key (its row is not written), the others
+        still load."""
         self._submit(job, self._do_load)
 
     def take_events(self) -> list[OffloadingEvent]:
@@ -370,17 +375,31 @@ class RedisTier(SecondaryTier):
             now = time.time()
             pipe.zadd(self._lru_key, {key.hex(): now for key in job.keys})
             pipe.zcard(self._lru_key)
-        replies = pipe.execute()
+        # Per command: one SET refused (OOM, a read-only replica) fails that key only.
+        replies = pipe.execute(raise_on_error=False)
         self._mark_up()
-        events = [OffloadingEvent(keys=tuple(job.keys), tier=self.name, removed=False)]
-        if capacity is not None:
-            limit = max(1, capacity // len(records[0]))
-            excess = int(replies[-1]) - limit
-            if excess > 0:
-                evicted = self._evict(excess, job.job_id)
-                if evicted:
-                    events.append(OffloadingEvent(keys=tuple(evicted), tier=self.name, removed=True))
-        self._complete(state, True, None, events)
+        failed: dict[OffloadKey, str] = {}
+        for key, reply in zip(job.keys, replies, strict=False):
+            if isinstance(reply, Exception):
+                failed.setdefault(key, _describe(reply))
+        stored = tuple(key for key in dict.fromkeys(job.keys) if key not in failed)
+        events = [OffloadingEvent(keys=stored, tier=self.name, removed=False)] if stored else []
+        if capacity is not None and stored:
+            count = replies[-1]
+            if isinstance(count, Exception):
+                self._log.warning("evict_failed", job_id=job.job_id, error=_describe(count))
+            else:
+                limit = max(1, capacity // len(records[0]))
+                excess = int(count) - limit
+                if excess > 0:
+                    evicted = self._evict(excess, job.job_id)
+                    if evicted:
+                        events.append(OffloadingEvent(keys=tuple(evicted), tier=self.name, removed=True))
+        if not failed:
+            self._complete(state, True, None, events)
+            return
+        error = f"{len(failed)} of {len(set(job.keys))} blocks not stored ({next(iter(failed.values()))})"
+        self._complete(state, False, error, events, successful_keys=stored)
 
     def _evict(self, count: int, job_id: int) -> list[OffloadKey]:
         """Remove the ``count`` least recently used blocks of the namespace. A failure
@@ -409,40 +428,52 @@ class RedisTier(SecondaryTier):
             pipe.get(rkey)
         if self.capacity_bytes is not None:
             pipe.zadd(self._lru_key, {key.hex(): time.time() for key in job.keys}, xx=True)
-        replies = pipe.execute()
+        # Per command: a key holding another Redis type (WRONGTYPE) fails that key only.
+        replies = pipe.execute(raise_on_error=False)
         self._mark_up()
         block_bytes = int(pool.shape[1])
-        payloads: list[memoryview] = []
+        good: list[tuple[int, memoryview]] = []
         missing: list[OffloadKey] = []
-        corrupt: list[tuple[OffloadKey, str]] = []
-        for key, record in zip(job.keys, replies, strict=False):
+        bad: dict[OffloadKey, str] = {}  # cannot be read: deleted, so that a later lookup misses
+        for key, row, record in zip(job.keys, job.block_ids, replies, strict=False):
             if record is None:
                 missing.append(key)
-                continue
-            try:
-                payloads.append(codec.decode(record, key, block_bytes))
-            except codec.CorruptRecordError as exc:
-                corrupt.append((key, str(exc)))
-        if missing or corrupt:
-            removed = self._forget(missing, [k for k, _ in corrupt], job.job_id)
-            parts = []
-            if missing:
-                parts.append(f"missing: {len(missing)} of {len(job.keys)} blocks")
-            if corrupt:
-                parts.append(f"corrupt: {len(corrupt)} blocks ({corrupt[0][1]})")
-            events = [OffloadingEvent(keys=tuple(removed), tier=self.name, removed=True)] if removed else []
-            self._complete(state, False, "; ".join(parts), events)
+            elif isinstance(record, Exception):
+                bad.setdefault(key, f"unreadable: {_describe(record)}")
+            elif not isinstance(record, bytes):
+                bad.setdefault(key, f"unreadable: a {type(record).__name__}")
+            else:
+                try:
+                    good.append((row, codec.decode(record, key, block_bytes)))
+                except codec.CorruptRecordError as exc:
+                    bad.setdefault(key, f"corrupt: {exc}")
+        if not missing and not bad:
+            self._complete(state, True, None, None, self._copier(good))
             return
+        removed = self._forget(missing, list(bad), job.job_id)
+        failed = set(missing) | set(bad)
+        ok = tuple(key for key in dict.fromkeys(job.keys) if key not in failed)
+        parts = []
+        if missing:
+            parts.append(f"missing: {len(set(missing))} of {len(set(job.keys))} blocks")
+        if bad:
+            parts.append(f"unreadable or corrupt: {len(bad)} blocks ({next(iter(bad.values()))})")
+        events = [OffloadingEvent(keys=tuple(removed), tier=self.name, removed=True)] if removed else []
+        self._complete(state, False, "; ".join(parts), events, self._copier(good), successful_keys=ok)
+
+    def _copier(self, rows: list[tuple[int, memoryview]]) -> Callable[[], None]:
+        pool = self.pool
+        assert pool is not None
 
         def copy_rows() -> None:
-            for row, payload in zip(job.block_ids, payloads, strict=True):
+            for row, payload in rows:
                 pool[row].numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
 
-        self._complete(state, True, None, None, copy_rows)
+        return copy_rows
 
     def _forget(self, missing: list[OffloadKey], corrupt: list[OffloadKey], job_id: int) -> list[OffloadKey]:
-        """Delete corrupt blocks and drop missing/corrupt ones from the LRU set (best
-        effort). Returns the keys this tier deleted."""
+        """Delete the values that cannot be read (corrupt records, other Redis types) and drop
+        missing/corrupt keys from the LRU set (best effort). Returns the keys this tier deleted."""
         if not corrupt and (not missing or self.capacity_bytes is None):
             return []
         try:
@@ -467,6 +498,7 @@ class RedisTier(SecondaryTier):
         error: str | None,
         events: list[OffloadingEvent] | None = None,
         before: Callable[[], None] | None = None,
+        successful_keys: tuple[OffloadKey, ...] | None = None,
     ) -> bool:
         """Report ``state``'s job once. ``before`` (pool writes) and the events run only
         if this call is the one that reports. Returns whether it reported."""
@@ -477,7 +509,9 @@ class RedisTier(SecondaryTier):
                 try:
                     before()
                 except Exception as exc:
-                    success, error, events = False, f"copy into pool failed: {exc!r}", None
+                    success, error, successful_keys = False, f"copy into pool failed: {exc!r}", None
+                    if state.job.is_promotion:
+                        events = [e for e in events or () if e.removed]
             state.done = True
         with self._lock:
             self._jobs.discard(state)
@@ -494,7 +528,7 @@ class RedisTier(SecondaryTier):
                 error=error,
             )
         try:
-            self.report(JobResult(job_id=job.job_id, success=success, error=error))
+            self.report(JobResult(job_id=job.job_id, success=success, error=error, successful_keys=successful_keys))
         except Exception as exc:
             self._log.warning("report_failed", job_id=job.job_id, error=repr(exc))
         return True
