@@ -13,7 +13,10 @@ import pytest
 
 from kvactors.core import lifecycle
 from kvactors.core.pool import BlockPool
+from kvactors.sim import explore as explore_module
 from kvactors.sim.explore import ExploreReport, explore, explore_one
+from kvactors.sim.workload import WorkloadConfig
+from kvactors.types import JobResult
 
 CLEAN_SEEDS = 3000
 
@@ -46,8 +49,8 @@ def test_exploration_is_fast_enough() -> None:
 # --------------------------------------------------------------------- planted bugs
 
 
-def _hunt(seeds: int, min_fraction: float, needle: str) -> ExploreReport:
-    report = explore(range(seeds))
+def _hunt(seeds: int, min_fraction: float, needle: str, base: WorkloadConfig | None = None) -> ExploreReport:
+    report = explore(range(seeds), base=base)
     found = [f for f in report.failures if any(needle in v for v in f.violations)]
     fraction = len(found) / report.runs
     print(f"\nplanted bug found by {len(found)}/{report.runs} seeds ({fraction:.1%}); first: "
@@ -55,7 +58,7 @@ def _hunt(seeds: int, min_fraction: float, needle: str) -> ExploreReport:
     assert fraction >= min_fraction, _summary(report)
     # A failing seed replays: the same seed finds the same violations again.
     if found:
-        assert explore_one(found[0].seed).violations == found[0].violations
+        assert explore_one(found[0].seed, base=base).violations == found[0].violations
     return report
 
 
@@ -113,3 +116,64 @@ def test_planted_failed_store_served(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(BlockPool, "complete_store",
                         lambda pool, keys, writer, success: complete_store(pool, keys, writer, True))
     _hunt(300, 0.05, "do not hold their blocks")
+
+
+# Issue 14 item 3: jobs that end per key. Promotions of several keys are rare in the default
+# workload (about one seed in four has one), so these hunts ask for more keys per operation and
+# for fault tiers that end many jobs per key or report them sloppily.
+PER_KEY_WORKLOAD = WorkloadConfig(clients=2, requests=8, ops=16, keys=36, keys_per_op=6)
+
+
+def _more_report_faults(monkeypatch: pytest.MonkeyPatch) -> None:
+    draw = explore_module.draw_params
+
+    def drawn(seed: int, base: WorkloadConfig | None = None) -> dict[str, object]:
+        params = draw(seed, base)
+        params["report_faults"] = [(0.4, 0.3) for _ in params["report_faults"]]
+        return params
+
+    monkeypatch.setattr(explore_module, "draw_params", drawn)
+
+
+def test_planted_promotion_that_ignores_successful_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime that reads only ``success``: a tier's ``success=True`` naming some keys, or a
+    sloppy report, makes every key of the job ready, junk rows included."""
+    from kvactors.actors import supervisor
+    from kvactors.core.outcomes import KeyOutcomes
+
+    def success_only(job_keys: tuple[bytes, ...], result: JobResult) -> KeyOutcomes:
+        keys = tuple(dict.fromkeys(job_keys))
+        return KeyOutcomes(keys, ()) if result.success else KeyOutcomes((), keys)
+
+    monkeypatch.setattr(supervisor, "key_outcomes", success_only)
+    _more_report_faults(monkeypatch)
+    _hunt(400, 0.04, "do not hold their blocks", base=PER_KEY_WORKLOAD)
+
+
+def test_planted_promotion_that_makes_failed_keys_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool applies a job that ended per key as one outcome: its failed keys become ready."""
+    end_promotion = BlockPool.end_promotion
+
+    def all_or_nothing(pool: BlockPool, job_id: int, *, success: bool, hold: bool = False,
+                       ok_keys: object = None) -> tuple[bytes, ...]:
+        return end_promotion(pool, job_id, success=success, hold=hold)  # ok_keys dropped
+
+    monkeypatch.setattr(BlockPool, "end_promotion", all_or_nothing)
+    _more_report_faults(monkeypatch)
+    _hunt(400, 0.015, "do not hold their blocks", base=PER_KEY_WORKLOAD)
+
+
+def test_planted_report_taken_at_its_word(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sloppy report trusted: a key of no job of its, a list, success=False naming every key."""
+    from kvactors.actors import supervisor
+    from kvactors.core.outcomes import KeyOutcomes
+
+    def trusting(job_keys: tuple[bytes, ...], result: JobResult) -> KeyOutcomes:
+        keys = tuple(dict.fromkeys(job_keys))
+        named = keys if result.successful_keys is None and result.success else result.successful_keys or ()
+        ok = tuple(key for key in keys if key in set(named))
+        return KeyOutcomes(ok, tuple(key for key in keys if key not in ok))
+
+    monkeypatch.setattr(supervisor, "key_outcomes", trusting)
+    _more_report_faults(monkeypatch)
+    _hunt(400, 0.03, "do not hold their blocks", base=PER_KEY_WORKLOAD)

@@ -15,20 +15,24 @@ runs many and returns the failures. The check after each run
 * every request attempt the clients finished was finalized exactly once at
   every tier;
 * (simulation only) the actors' internals hold nothing but what the workload
-  left on purpose: stores never completed, jobs stalled at a tier.
+  left on purpose: stores never completed, jobs stalled at a tier; and every
+  ready row of the pool holds its block's bytes (a promotion's failed key
+  made ready shows up here even if no client loads it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvactors.actors import messages as m
 from kvactors.manager import TieringManager
 from kvactors.sim.runtime import SimRuntime, SimulationStuck
-from kvactors.sim.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer
+from kvactors.sim.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer, rows_hold
 from kvactors.sim.workload import Env, WorkloadConfig, make_clients
 from kvactors.tiers.base import INLINE_CALLS
 
@@ -84,7 +88,7 @@ def check_stats(env: Env, stats: dict[str, Any], tiers: list[Any]) -> list[str]:
         "jobs_pinning": 0,
         "lookups_in_flight": 0,
         "internal_errors": 0,
-        "unexpected_reports": 0,
+        "unexpected_reports": sum(getattr(tier, "extra_reports", 0) for tier in tiers),
         "guard_violations": 0,
         "contract_violations": env.expected_misuse,
         "jobs_held": stalled,
@@ -126,12 +130,36 @@ def check_internals(manager: TieringManager, env: Env, tiers: list[RecordingTier
                         ("supervisor allocations", supervisor._allocations)):
         if held:
             out.append(f"{label} left: {list(held)[:5]}")
+    ready = [(key, row) for key, row in pool._index.items() if pool._ready[row]]
+    bad = rows_hold(manager.pool, [key for key, _ in ready], [row for _, row in ready])
+    if bad:
+        out.append(f"pool: ready rows {[ready[i][1] for i in bad][:5]} do not hold their blocks "
+                   f"(keys {[ready[i][0] for i in bad][:3]})")
     stalled = set().union(*(tier.stalled for tier in tiers)) if tiers else set()
     if set(supervisor._timed_out) != stalled:
         out.append(f"jobs awaiting a late report {sorted(supervisor._timed_out)} != stalled {sorted(stalled)}")
     if len(supervisor.table):
         out.append(f"lifecycle states left: {[s.req_context for s in supervisor.table.states()][:5]}")
     return out
+
+
+def watch_promotions(manager: TieringManager, violations: list[str]) -> None:
+    """Simulation only: when a promotion ends, the rows it made ready must hold their blocks
+    (the fault tiers fill the rows of keys that must not become ready with junk)."""
+    actors = {ref.name: ref.actor for ref in manager._actors}  # type: ignore[attr-defined]
+    primary = actors["primary"]
+    pool, handle = primary.pool, primary._on_job_ended
+
+    def checked(msg: m.JobEnded) -> None:
+        entries = pool._promotions.get(msg.job_id, ()) if msg.is_promotion else ()
+        handle(msg)
+        ready = [(key, row) for key, row in entries if pool._index.get(key) == row and pool._ready[row]]
+        bad = rows_hold(manager.pool, [key for key, _ in ready], [row for _, row in ready])
+        if bad:
+            violations.append(f"promotion job {msg.job_id}: rows {[ready[i][1] for i in bad]} made ready "
+                              f"do not hold their blocks (keys {[ready[i][0] for i in bad]})")
+
+    primary._on_job_ended = checked
 
 
 def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]:
@@ -164,6 +192,8 @@ def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]
         # Drawn last, so the draws above still give every earlier seed its scenario.
         # Every call of every tier inline (run by the supervisor when the tier's actor is idle), or none.
         "inline_calls": rng.random() < 0.5,
+        # Jobs that end per key, and sloppy reports (the runtime must apply the one, reject the other).
+        "report_faults": [(rng.choice((0.0, 0.1, 0.3)), rng.choice((0.0, 0.0, 0.05, 0.2))) for _ in tiers],
     }
 
 
@@ -177,8 +207,9 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
     deferrer = SimDeferrer(runtime)
     tier_class = RecordingTier if params["tier_hooks"] else HooklessRecordingTier
     inline = INLINE_CALLS if params["inline_calls"] else frozenset()
-    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, inline_calls=inline, **spec)
-             for spec in params["tiers"]]
+    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, inline_calls=inline,
+                        **{**spec, "faults": dataclasses.replace(spec["faults"], partial=partial, lie=lie)})
+             for spec, (partial, lie) in zip(params["tiers"], params["report_faults"], strict=True)]
     manager = TieringManager.start(
         num_blocks=params["num_blocks"], block_bytes=params["block_bytes"], secondary_tiers=tiers,
         eviction=params["eviction"], transfer_timeout_s=config.transfer_timeout_s,
@@ -186,6 +217,8 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
     )
     env = Env(manager=manager, deferrer=deferrer, config=config, seed=seed)
     result = RunResult(seed, [], params=params)
+    if internals:
+        watch_promotions(manager, env.violations)
     try:
         for index, client in enumerate(make_clients(env)):
             runtime.spawn_client(f"client{index}", client)

@@ -6,7 +6,14 @@ job completions happen *later, elsewhere* (a :class:`Deferrer`): on a
 random steps; on threads a small fixed pool of worker threads runs them (never
 a thread per job). Faults are drawn per job from a seeded RNG: a job may fail,
 ``submit_*`` may raise, a job may stall (never reported: its deadline fires),
-or be slow (reported after a delay, possibly after its deadline).
+or be slow (reported after a delay, possibly after its deadline); it may end
+per key (``partial``: some keys succeed, the others fail, named in
+``JobResult.successful_keys``), or its report may be one a sloppy tier makes
+(``lie``: a key of another job named, a list for a tuple, a key named twice,
+``success=True`` naming only some keys, the report sent twice, a report for
+a job that does not exist). Every row of a key that must not become ready
+(failed, or under a report the runtime must reject) is filled with junk
+first, so serving it shows up as wrong bytes.
 
 It asserts, per request attempt, what a tier can see of the contract:
 
@@ -173,6 +180,8 @@ class Faults:
     slow: float = 0.0  # reported after slow_s (virtual seconds in a simulation)
     slow_s: float = 1.0
     lookup_raise: float = 0.0  # lookup raises (the runtime answers RETRY)
+    partial: float = 0.0  # the job ends per key: some keys succeed, the others fail
+    lie: float = 0.0  # a sloppy report (see the module docstring)
 
     @classmethod
     def parse(cls, text: str, slow_s: float = 1.0) -> Faults:
@@ -187,10 +196,55 @@ class Faults:
         return cls(slow_s=slow_s, **values)
 
 
+JUNK = 0xEE
+"""What a row of a key that must not become ready is filled with."""
+
+LIES = ("stranger", "list", "duplicate", "success_some", "twice", "unknown_job")
+"""The sloppy reports of the ``lie`` fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReportPlan:
+    """How a job of a fault tier is reported: ``results`` (sent in order) and ``ready``, the
+    keys the runtime may make ready (or count as stored) from them."""
+
+    results: tuple[JobResult, ...]
+    ready: frozenset[OffloadKey]
+    extra: int = 0  # reports the runtime must count as unexpected
+
+
+def plan_report(job: TransferJob, mode: str, rng: random.Random, error: str = "planted failure") -> ReportPlan:
+    """The report(s) of ``job`` under fault ``mode`` (``ok``, ``fail``, ``partial`` or ``lie``)."""
+    keys = tuple(dict.fromkeys(job.keys))
+    job_id = job.job_id
+    if mode == "ok":
+        return ReportPlan((JobResult(job_id, True),), frozenset(keys))
+    if mode == "partial":
+        ok = tuple(key for key in keys if rng.random() < 0.5)
+        return ReportPlan((JobResult(job_id, False, "planted partial failure", successful_keys=ok),), frozenset(ok))
+    if mode != "lie":
+        return ReportPlan((JobResult(job_id, False, error),), frozenset())
+    lie = rng.choice(LIES)
+    some = tuple(key for key in keys if rng.random() < 0.5)
+    if lie == "stranger":  # names a key of no job of its: nothing may become ready
+        return ReportPlan((JobResult(job_id, True, None, (*keys, b"stranger-key")),), frozenset())
+    if lie == "list":  # not a tuple: nothing may become ready
+        return ReportPlan((JobResult(job_id, True, None, list(keys)),), frozenset())  # type: ignore[arg-type]
+    if lie == "duplicate":  # a key named twice counts once
+        return ReportPlan((JobResult(job_id, False, "planted", (*some, *some)),), frozenset(some))
+    if lie == "success_some":  # success=True, yet the keys not named failed
+        return ReportPlan((JobResult(job_id, True, None, some),), frozenset(some))
+    if lie == "twice":  # the second report is not the job's any more
+        result = JobResult(job_id, True)
+        return ReportPlan((result, result), frozenset(keys), extra=1)
+    return ReportPlan((JobResult(job_id, True), JobResult(-job_id - 1, True)), frozenset(keys), extra=1)
+
+
 def draw_mode(faults: Faults, rng: random.Random) -> str:
-    """What happens to the next job: ``fail``, ``raise``, ``stall``, ``slow`` or ``ok``."""
+    """What happens to the next job: ``fail``, ``raise``, ``stall``, ``slow``, ``partial``, ``lie`` or ``ok``."""
     x = rng.random()
-    for mode, p in (("fail", faults.fail), ("raise", faults.raise_), ("stall", faults.stall), ("slow", faults.slow)):
+    for mode, p in (("fail", faults.fail), ("raise", faults.raise_), ("stall", faults.stall), ("slow", faults.slow),
+                    ("partial", faults.partial), ("lie", faults.lie)):
         if x < p:
             return mode
         x -= p
@@ -219,6 +273,7 @@ class RecordingTier(SecondaryTier):
         self.stalled: set[int] = set()
         self.jobs = 0
         self.reports = 0
+        self.extra_reports = 0  # reports of jobs that do not exist (any more): the runtime counts them
 
     # ------------------------------------------------------------ recording
 
@@ -266,7 +321,7 @@ class RecordingTier(SecondaryTier):
     def _mode(self) -> str:
         return draw_mode(self.faults, self.rng)
 
-    def _dispatch(self, job: TransferJob, finish: Callable[[bool], None]) -> None:
+    def _dispatch(self, job: TransferJob, finish: Callable[[ReportPlan], None]) -> None:
         self.jobs += 1
         mode = self._mode()
         if mode == "raise":
@@ -277,7 +332,8 @@ class RecordingTier(SecondaryTier):
             return
         label = f"{self.name} {'load' if job.is_promotion else 'store'} job {job.job_id}"
         delay = self.faults.slow_s * (0.5 + self.rng.random()) if mode == "slow" else 0.0
-        self.deferrer.defer(label, lambda: finish(mode != "fail"), delay)
+        plan = plan_report(job, "ok" if mode == "slow" else mode, self.rng)
+        self.deferrer.defer(label, lambda: finish(plan), delay)
 
     def submit_store(self, job: TransferJob) -> None:
         self._check_submit("submit_store", job)
@@ -288,20 +344,20 @@ class RecordingTier(SecondaryTier):
             self._violation(f"job {job.job_id} ({job.req_context}): rows {[job.block_ids[i] for i in bad]} "
                             "do not hold their blocks at submit_store")
 
-        def finish(success: bool) -> None:
+        def finish(plan: ReportPlan) -> None:
             changed = rows_hold(pool, job.keys, job.block_ids)
             if changed:
                 self._violation(f"job {job.job_id} ({job.req_context}): rows "
                                 f"{[job.block_ids[i] for i in changed]} changed while the tier read them")
-                success = False
-            if success:
-                with self._lock:
-                    for key in job.keys:
+                plan = plan_report(job, "fail", self.rng)
+            with self._lock:
+                for key in job.keys:
+                    if key in plan.ready:  # exactly the keys reported stored are in the tier
                         self._blocks[key] = None
                         self._blocks.move_to_end(key)
-                    while len(self._blocks) > self.capacity_blocks:
-                        self._blocks.popitem(last=False)
-            self._report_once(job, success)
+                while len(self._blocks) > self.capacity_blocks:
+                    self._blocks.popitem(last=False)
+            self._send_plan(plan)
 
         self._dispatch(job, finish)
 
@@ -311,21 +367,27 @@ class RecordingTier(SecondaryTier):
         pool = self.pool
         block_bytes = int(pool.shape[1])
 
-        def finish(success: bool) -> None:
+        def finish(plan: ReportPlan) -> None:
             with self._lock:
                 present = all(key in self._blocks for key in job.keys)
-            if success and present:
-                for key, row in zip(job.keys, job.block_ids, strict=True):
+            if not present:
+                plan = plan_report(job, "fail", self.rng)
+            for key, row in zip(job.keys, job.block_ids, strict=True):
+                if key in plan.ready:
                     pool[row].copy_(pattern(key, block_bytes))
-            self._report_once(job, success and present)
+                else:
+                    pool[row].fill_(JUNK)  # a torn read: must never be served
+            self._send_plan(plan)
 
         self._dispatch(job, finish)
 
-    def _report_once(self, job: TransferJob, success: bool) -> None:
+    def _send_plan(self, plan: ReportPlan) -> None:
         with self._lock:
             self.reports += 1
-        with contextlib.suppress(rt.ActorStoppedError):
-            self.report(JobResult(job.job_id, success, None if success else "planted failure"))
+            self.extra_reports += plan.extra
+        for result in plan.results:
+            with contextlib.suppress(rt.ActorStoppedError):
+                self.report(result)
 
     def stored_keys(self) -> list[OffloadKey]:
         with self._lock:
@@ -346,7 +408,10 @@ class FaultTier(DelegatingTier):
     """A real tier (disk, Redis, ...) with faults injected and the contract recorded at its door.
 
     Wraps ``inner``: ``submit_*`` may raise; a job's report may be turned into a
-    failure, swallowed (a stall: its deadline fires) or delayed (slow). Records
+    failure, swallowed (a stall: its deadline fires) or delayed (slow); a
+    successful promotion's report may be made per key (``partial``) or sloppy
+    (``lie``), the rows of its keys that must not become ready filled with junk
+    (a store's report is left alone there: it must say what the inner tier holds). Records
     finishes and submits per request attempt like :class:`RecordingTier` (no
     byte checks: the inner tier has its own).
     """
@@ -358,11 +423,12 @@ class FaultTier(DelegatingTier):
         self.faults = faults
         self.rng = random.Random(f"{seed}/{inner.name}")
         self._lock = threading.Lock()
-        self._modes: dict[int, str] = {}
+        self._modes: dict[int, tuple[str, TransferJob]] = {}
         self.started: set[tuple[str, int]] = set()
         self.finished: dict[tuple[str, int], int] = {}
         self.violations: list[str] = []
         self.stalled: set[int] = set()
+        self.extra_reports = 0
 
     def _mode(self) -> str:
         return draw_mode(self.faults, self.rng)
@@ -373,11 +439,22 @@ class FaultTier(DelegatingTier):
 
     def _inner_report(self, result: JobResult) -> None:
         with self._lock:
-            mode = self._modes.pop(result.job_id, "ok")
+            mode, job = self._modes.pop(result.job_id, ("ok", None))
         if mode == "stall":
             return
         if mode == "fail":
             result = JobResult(result.job_id, False, "planted failure")
+        if mode in ("partial", "lie") and job is not None and job.is_promotion and result.success:
+            with self._lock:
+                plan = plan_report(job, mode, self.rng)
+                self.extra_reports += plan.extra
+            assert self.pool is not None
+            for key, row in zip(job.keys, job.block_ids, strict=True):
+                if key not in plan.ready:
+                    self.pool[row].fill_(JUNK)  # a torn read: must never be served
+            for planned in plan.results:
+                self._send(planned)
+            return
         if mode == "slow":
             delay = self.faults.slow_s * (0.5 + random.random())
             self.deferrer.defer(f"{self.name} slow report", lambda: self._send(result), delay)
@@ -397,7 +474,7 @@ class FaultTier(DelegatingTier):
         if mode == "raise":
             raise RuntimeError(f"planted submit failure in tier {self.name}")
         with self._lock:
-            self._modes[job.job_id] = mode
+            self._modes[job.job_id] = (mode, job)
             if mode == "stall":
                 self.stalled.add(job.job_id)
         getattr(self.inner, call)(job)
