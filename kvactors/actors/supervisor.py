@@ -316,8 +316,15 @@ class LifecycleSupervisor(Actor):
 
     def _slot_freed(self, tier: str) -> None:
         queue = self._queues[tier]
+        now = self.runtime.now()
         while queue and self._inflight[tier] < self.max_inflight[tier]:
-            job = self._jobs[queue.popleft()]
+            job = self._jobs[queue[0]]
+            if job.deadline is not None and job.deadline <= now:  # its tick is late: it fails unsent
+                del self._jobs[job.job.job_id]
+                self._job_deadlines.discard(job.job.job_id)
+                self._expire_queued(job)
+                continue
+            queue.popleft()
             self._submit(job)
             ctx = job.job.req_context
             self._count(ctx, job.counter, -1)
@@ -405,12 +412,14 @@ class LifecycleSupervisor(Actor):
     def _on_tick(self, msg: m.Tick) -> None:
         self._timer_due = None
         now = self.runtime.now()
-        for job_id in self._job_deadlines.pop_expired(now):
-            job = self._jobs.pop(job_id)
+        expired = [self._jobs.pop(job_id) for job_id in self._job_deadlines.pop_expired(now)]
+        # Queued ones first: a slot that a timed-out job frees must not go to a job already past its deadline.
+        for job in expired:
+            if not job.submitted:
+                self._expire_queued(job)
+        for job in expired:
             if job.submitted:
                 self._time_out(job)
-            else:
-                self._expire_queued(job)
         for lookup_id in self._lookup_deadlines.pop_expired(now):
             pending = self._lookups.get(lookup_id)
             if pending is not None:
