@@ -100,7 +100,11 @@ class SecondaryTier(abc.ABC):
         """Copy the tier's data for ``job.keys`` into ``pool[job.block_ids]``; report when done.
 
         Report ``success=False`` if any key is missing or fails verification:
-        the rows are then discarded, never served.
+        the rows are then discarded, never served. A job may end per key:
+        ``JobResult(..., successful_keys=(...))`` makes only those keys' rows
+        ready; the others are discarded. A tier should also forget a key it
+        cannot load (a later ``lookup`` then says ``MISS``); the runtime backs
+        off promoting it from this tier meanwhile.
         """
 
     def on_new_request(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
