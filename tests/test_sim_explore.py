@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvactors.core import lifecycle
-from kvactors.core.pool import BlockPool
+from kvactors.core.pool import BlockPool, _LoadPins
 from kvactors.sim.explore import ExploreReport, explore, explore_one
 
 CLEAN_SEEDS = 3000
@@ -113,3 +113,32 @@ def test_planted_failed_store_served(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(BlockPool, "complete_store",
                         lambda pool, keys, writer, success: complete_store(pool, keys, writer, True))
     _hunt(300, 0.05, "do not hold their blocks")
+
+
+def test_planted_repin_booked_on_the_old_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 14, item 1 (TRT-LLM #8274, LMCache #2954): a request pins a key's old row, a reset
+    detaches it, and its pin of the key's new row is booked on the old row (as before the fix)."""
+
+    def pin_on_first_row(pool: BlockPool, keys, owner):  # type: ignore[no-untyped-def]
+        rows = pool._ready_rows(keys)
+        for key, row in zip(keys, rows, strict=True):
+            entry = pool._load_pins.get((owner, key))
+            if entry is None:
+                pool._load_pins[(owner, key)] = _LoadPins(row)
+            else:
+                entry.rows[next(iter(entry.rows))] += 1  # the bug: booked on the row of the first pin
+            pool._pin(row)
+            pool._policy.access(key)
+        return tuple(rows)
+
+    monkeypatch.setattr(BlockPool, "pin_for_load", pin_on_first_row)
+    # The new row stays pinned for good; the old one is released twice.
+    report = _hunt(800, 0.015, "stats['blocks_pinned']")
+    # And at least once the old row was freed, handed to a store and overwritten while a copy read it.
+    assert any("do not hold their blocks" in v for f in report.failures for v in f.violations)
+
+
+def test_planted_prepare_store_evicting_its_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 14, item 2 (vLLM PR #35846): eviction no longer spares the call's present keys."""
+    monkeypatch.setattr(BlockPool, "_spared", lambda pool, present: frozenset())
+    _hunt(300, 0.02, "evicted its own keys")
