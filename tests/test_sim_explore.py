@@ -78,6 +78,7 @@ def test_planted_finalize_ignoring_queued_promotions_reaches_a_tier(monkeypatch:
     _hunt(400, 0.05, "after on_request_finished")
 
 
+@pytest.mark.timeout(300)  # hundreds of seeds: slow on a loaded machine
 def test_planted_pins_that_do_not_protect_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """TRT-LLM #8274: a row pinned by a reader (load or cascade) is evicted and reused mid-read."""
 
@@ -115,6 +116,7 @@ def test_planted_failed_store_served(monkeypatch: pytest.MonkeyPatch) -> None:
     _hunt(300, 0.05, "do not hold their blocks")
 
 
+@pytest.mark.timeout(300)  # hundreds of seeds: slow on a loaded machine
 def test_planted_repin_booked_on_the_old_row(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 14, item 1 (TRT-LLM #8274, LMCache #2954): a request pins a key's old row, a reset
     detaches it, and its pin of the key's new row is booked on the old row (as before the fix)."""
@@ -138,6 +140,7 @@ def test_planted_repin_booked_on_the_old_row(monkeypatch: pytest.MonkeyPatch) ->
     assert any("do not hold their blocks" in v for f in report.failures for v in f.violations)
 
 
+@pytest.mark.timeout(300)  # hundreds of seeds: slow on a loaded machine
 def test_planted_prepare_store_evicting_its_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 14, item 2 (vLLM PR #35846): eviction no longer spares the call's present keys."""
     monkeypatch.setattr(BlockPool, "_spared", lambda pool, present: frozenset())

@@ -234,7 +234,7 @@ class BlockPool:
                 present.append(key)
             elif (writer, key) not in self._pending_writes:
                 new.append(key)
-        allocated = self._allocate(new, writer, self._spared(present))
+        allocated = self._allocate(new, writer, present)
         if allocated is None:
             return None
         rows, evicted = allocated
@@ -534,13 +534,14 @@ class BlockPool:
         return frozenset(key for key in present if key in policy)
 
     def _allocate(
-        self, keys: Sequence[OffloadKey], writer: Writer, spare: frozenset[OffloadKey] = frozenset()
+        self, keys: Sequence[OffloadKey], writer: Writer, present: Sequence[OffloadKey] = ()
     ) -> tuple[tuple[int, ...], tuple[OffloadKey, ...]] | None:
         """Not-ready rows for absent ``keys``, evicting if needed: ``(rows, evicted)``,
         or ``None`` (nothing changed) when free and evictable rows are too few.
 
-        ``spare``: evictable keys that must not be evicted (they are the caller's)."""
+        ``present``: the caller's keys that are indexed; eviction spares them."""
         shortfall = len(keys) - len(self._free)
+        spare = self._spared(present) if shortfall > 0 else frozenset()
         if shortfall > 0 and len(self._policy) - len(spare) < shortfall:
             return None
         evicted = tuple(self._evict_one(spare) for _ in range(max(shortfall, 0)))
