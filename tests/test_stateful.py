@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -275,3 +276,4 @@ class ManagerMachine(RuleBasedStateMachine):
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestManagerMachine.pytestmark = [pytest.mark.timeout(300)]  # ~15 s alone; far slower on a loaded machine
