@@ -17,6 +17,9 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import ActorRef, ActorStoppedError, Runtime, ThreadRuntime
 from kvactors.actors.secondary import SecondaryTierActor
 from kvactors.actors.supervisor import LifecycleSupervisor
+from kvactors.core.arguments import check_ctx as _check_ctx
+from kvactors.core.arguments import check_flag, check_int, check_timeout
+from kvactors.core.arguments import check_keys as _check_keys
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.core.policies import POLICIES
 from kvactors.logs import make_event_logger
@@ -36,20 +39,31 @@ T = TypeVar("T")
 _manager_ids = itertools.count()
 
 
-def _check_ctx(ctx: object) -> ReqContext:
-    if not isinstance(ctx, ReqContext):
-        raise ValueError(f"expected a ReqContext, got {type(ctx).__name__}")
-    return ctx
+BOOKKEEPING_BYTES_PER_BLOCK = 256
+"""An upper bound of the primary's bookkeeping per pool row (measured: 182 B at 1M blocks)."""
 
 
-def _check_keys(keys: Iterable[OffloadKey]) -> tuple[OffloadKey, ...]:
-    if isinstance(keys, bytes | bytearray | str):
-        raise ValueError("keys must be a sequence of bytes keys, not a single key")
-    out = tuple(keys)
-    for key in out:
-        if type(key) is not bytes:
-            raise ValueError(f"a key must be bytes, got {type(key).__name__}")
-    return out
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _allocate_pool(num_blocks: int, block_bytes: int) -> torch.Tensor:
+    """The pool tensor, or a ``MemoryError`` that names the sizes (never torch's allocator text)."""
+    need = num_blocks * (block_bytes + BOOKKEEPING_BYTES_PER_BLOCK)
+    sizes = f"num_blocks={num_blocks} x block_bytes={block_bytes}"
+    physical = _physical_memory()
+    if physical is not None and need > physical:
+        # Refused before trying: torch.zeros would touch every page (or the OOM killer would end it).
+        raise MemoryError(f"the primary pool of {sizes} needs about {need} bytes (with its bookkeeping), "
+                          f"more than this machine's {physical} bytes of memory")
+    try:
+        return torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    except (RuntimeError, MemoryError) as exc:
+        raise MemoryError(f"cannot allocate the primary pool of {sizes} = {num_blocks * block_bytes} bytes "
+                          f"({type(exc).__name__})") from None
 
 
 class TieringManager:
@@ -69,6 +83,12 @@ class TieringManager:
     lookup that misses in the pool then waits for the supervisor and the
     tiers on their threads). Otherwise the message is queued to the
     primary's thread: at most one round trip per blocking call.
+
+    Arguments are checked at the caller, before anything is queued, by every
+    method (non-blocking ones too): a bad one is a ``ValueError`` and changes
+    nothing. ``keys`` is an iterable of non-empty ``bytes`` (``b""`` is not a
+    key), ``ctx`` a :class:`ReqContext`, ``success`` a ``bool``, a timeout
+    ``None`` or finite seconds ``>= 0``.
 
     Use :meth:`start` to create one; it is a context manager that stops on exit.
     """
@@ -114,15 +134,24 @@ class TieringManager:
         ``event_log``: a file to append the lifecycle events to, as JSON lines
         (default: the ``KVACTORS_EVENT_LOG`` environment variable, if set).
         ``runtime``: where the actors run (default: pykka threads).
+
+        Bad arguments raise ``ValueError`` (sizes are ints ``> 0``, not
+        ``True``; timeouts finite numbers ``> 0``); a pool that cannot be
+        allocated (more than the machine's memory, or refused by the
+        allocator) raises ``MemoryError`` naming ``num_blocks`` and
+        ``block_bytes``. Either way nothing is left running.
         """
-        for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{label} must be an int > 0, got {value!r}")
-        if eviction not in POLICIES:
+        check_int(num_blocks, "num_blocks")
+        check_int(block_bytes, "block_bytes")
+        if not isinstance(eviction, str) or eviction not in POLICIES:
             raise ValueError(f"unknown eviction policy {eviction!r}; choose one of {POLICIES}")
-        for label, timeout in (("transfer_timeout_s", transfer_timeout_s), ("lookup_timeout_s", lookup_timeout_s)):
-            if not isinstance(timeout, int | float) or not timeout > 0:
-                raise ValueError(f"{label} must be > 0, got {timeout!r}")
+        check_timeout(transfer_timeout_s, "transfer_timeout_s", allow_none=False, allow_zero=False)
+        check_timeout(lookup_timeout_s, "lookup_timeout_s", allow_none=False, allow_zero=False)
+        if event_log is not None and (not isinstance(event_log, str | os.PathLike) or not os.fspath(event_log)):
+            raise ValueError(f"event_log must be a path or None, got {event_log!r}")
+        if isinstance(secondary_tiers, str | bytes) or not isinstance(secondary_tiers, Iterable):
+            raise ValueError(f"secondary_tiers must be a sequence of SecondaryTier, "
+                             f"got {type(secondary_tiers).__name__}")
         tiers = list(secondary_tiers)
         names = [PRIMARY_TIER_NAME]
         for tier in tiers:
@@ -135,11 +164,8 @@ class TieringManager:
             raise ValueError("a tier instance is given twice")
 
         manager_id = next(_manager_ids)
-        pool = torch.zeros(
-            (num_blocks, block_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-        )
+        pool = _allocate_pool(num_blocks, block_bytes)
         log, sink = make_event_logger(event_log, manager=manager_id, pid=os.getpid())
-        runtime = runtime if runtime is not None else ThreadRuntime(f"kvactors-{manager_id}")
         work_ids = itertools.count(1)
 
         tier_actors = [SecondaryTierActor(tier) for tier in tiers]
@@ -153,6 +179,8 @@ class TieringManager:
         )
         for actor in (primary, supervisor, *tier_actors):
             actor.log = log
+        # Threads start only now, once everything that could fail to allocate has been built.
+        runtime = runtime if runtime is not None else ThreadRuntime(f"kvactors-{manager_id}")
         primary_ref = runtime.spawn(primary, "primary")
         # One thread for both: the finalize path (completion -> primary -> supervisor -> tiers)
         # then waits for the GIL once less; the supervisor stays an actor of its own.
@@ -257,7 +285,15 @@ class TieringManager:
         return self._ask(m.PrepareLoad(_check_keys(keys), _check_ctx(ctx), reply), reply)
 
     def complete_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
-        """Unpin what :meth:`prepare_load` pinned (one unpin per pin). Non-blocking."""
+        """Unpin what :meth:`prepare_load` pinned: one pin per key given, each
+        released once, on the row it was taken on. Non-blocking.
+
+        A request whose pins of one key lie on two rows (it pinned the key, a
+        :meth:`reset_cache` detached that row, and it pinned the key's new row)
+        cannot say which copy ended: both rows stay pinned until its last
+        ``complete_load`` of that key, so no row is reused while a copy may
+        still read it. A release with no pin left is a ``contract_violation``
+        (counted, nothing changes)."""
         self._send(m.CompleteLoad(_check_keys(keys), _check_ctx(ctx)))
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
@@ -267,7 +303,9 @@ class TieringManager:
     def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         """Allocate not-ready rows for the keys not present (evicting if needed).
 
-        ``None`` if there is no room. The rows are protected until
+        Duplicates are stored once. The keys left out as present are never
+        evicted by this call; ``None`` (nothing changes) if there is no room
+        without evicting them. The rows are protected until
         :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
         ``LifecycleError`` if the request is unknown or finished."""
         reply: Reply[PrepareStoreOutput | None] = Reply()
@@ -277,13 +315,16 @@ class TieringManager:
         """The copy into the prepared rows ended. Success makes the blocks ready
         and cascades them to every secondary tier; failure removes them. Either
         way the store is no longer pending. Non-blocking."""
-        self._send(m.CompleteStore(_check_keys(keys), _check_ctx(ctx), bool(success)))
+        self._send(m.CompleteStore(_check_keys(keys), _check_ctx(ctx), check_flag(success, "success")))
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submit calls for this attempt. Idempotent. Non-blocking.
 
         The primary tier is told at once; each secondary tier once nothing can
-        still submit to it for this request."""
+        still submit to it for this request. A finish for a request the runtime
+        does not know (never started, or finalized already) does nothing and is
+        not a contract violation: after finalize nothing of a request is kept,
+        so it cannot be told from a repeated finish, which is legal."""
         self._send(m.FinishRequest(_check_ctx(ctx)))
 
     def reset_cache(self) -> None:
@@ -301,7 +342,9 @@ class TieringManager:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """True once every call made before it, every job those calls started and
         every tier hook they caused has been processed and reported. Stores
-        prepared but not completed by the caller do not hold it."""
+        prepared but not completed by the caller do not hold it. ``timeout``:
+        ``None`` or finite seconds ``>= 0`` (else ``ValueError``)."""
+        timeout = check_timeout(timeout, "timeout")
         reply: Reply[bool] = Reply()
         self._send(m.Barrier(reply))
         return self._runtime.wait(reply, timeout) and reply.result()
@@ -318,8 +361,10 @@ class TieringManager:
 
         Safe to call twice, and from several threads. Later calls of any other
         method raise :class:`ManagerStoppedError`. With ``timeout``, gives up
-        waiting after that many seconds and stops the actors anyway.
+        waiting after that many seconds and stops the actors anyway: ``None``
+        or finite seconds ``>= 0`` (else ``ValueError``, and nothing is stopped).
         """
+        timeout = check_timeout(timeout, "timeout")
         with self._gate:
             first = not self._closed
             self._closed = True

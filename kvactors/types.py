@@ -34,6 +34,8 @@ class ReqContext:
             raise ValueError(f"req_id must be a non-empty str, got {self.req_id!r}")
         if not isinstance(self.attempt, int) or isinstance(self.attempt, bool) or self.attempt < 0:
             raise ValueError(f"attempt must be an int >= 0, got {self.attempt!r}")
+        if self.params is not None and not isinstance(self.params, Mapping):
+            raise ValueError(f"params must be a Mapping or None, got {type(self.params).__name__}")
 
     @property
     def identity(self) -> tuple[str, int]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvactors import LookupResult
+from kvactors import LookupResult, OffloadingEvent
 from kvactors.core.policies import LRUPolicy, make_policy
 from kvactors.core.pool import BlockPool, PoolError
 
@@ -177,6 +179,147 @@ def test_events_report_stores_and_removals_in_order():
     assert p.take_events() == []
 
 
+# ---------------------------------------------------------------- pins belong to rows (issue 14, item 1)
+
+
+def _ready(p: BlockPool, keys: list[bytes], writer=A) -> tuple[int, ...]:
+    plan = p.prepare_store(keys, writer)
+    assert plan is not None and plan.keys == tuple(keys)
+    p.complete_store(keys, writer, success=True)
+    return plan.rows
+
+
+def _pins(p: BlockPool, row: int) -> int:
+    return p.snapshot()[5][row]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_pin_after_a_reset_is_booked_on_the_new_row(policy):
+    """A request pins k, a reset detaches k's row, k is stored again and pinned again by the
+    same request: two pins on two rows, each released on its own row (TRT-LLM #8274, LMCache #2954)."""
+    p = pool(2, policy)
+    (old,) = _ready(p, [b"k"])
+    p.pin_for_load([b"k"], B)
+    p.reset()
+    (new,) = _ready(p, [b"k"])
+    assert new != old
+    p.pin_for_load([b"k"], B)
+    assert (_pins(p, old), _pins(p, new)) == (1, 1)
+    p.check_invariants()
+    # One copy ended, the other may still read either row: neither row may be handed out.
+    p.unpin_load([b"k"], B)
+    p.check_invariants()
+    assert (_pins(p, old), _pins(p, new)) == (1, 1)
+    assert p.prepare_store([b"x"], A) is None, "a row still being read was handed to a new store"
+    assert p.load_pins_of(B) == 1
+    p.unpin_load([b"k"], B)
+    assert (_pins(p, old), _pins(p, new)) == (0, 0)
+    assert p.stats()["blocks_pinned"] == 0 and p.stats()["blocks_detached"] == 0
+    assert p.lookup([b"k"]) == [LookupResult.HIT]  # the new row stays, evictable again
+    plan = p.prepare_store([b"x"], A)
+    assert plan is not None and plan.rows == (old,) and plan.evicted == ()  # the old row is free once read
+    assert not p._load_pins
+    p.check_invariants()
+
+
+def test_a_release_more_than_the_pins_taken_changes_nothing():
+    p = pool(3)
+    _ready(p, [b"k"])
+    p.pin_for_load([b"k"], B)
+    p.reset()
+    _ready(p, [b"k"])
+    p.pin_for_load([b"k"], B)
+    p.unpin_load([b"k"], B)  # owed: the pins lie on two rows
+    before = p.snapshot()
+    with pytest.raises(PoolError):
+        p.unpin_load([b"k", b"k"], B)  # one pin left, two released
+    with pytest.raises(PoolError):
+        p.unpin_load([b"k"], A)  # another request
+    assert p.snapshot() == before
+    p.unpin_load([b"k"], B)
+    with pytest.raises(PoolError):
+        p.unpin_load([b"k"], B)  # every pin was released once: a third release is refused
+    assert p.stats()["blocks_pinned"] == 0
+    p.check_invariants()
+
+
+def test_pins_on_one_row_are_released_at_once_and_a_new_row_of_the_key_waits_for_all():
+    p = pool(4)
+    (old,) = _ready(p, [b"k"])
+    p.pin_for_load([b"k", b"k"], B)  # two pins on one row
+    p.unpin_load([b"k"], B)
+    assert _pins(p, old) == 1  # one row only: released at once
+    p.reset()
+    (new,) = _ready(p, [b"k"])
+    p.pin_for_load([b"k"], B)
+    p.pin_for_load([b"k"], B)
+    assert (_pins(p, old), _pins(p, new)) == (1, 2)
+    p.unpin_load([b"k", b"k"], B)
+    assert (_pins(p, old), _pins(p, new)) == (1, 2)  # which two copies ended is unknown
+    p.pin_for_load([b"k"], B)  # pinning again while releases are owed
+    assert (_pins(p, old), _pins(p, new)) == (1, 3)
+    p.check_invariants()
+    p.unpin_load([b"k", b"k"], B)
+    assert (_pins(p, old), _pins(p, new)) == (0, 0)
+    assert p.stats()["blocks_free"] == 3
+    p.check_invariants()
+
+
+def test_a_promotion_into_a_new_row_while_the_old_one_is_pinned():
+    p = pool(2)
+    (old,) = _ready(p, [b"k"])
+    p.pin_for_load([b"k"], B)
+    p.reset()
+    (new,) = p.allocate_promotion(1, [b"k"])
+    assert new != old
+    p.end_promotion(1, success=True)
+    p.pin_for_load([b"k"], B)
+    p.unpin_load([b"k"], B)
+    assert p.allocate_promotion(2, [b"x"]) is None  # both rows may still be read
+    p.unpin_load([b"k"], B)
+    assert p.allocate_promotion(3, [b"x"]) == (old,)
+    p.check_invariants()
+
+
+# ---------------------------------------------------------------- own keys are never evicted (item 2)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_prepare_store_never_evicts_a_key_of_its_own_call(policy):
+    """vLLM PR #35846: ``a`` is left out as present, then evicted to make room for ``c``."""
+    p = pool(2, policy)
+    _ready(p, [b"a", b"b"])  # a is the least recently used
+    plan = p.prepare_store([b"a", b"c"], B)
+    assert plan is not None and plan.keys == (b"c",)
+    assert plan.evicted == (b"b",), "the call evicted its own present key"
+    assert p.lookup([b"a"]) == [LookupResult.HIT]
+    p.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_room_only_from_the_calls_own_keys_is_no_room(policy):
+    p = pool(2, policy)
+    _ready(p, [b"a", b"b"])
+    before = p.snapshot()
+    assert p.prepare_store([b"a", b"b", b"c"], B) is None
+    assert p.prepare_store([b"c", b"b", b"c", b"a"], B) is None  # duplicates change nothing
+    assert p.snapshot() == before and p.take_events() == [
+        OffloadingEvent((b"a", b"b"), "cpu", False)]
+    plan = p.prepare_store([b"b", b"c", b"c"], B)  # one other key is evictable: enough for one new key
+    assert plan is not None and plan.keys == (b"c",) and plan.evicted == (b"a",)
+    p.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_duplicates_are_stored_once_and_spared_once(policy):
+    p = pool(3, policy)
+    _ready(p, [b"a", b"b", b"d"])
+    plan = p.prepare_store([b"a", b"a", b"c", b"c", b"a"], B)
+    assert plan is not None and plan.keys == (b"c",) and len(plan.rows) == 1
+    assert b"a" not in plan.evicted and plan.evicted == (b"b",)
+    p.check_invariants()
+
+
 KEYS = [bytes([n]) for n in range(6)]
 WRITERS = [("w", 0), ("w", 1), ("v", 0)]
 
@@ -184,22 +327,49 @@ WRITERS = [("w", 0), ("w", 1), ("v", 0)]
 class PoolMachine(RuleBasedStateMachine):
     """Random sequences of every pool operation, misuse included.
 
-    After each step: the pool's invariants hold, an operation that raised
-    changed nothing, and no row in use was handed out again.
+    The machine keeps its own model of every row's holders, from the calls'
+    results alone: writers (stores, promotions), load pins per request and
+    key on the rows they were taken on (released as ``unpin_load`` documents:
+    at once on one row, all together once the pins span rows), cascade pins
+    and holds. After each step: the pool's invariants hold, its pins, writers
+    and holds per row equal the model's, an operation that raised changed
+    nothing, no row the model says is held was handed out again, and no
+    ``prepare_store`` evicted a key of its own call.
     """
+
+    ROWS = 4
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(4, make_policy("arc", 4))
+        self.pool = BlockPool(self.ROWS, make_policy("arc", self.ROWS))
         self.jobs = 0
         self.job_ids: list[int] = []
         self.held: list[int] = []
         self.promotions: list[int] = []
+        # The model of every row's holders.
+        self.m_writes: dict[tuple[tuple[str, int], bytes], int] = {}
+        self.m_reads: dict[tuple[tuple[str, int], bytes], list[int]] = {}  # rows pinned, one entry per pin
+        self.m_released: Counter[tuple[tuple[str, int], bytes]] = Counter()
+        self.m_job_rows: dict[int, tuple[int, ...]] = {}  # cascades and promotions, until they end
+        self.m_holds: dict[int, tuple[int, ...]] = {}
+
+    def _model_rows(self) -> tuple[Counter[int], set[int], Counter[int]]:
+        pins: Counter[int] = Counter()
+        for entry in self.m_reads.values():
+            pins.update(entry)
+        writers = set(self.m_writes.values())
+        for job_id in self.promotions:
+            writers.update(self.m_job_rows[job_id])
+        for job_id in self.job_ids:
+            pins.update(self.m_job_rows[job_id])
+        holds: Counter[int] = Counter()
+        for rows in self.m_holds.values():
+            holds.update(rows)
+        return pins, writers, holds
 
     def _busy_rows(self) -> set[int]:
-        stats = self.pool.snapshot()
-        writer, pins, holds = stats[4], stats[5], stats[6]
-        return {row for row in range(4) if writer[row] is not None or pins[row] or holds[row]}
+        pins, writers, holds = self._model_rows()
+        return set(pins) | writers | set(holds)
 
     def _guarded(self, call, *args, **kwargs):
         before = self.pool.snapshot()
@@ -209,30 +379,107 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.pool.snapshot() == before, "a refused operation changed state"
             return None
 
+    def _store(self, keys, writer):
+        busy = self._busy_rows()
+        present = {key for key in keys if self.pool.row_of(key) is not None}
+        plan = self.pool.prepare_store(keys, writer)
+        if plan is None:
+            return None
+        assert not set(plan.rows) & busy, "a row with holders was handed to a new store"
+        assert not set(plan.evicted) & set(keys), "prepare_store evicted a key of its own call"
+        assert all(self.pool.row_of(key) is not None for key in present), "a present key of the call is gone"
+        assert len(set(plan.keys)) == len(plan.keys) and not set(plan.keys) & present
+        for key, row in zip(plan.keys, plan.rows, strict=True):
+            self.m_writes[(writer, key)] = row
+        return plan
+
+    def _pin(self, keys, owner):
+        rows = self._guarded(self.pool.pin_for_load, keys, owner)
+        if rows is None:
+            return None
+        for key, row in zip(keys, rows, strict=True):
+            self.m_reads.setdefault((owner, key), []).append(row)
+        return rows
+
+    def _release(self, owner, key):
+        entry = (owner, key)
+        self.m_released[entry] += 1
+        rows = self.m_reads[entry]
+        if len(set(rows)) == 1:
+            del rows[: self.m_released.pop(entry)]
+        elif self.m_released[entry] == len(rows):
+            rows.clear()
+            del self.m_released[entry]
+        if not rows:
+            del self.m_reads[entry]
+
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3), writer=st.sampled_from(WRITERS))
     def prepare_store(self, keys, writer):
-        busy = self._busy_rows()
-        plan = self.pool.prepare_store(keys, writer)
-        if plan is not None:
-            assert not set(plan.rows) & busy, "a busy row was handed to a new store"
+        self._store(keys, writer)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3), writer=st.sampled_from(WRITERS), ok=st.booleans())
     def complete_store(self, keys, writer, ok):
-        self._guarded(self.pool.complete_store, keys, writer, ok)
+        if self._guarded(self.pool.complete_store, keys, writer, ok) is not None:
+            for key in keys:
+                del self.m_writes[(writer, key)]
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3), owner=st.sampled_from(WRITERS))
     def pin(self, keys, owner):
-        self._guarded(self.pool.pin_for_load, keys, owner)
+        self._pin(keys, owner)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3), owner=st.sampled_from(WRITERS))
     def unpin(self, keys, owner):
-        self._guarded(self.pool.unpin_load, keys, owner)
+        before = self.pool.snapshot()
+        try:
+            self.pool.unpin_load(keys, owner)
+        except PoolError:
+            assert self.pool.snapshot() == before, "a refused operation changed state"
+            wanted = Counter(keys)
+            assert any(len(self.m_reads.get((owner, key), ())) - self.m_released[(owner, key)] < count
+                       for key, count in wanted.items()), "a release of pins held was refused"
+            return
+        for key in keys:
+            self._release(owner, key)
+
+    @precondition(lambda self: self.m_reads)
+    @rule(data=st.data())
+    def complete_a_load(self, data):
+        """Release one pin actually held (``unpin`` mostly draws misuse)."""
+        owner, key = data.draw(st.sampled_from(sorted(self.m_reads)))
+        self.pool.unpin_load([key], owner)
+        self._release(owner, key)
+
+    @precondition(lambda self: self.m_reads)
+    @rule(data=st.data(), writer=st.sampled_from(WRITERS))
+    def reset_and_pin_again(self, data, writer):
+        """The path of item 1: a pinned key's row is detached, the key stored anew and pinned again."""
+        owner, key = data.draw(st.sampled_from(sorted(self.m_reads)))
+        self.reset()
+        plan = self._store([key], writer)
+        if plan is None or not plan.keys:
+            return
+        self.pool.complete_store([key], writer, True)
+        del self.m_writes[(writer, key)]
+        self._pin([key], owner)
+
+    @rule(present=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
+          new=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3), writer=st.sampled_from(WRITERS))
+    def store_among_own_keys(self, present, new, writer):
+        """The path of item 2: a full pool, a call mixing its present keys with new ones (and duplicates)."""
+        plan = self._store(present, writer)
+        if plan is not None and plan.keys:
+            self.pool.complete_store(list(plan.keys), writer, True)
+            for key in plan.keys:
+                del self.m_writes[(writer, key)]
+        self._store([*present, *new, *present], writer)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=2))
     def cascade(self, keys):
         self.jobs += 1
-        if self._guarded(self.pool.pin_for_job, self.jobs, keys) is not None:
+        rows = self._guarded(self.pool.pin_for_job, self.jobs, keys)
+        if rows is not None:
             self.job_ids.append(self.jobs)
+            self.m_job_rows[self.jobs] = rows
 
     @precondition(lambda self: self.job_ids)
     @rule(hold=st.booleans(), data=st.data())
@@ -240,8 +487,10 @@ class PoolMachine(RuleBasedStateMachine):
         job_id = data.draw(st.sampled_from(self.job_ids))
         self.job_ids.remove(job_id)
         assert self.pool.end_job(job_id, hold=hold)
+        rows = self.m_job_rows.pop(job_id)
         if hold:
             self.held.append(job_id)
+            self.m_holds[job_id] = rows
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -249,6 +498,7 @@ class PoolMachine(RuleBasedStateMachine):
         job_id = data.draw(st.sampled_from(self.held))
         self.held.remove(job_id)
         assert self.pool.release_hold(job_id)
+        del self.m_holds[job_id]
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=2))
     def promote(self, keys):
@@ -256,8 +506,9 @@ class PoolMachine(RuleBasedStateMachine):
         busy = self._busy_rows()
         rows = self._guarded(self.pool.allocate_promotion, self.jobs, keys)
         if rows is not None:
-            assert not set(rows) & busy
+            assert not set(rows) & busy, "a row with holders was handed to a promotion"
             self.promotions.append(self.jobs)
+            self.m_job_rows[self.jobs] = rows
 
     @precondition(lambda self: self.promotions)
     @rule(ok=st.booleans(), hold=st.booleans(), data=st.data())
@@ -265,8 +516,10 @@ class PoolMachine(RuleBasedStateMachine):
         job_id = data.draw(st.sampled_from(self.promotions))
         self.promotions.remove(job_id)
         self.pool.end_promotion(job_id, success=ok, hold=hold)
+        rows = self.m_job_rows.pop(job_id)
         if hold:
             self.held.append(job_id)
+            self.m_holds[job_id] = rows
 
     @rule(key=st.sampled_from(KEYS), writer=st.sampled_from(WRITERS))
     def detach(self, key, writer):
@@ -284,6 +537,16 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.pool.check_invariants()
+
+    @invariant()
+    def rows_hold_what_the_model_says(self):
+        snapshot = self.pool.snapshot()
+        writer, pins, holds = snapshot[4], snapshot[5], snapshot[6]
+        m_pins, m_writers, m_holds = self._model_rows()
+        for row in range(self.ROWS):
+            assert pins[row] == m_pins[row], f"row {row}: {pins[row]} pins, the model has {m_pins[row]}"
+            assert (writer[row] is not None) == (row in m_writers), f"row {row}: writer"
+            assert holds[row] == m_holds[row], f"row {row}: holds"
 
 
 TestPoolMachine = PoolMachine.TestCase

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvactors.core import lifecycle
-from kvactors.core.pool import BlockPool
+from kvactors.core.pool import BlockPool, _LoadPins
 from kvactors.sim import explore as explore_module
 from kvactors.sim.explore import ExploreReport, explore, explore_one
 from kvactors.sim.workload import WorkloadConfig
@@ -81,6 +81,7 @@ def test_planted_finalize_ignoring_queued_promotions_reaches_a_tier(monkeypatch:
     _hunt(400, 0.05, "after on_request_finished")
 
 
+@pytest.mark.timeout(300)  # hundreds of seeds: slow on a loaded machine
 def test_planted_pins_that_do_not_protect_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """TRT-LLM #8274: a row pinned by a reader (load or cascade) is evicted and reused mid-read."""
 
@@ -177,3 +178,34 @@ def test_planted_report_taken_at_its_word(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(supervisor, "key_outcomes", trusting)
     _more_report_faults(monkeypatch)
     _hunt(400, 0.03, "do not hold their blocks", base=PER_KEY_WORKLOAD)
+
+
+@pytest.mark.timeout(300)  # hundreds of seeds: slow on a loaded machine
+def test_planted_repin_booked_on_the_old_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 14, item 1 (TRT-LLM #8274, LMCache #2954): a request pins a key's old row, a reset
+    detaches it, and its pin of the key's new row is booked on the old row (as before the fix)."""
+
+    def pin_on_first_row(pool: BlockPool, keys, owner):  # type: ignore[no-untyped-def]
+        rows = pool._ready_rows(keys)
+        for key, row in zip(keys, rows, strict=True):
+            entry = pool._load_pins.get((owner, key))
+            if entry is None:
+                pool._load_pins[(owner, key)] = _LoadPins(row)
+            else:
+                entry.rows[next(iter(entry.rows))] += 1  # the bug: booked on the row of the first pin
+            pool._pin(row)
+            pool._policy.access(key)
+        return tuple(rows)
+
+    monkeypatch.setattr(BlockPool, "pin_for_load", pin_on_first_row)
+    # The new row stays pinned for good; the old one is released twice.
+    report = _hunt(800, 0.015, "stats['blocks_pinned']")
+    # And at least once the old row was freed, handed to a store and overwritten while a copy read it.
+    assert any("do not hold their blocks" in v for f in report.failures for v in f.violations)
+
+
+@pytest.mark.timeout(300)  # hundreds of seeds: slow on a loaded machine
+def test_planted_prepare_store_evicting_its_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 14, item 2 (vLLM PR #35846): eviction no longer spares the call's present keys."""
+    monkeypatch.setattr(BlockPool, "_spared", lambda pool, present: frozenset())
+    _hunt(300, 0.02, "evicted its own keys")

@@ -6,13 +6,17 @@ steps, and time jumps make deadlines race with completions. After every step:
 the pool's invariants hold, no tier saw a submit after its finish or a second
 finish, and the supervisor's request table agrees with the primary's. A model
 predicts which calls must raise LifecycleError and how many contract
-violations the runtime must count.
+violations the runtime must count, and which pool rows requests may still be
+reading (their load pins, on the rows ``prepare_load`` returned, released as
+``complete_load`` documents): ``prepare_store`` never hands such a row out,
+and never evicts a key of its own call.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -70,6 +74,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.ever_started: set[tuple[str, int]] = set()
         self.writes: Counter[tuple[tuple[str, int], bytes]] = Counter()  # prepared, not completed
         self.pins: Counter[tuple[tuple[str, int], bytes]] = Counter()
+        self.read_rows: dict[tuple[tuple[str, int], bytes], list[int]] = {}  # one entry per pin, until released
+        self.released: Counter[tuple[tuple[str, int], bytes]] = Counter()
         self.expected_violations = 0
         self.restarts = 0
 
@@ -120,6 +126,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self._active(ctx), "prepare_store accepted after finish"
         if out is not None:
             assert len(out.keys_to_store) == len(out.store_spec.block_ids)
+            assert not set(out.evicted_keys) & set(keys), "prepare_store evicted a key of its own call"
+            read = {row for rows in self.read_rows.values() for row in rows}
+            assert not set(out.store_spec.block_ids) & read, "a row still being read was handed to a store"
             for key in out.keys_to_store:
                 self.writes[(ctx.identity, key)] += 1
 
@@ -150,8 +159,22 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert self._active(ctx)
         assert len(spec.block_ids) == len(keys)
-        for key in keys:
+        for key, row in zip(keys, spec.block_ids, strict=True):
             self.pins[(ctx.identity, key)] += 1
+            self.read_rows.setdefault((ctx.identity, key), []).append(row)
+
+    def _released(self, identity, key):
+        """One complete_load: at once if the key's pins lie on one row, else with the key's last release."""
+        entry = (identity, key)
+        self.released[entry] += 1
+        rows = self.read_rows[entry]
+        if len(set(rows)) == 1:
+            del rows[: self.released.pop(entry)]
+        elif self.released[entry] == len(rows):
+            rows.clear()
+            del self.released[entry]
+        if not rows:
+            del self.read_rows[entry]
 
     @rule(data=st.data())
     def complete_load(self, data):
@@ -159,6 +182,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         identity, key = data.draw(st.sampled_from(sorted(self.pins)))
         self.manager.complete_load([key], ReqContext(*identity))
+        self._released(identity, key)
         self.pins[(identity, key)] -= 1
         if not self.pins[(identity, key)]:
             del self.pins[(identity, key)]
@@ -177,6 +201,25 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule()
     def reset_cache(self):
         self.manager.reset_cache()
+
+    def _store_ready(self, ctx, key) -> bool:
+        out = self.manager.prepare_store([key], ctx)
+        if out is None or out.keys_to_store != [key]:
+            return self.primary.pool.is_ready(key)
+        self.manager.complete_store([key], ctx, True)
+        return True
+
+    @rule(ctx=st.sampled_from(IDS), key=st.sampled_from(KEYS))
+    def reset_and_load_again(self, ctx, key):
+        """A request holds a load pin across a reset, the key is stored anew, and it loads it again."""
+        if not self._active(ctx) or not self._store_ready(ctx, key):
+            return
+        self.prepare_load(ctx, [key])
+        self.reset_cache()
+        if self._store_ready(ctx, key):
+            self.prepare_load(ctx, [key])
+            if len(set(self.read_rows.get((ctx.identity, key), ()))) > 1:
+                event("a request pinned a key's old and new rows")
 
     @rule(steps=st.integers(1, 30))
     def run_scheduler(self, steps):
@@ -233,3 +276,4 @@ class ManagerMachine(RuleBasedStateMachine):
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestManagerMachine.pytestmark = [pytest.mark.timeout(300)]  # ~15 s alone; far slower on a loaded machine

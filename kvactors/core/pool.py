@@ -19,6 +19,14 @@ A row is **evictable** only when indexed, ready and not busy, and it is
 still busy: a row being written or read is never handed out again until the
 job touching it has ended (TRT-LLM #8274).
 
+Every holder is booked on the row it holds, never on its key: once a row is
+detached, its key may be stored, promoted and pinned again in a new row while
+the old row still has holders, and each of them is released on its own row
+(see :meth:`BlockPool.unpin_load` for a request that pins both).
+
+``prepare_store`` never evicts a key of its own call: the caller is told those
+keys are present, so they must still be when it returns (vLLM PR #35846).
+
 Every operation validates its whole input before changing anything: a
 :class:`PoolError` means nothing changed.
 
@@ -72,6 +80,31 @@ class StoreOutcome:
     rows: tuple[int, ...]
 
 
+class _LoadPins:
+    """One request's load pins of one key: how many on each row, and releases owed.
+
+    ``rows`` counts the pins taken on each row. ``owed`` counts the releases
+    (``complete_load``) received but not yet applied to a row, because the
+    pins lie on more than one row and a release does not say which of the
+    copies ended (see :meth:`BlockPool.unpin_load`).
+    """
+
+    __slots__ = ("owed", "rows")
+
+    def __init__(self, row: int) -> None:
+        self.rows: dict[int, int] = {row: 1}
+        self.owed = 0
+
+    @property
+    def taken(self) -> int:
+        return sum(self.rows.values())
+
+    @property
+    def outstanding(self) -> int:
+        """Pins not yet released by the request."""
+        return self.taken - self.owed
+
+
 class BlockPool:
     """Block states, pins and eviction for ``num_blocks`` rows."""
 
@@ -91,7 +124,7 @@ class BlockPool:
         # Popping from the end hands out low rows first, which keeps runs contiguous.
         self._free = list(range(num_blocks - 1, -1, -1))
         self._pending_writes: dict[tuple[Writer, OffloadKey], int] = {}
-        self._load_pins: dict[tuple[Identity, OffloadKey], list[int]] = {}  # -> [row, count]
+        self._load_pins: dict[tuple[Identity, OffloadKey], _LoadPins] = {}
         self._job_pins: dict[int, tuple[int, ...]] = {}
         self._held_jobs: dict[int, tuple[int, ...]] = {}
         self._promotions: dict[int, tuple[tuple[OffloadKey, int], ...]] = {}
@@ -151,7 +184,7 @@ class BlockPool:
 
     def load_pins_of(self, identity: Identity) -> int:
         """How many load pins ``identity`` holds. O(load pins)."""
-        return sum(count for (owner, _), (_, count) in self._load_pins.items() if owner == identity)
+        return sum(pins.outstanding for (owner, _), pins in self._load_pins.items() if owner == identity)
 
     def stats(self) -> dict[str, int]:
         """Row counts by state; O(1)."""
@@ -177,19 +210,31 @@ class BlockPool:
     def prepare_store(self, keys: Sequence[OffloadKey], writer: Identity) -> StorePlan | None:
         """Allocate not-ready rows for the keys that are not present; evict if needed.
 
-        Left out: keys already indexed, duplicates within ``keys``, and keys
-        ``writer`` is still writing from an earlier, detached store (its late
-        completion must not be confused with a new one). Returns ``None``, and
-        changes nothing, when there is not enough free or evictable room.
+        Left out: keys already indexed, duplicates within ``keys`` (each key
+        is stored once, at its first place), and keys ``writer`` is still
+        writing from an earlier, detached store (its late completion must not
+        be confused with a new one).
+
+        The keys of the call that are present (left out because indexed) are
+        never evicted to make room for the others: the caller is told they are
+        cached. Returns ``None``, and changes nothing, when the free rows and
+        the evictable rows of *other* keys are too few for every new key (all
+        or nothing, as ``api.md``'s "``None`` if there is no room": storing
+        only some of the keys would leave holes in a request's prefix).
         """
         new: list[OffloadKey] = []
+        present: list[OffloadKey] = []
         seen: set[OffloadKey] = set()
+        index = self._index
         for key in keys:
-            if key in self._index or key in seen or (writer, key) in self._pending_writes:
+            if key in seen:
                 continue
             seen.add(key)
-            new.append(key)
-        allocated = self._allocate(new, writer)
+            if key in index:
+                present.append(key)
+            elif (writer, key) not in self._pending_writes:
+                new.append(key)
+        allocated = self._allocate(new, writer, present)
         if allocated is None:
             return None
         rows, evicted = allocated
@@ -252,33 +297,54 @@ class BlockPool:
         for key, row in zip(keys, rows, strict=True):
             entry = self._load_pins.get((owner, key))
             if entry is None:
-                self._load_pins[(owner, key)] = [row, 1]
+                self._load_pins[(owner, key)] = _LoadPins(row)
             else:
-                entry[1] += 1
+                # The same row again, or a new row of the key (an old one was
+                # detached by a reset while pinned): each pin is booked on its own row.
+                entry.rows[row] = entry.rows.get(row, 0) + 1
             self._pin(row)
             self._policy.access(key)
         return tuple(rows)
 
     def unpin_load(self, keys: Sequence[OffloadKey], owner: Identity) -> None:
-        """Release pins taken by :meth:`pin_for_load`; exactly one unpin per pin.
+        """Release pins taken by :meth:`pin_for_load`: one pin per key given,
+        each released once, on the row it was taken on.
+
+        Usually all of ``owner``'s pins of a key lie on one row, and the
+        release takes effect at once. After a reset they may lie on two rows
+        (a pin on the key's old, detached row, and one on its new row), and a
+        release does not say which copy ended: releasing either row could
+        free a row still being read (TRT-LLM #8274). Such releases are owed
+        until ``owner`` has released every pin of that key; then each row loses
+        the pins taken on it. A row is therefore never freed before every copy
+        that may read it has ended, and every pin is released exactly once.
 
         Raises :class:`PoolError` (nothing changed) if ``owner`` does not hold
-        that many pins on a key.
+        that many unreleased pins on a key.
         """
         wanted = Counter(keys)
         for key, count in wanted.items():
             entry = self._load_pins.get((owner, key))
-            if entry is None or entry[1] < count:
+            if entry is None or entry.outstanding < count:
                 raise PoolError(f"key {key.hex()[:16]} is not pinned by {owner}")
         for key, count in wanted.items():
             entry = self._load_pins[(owner, key)]
-            row = entry[0]
-            entry[1] -= count
-            if entry[1] == 0:
+            entry.owed += count
+            if len(entry.rows) == 1:
+                ((row, pins),) = entry.rows.items()
+                released = {row: entry.owed}
+                entry.rows[row] = pins - entry.owed
+                entry.owed = 0
+            elif entry.owed == entry.taken:
+                released, entry.rows, entry.owed = entry.rows, {}, 0
+            else:
+                continue  # pins on several rows: wait for the key's last release
+            if not entry.outstanding:
                 del self._load_pins[(owner, key)]
-            for _ in range(count):
-                self._unpin(row)
-            self._settle(row)
+            for row, pins in released.items():
+                for _ in range(pins):
+                    self._unpin(row)
+                self._settle(row)
 
     # ------------------------------------------------------------------ jobs
 
@@ -393,16 +459,20 @@ class BlockPool:
         return (
             dict(self._index), list(self._keys), bytes(self._indexed), bytes(self._ready), list(self._writer),
             self._pins.tolist(), self._holds.tolist(), list(self._free), dict(self._pending_writes),
-            {k: list(v) for k, v in self._load_pins.items()}, dict(self._job_pins), dict(self._held_jobs),
+            {k: (dict(v.rows), v.owed) for k, v in self._load_pins.items()}, dict(self._job_pins),
+            dict(self._held_jobs),
             dict(self._promotions), len(self._policy), set(self._detached),
         )
 
     def check_invariants(self) -> None:
         """Assert that every piece of state agrees with every other. O(rows); for tests."""
         pins = Counter[int]()
-        for (_, _), (row, count) in self._load_pins.items():
-            assert count > 0
-            pins[row] += count
+        for entry in self._load_pins.values():
+            # Every pin is counted on the row it was taken on; owed releases only
+            # while the pins lie on more than one row; no entry outlives its pins.
+            assert entry.rows and all(count > 0 for count in entry.rows.values())
+            assert 0 <= entry.owed < entry.taken and (entry.owed == 0 or len(entry.rows) > 1)
+            pins.update(entry.rows)
         for rows in self._job_pins.values():
             pins.update(rows)
         holds = Counter[int]()
@@ -459,15 +529,25 @@ class BlockPool:
             rows.append(row)
         return rows
 
+    def _spared(self, present: Sequence[OffloadKey]) -> frozenset[OffloadKey]:
+        """The evictable keys among a call's ``present`` ones: eviction must spare them."""
+        if not present:
+            return frozenset()
+        policy = self._policy
+        return frozenset(key for key in present if key in policy)
+
     def _allocate(
-        self, keys: Sequence[OffloadKey], writer: Writer
+        self, keys: Sequence[OffloadKey], writer: Writer, present: Sequence[OffloadKey] = ()
     ) -> tuple[tuple[int, ...], tuple[OffloadKey, ...]] | None:
         """Not-ready rows for absent ``keys``, evicting if needed: ``(rows, evicted)``,
-        or ``None`` (nothing changed) when free and evictable rows are too few."""
+        or ``None`` (nothing changed) when free and evictable rows are too few.
+
+        ``present``: the caller's keys that are indexed; eviction spares them."""
         shortfall = len(keys) - len(self._free)
-        if shortfall > 0 and len(self._policy) < shortfall:
+        spare = self._spared(present) if shortfall > 0 else frozenset()
+        if shortfall > 0 and len(self._policy) - len(spare) < shortfall:
             return None
-        evicted = tuple(self._evict_one() for _ in range(max(shortfall, 0)))
+        evicted = tuple(self._evict_one(spare) for _ in range(max(shortfall, 0)))
         if evicted:
             self._events.append(OffloadingEvent(evicted, self.tier, True))
         # Ascending rows for consecutive keys: copies of a request's blocks then
@@ -508,8 +588,8 @@ class BlockPool:
         if self._busy(row):
             self._detached.add(row)
 
-    def _evict_one(self) -> OffloadKey:
-        key = self._policy.victim()
+    def _evict_one(self, spare: frozenset[OffloadKey] = frozenset()) -> OffloadKey:
+        key = self._policy.victim(spare)
         assert key is not None, "caller checked there is an evictable key"
         row = self._index[key]
         assert self._ready[row] and not self._busy(row), "the policy only holds evictable keys"

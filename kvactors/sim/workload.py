@@ -54,6 +54,9 @@ class WorkloadConfig:
     p_reset: float = 0.02
     p_misuse: float = 0.05
     p_finish_concurrent: float = 0.1  # finish while a lookup or the last stores are in flight
+    # After a load, with its copy still running (slow), load the same keys again, after storing them
+    # anew and, half the time, a reset: a key's old and new rows pinned by one request.
+    p_reload: float = 0.25
     # store copy outcomes: weights of success, failure, completed after the deadline, never completed
     store_outcomes: tuple[float, float, float, float] = (0.8, 0.1, 0.05, 0.05)
     transfer_timeout_s: float = 1.0
@@ -70,6 +73,7 @@ class WorkloadConfig:
             p_reset=self.p_reset * rng.random() * 2,
             p_misuse=self.p_misuse,
             p_finish_concurrent=self.p_finish_concurrent * rng.random() * 2,
+            p_reload=self.p_reload,  # no draw: every earlier seed keeps its scenario up to its first reload
             store_outcomes=self.store_outcomes,
             transfer_timeout_s=self.transfer_timeout_s,
         )
@@ -151,8 +155,9 @@ class _Client:
 
     # ------------------------------------------------------------ operations
 
-    def lookup(self, ctx: ReqContext, *, then_finish: bool) -> Client:
-        keys = self.some_keys()
+    def lookup(self, ctx: ReqContext, *, then_finish: bool, keys: tuple[OffloadKey, ...] | None = None) -> Client:
+        again = keys is not None  # a reload: never reload again from it
+        keys = self.some_keys() if keys is None else keys
         reply: Reply[Any] = Reply()
         self.send(m.Lookup(keys, ctx, reply))
         if then_finish:
@@ -172,6 +177,7 @@ class _Client:
             self.unexpected("prepare_load", ctx, exc)
             return
         rows = load.result().block_ids
+        reload = not again and self.rng.random() < self.cfg.p_reload
         self.env.copies(+1)
 
         def copy_out() -> None:
@@ -182,20 +188,28 @@ class _Client:
             self.late_send(m.CompleteLoad(hits, ctx))
             self.env.copies(-1)
 
-        self.env.deferrer.defer(f"load {ctx}", copy_out)
+        self.env.deferrer.defer(f"load {ctx}", copy_out, self.cfg.transfer_timeout_s * 0.5 if reload else 0.0)
+        if reload:
+            yield from self.reload(ctx, hits)
 
-    def store(self, ctx: ReqContext) -> Client:
-        keys = self.some_keys()
+    def store(self, ctx: ReqContext, keys: tuple[OffloadKey, ...] | None = None, *, at_once: bool = False) -> Client:
+        """Store ``keys`` (random ones by default); ``at_once``: the copy succeeds on this thread."""
+        keys = self.some_keys() if keys is None else keys
         reply = yield from self.ask(lambda f: m.PrepareStore(keys, ctx, f))
         if reply.exception() is not None:
             self.unexpected("prepare_store", ctx, reply.exception())  # type: ignore[arg-type]
             return
         out: PrepareStoreOutput | None = reply.result()
+        if out is not None and set(out.evicted_keys) & set(keys):
+            # vLLM PR #35846: the call reports its other keys present, so it must not drop them.
+            self.env.violation(f"client {self.index}: prepare_store for {ctx} evicted its own keys "
+                               f"{sorted(set(out.evicted_keys) & set(keys))}")
         if out is None or not out.keys_to_store:
             return
         stored = tuple(out.keys_to_store)
         rows = out.store_spec.block_ids
-        outcome = self.rng.choices(("success", "failure", "late", "never"), self.cfg.store_outcomes)[0]
+        outcome = "success" if at_once else \
+            self.rng.choices(("success", "failure", "late", "never"), self.cfg.store_outcomes)[0]
         if outcome == "never":
             with self.env.lock:
                 self.env.never_completed.update((ctx.identity, key) for key in stored)
@@ -211,8 +225,20 @@ class _Client:
             self.late_send(m.CompleteStore(stored, ctx, outcome != "failure"))
             self.env.copies(-1)
 
+        if at_once:
+            copy_in()
+            return
         delay = self.cfg.transfer_timeout_s * 1.5 if outcome == "late" else 0.0
         self.env.deferrer.defer(f"store {ctx}", copy_in, delay)
+
+    def reload(self, ctx: ReqContext, keys: tuple[OffloadKey, ...]) -> Client:
+        """Load ``keys`` again while their first load's copy runs: maybe a reset, a store, the load."""
+        if self.rng.random() < 0.5:
+            reply = yield from self.ask(lambda f: m.ResetCache(f))
+            if reply.exception() is not None:
+                self.unexpected("reset_cache", ctx, reply.exception())  # type: ignore[arg-type]
+        yield from self.store(ctx, keys, at_once=True)  # ready again before the lookup: the load can pin it
+        yield from self.lookup(ctx, then_finish=False, keys=keys)
 
     def misuse(self, ctx: ReqContext, finished: bool) -> Client:
         kind = self.rng.randrange(3)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvactors.core.arguments import check_ctx, check_int, check_keys, check_timeout
 from kvactors.core.errors import ManagerStoppedError, TransferError
 from kvactors.logs import component_logger
 from kvactors.transfer.cpu import CpuCopier
@@ -101,6 +102,10 @@ class TransferEngine:
         copy_timeout_s: float | None = None,
         fault_injector: FaultInjector | None = None,
     ) -> None:
+        from kvactors.manager import TieringManager  # here: the manager's module need not import the engine's
+
+        if not isinstance(manager, TieringManager):
+            raise ValueError(f"manager must be a TieringManager, got {type(manager).__name__}")
         pool = manager.pool
         if not isinstance(device_cache, torch.Tensor):
             raise ValueError(f"device_cache must be a torch.Tensor, got {type(device_cache).__name__}")
@@ -111,11 +116,8 @@ class TransferEngine:
             raise ValueError(f"device_cache rows have {device_cache.shape[1]} bytes, the pool's have {pool.shape[1]}")
         if device_cache.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device_cache must be on the CPU or a CUDA device, not {device_cache.device}")
-        if not isinstance(copy_workers, int) or isinstance(copy_workers, bool) \
-                or not 1 <= copy_workers <= MAX_COPY_WORKERS:
-            raise ValueError(f"copy_workers must be an int in [1, {MAX_COPY_WORKERS}], got {copy_workers!r}")
-        if copy_timeout_s is not None and (not isinstance(copy_timeout_s, int | float) or not copy_timeout_s > 0):
-            raise ValueError(f"copy_timeout_s must be > 0 or None, got {copy_timeout_s!r}")
+        check_int(copy_workers, "copy_workers", maximum=MAX_COPY_WORKERS)
+        check_timeout(copy_timeout_s, "copy_timeout_s", allow_zero=False)
         if fault_injector is not None and not callable(fault_injector):
             raise ValueError("fault_injector must be callable or None")
 
@@ -174,7 +176,7 @@ class TransferEngine:
         resolved (on CUDA the copy is asynchronous; the resolution marks its
         end). ``ManagerStoppedError`` after :meth:`close`.
         """
-        keys_t, ids = self._check_args(keys, device_block_ids, unique_ids=False)
+        keys_t, ids = self._check_args(ctx, keys, device_block_ids, unique_ids=False)
         self._begin()
         handed_off = False
         try:
@@ -211,7 +213,7 @@ class TransferEngine:
         :class:`~kvactors.TransferError` (the device rows' content is then
         undefined). ``ManagerStoppedError`` after :meth:`close`.
         """
-        keys_t, ids = self._check_args(keys, device_block_ids, unique_ids=True)
+        keys_t, ids = self._check_args(ctx, keys, device_block_ids, unique_ids=True)
         self._begin()
         handed_off = False
         try:
@@ -271,15 +273,20 @@ class TransferEngine:
     # ------------------------------------------------------------ internals
 
     def _check_args(
-        self, keys: Iterable[OffloadKey], device_block_ids: Iterable[int], *, unique_ids: bool
+        self, ctx: object, keys: Iterable[OffloadKey], device_block_ids: Iterable[int], *, unique_ids: bool
     ) -> tuple[tuple[OffloadKey, ...], list[int]]:
-        if isinstance(keys, bytes | bytearray | str):
-            raise ValueError("keys must be a sequence of bytes keys, not a single key")
-        keys_t = tuple(keys)
+        """Every argument, before anything is asked of the manager (also when there is nothing to copy)."""
+        check_ctx(ctx)
+        keys_t = check_keys(keys)
+        if isinstance(device_block_ids, bytes | bytearray | str):
+            raise ValueError("device_block_ids must be a sequence of ints")
         try:
-            ids = [operator.index(i) for i in device_block_ids]
+            raw = list(device_block_ids)
+            ids = [operator.index(i) for i in raw]
         except TypeError as exc:
             raise ValueError(f"device_block_ids must be ints: {exc}") from None
+        if any(isinstance(i, bool) for i in raw):
+            raise ValueError("device_block_ids must be ints, not bools")
         if len(keys_t) != len(ids):
             raise ValueError(f"{len(keys_t)} keys but {len(ids)} device_block_ids")
         for i in ids:

@@ -12,6 +12,7 @@ needs room.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 from kvactors.types import OffloadKey
 
@@ -62,15 +63,16 @@ class ARCPolicy:
         else:
             self._t2.pop(key, None)
 
-    def victim(self) -> OffloadKey | None:
-        if self._t1 and (len(self._t1) > self._p or not self._t2):
-            key, _ = self._t1.popitem(last=False)
-            self._remember(self._b1, key)
-            return key
-        if self._t2:
-            key, _ = self._t2.popitem(last=False)
-            self._remember(self._b2, key)
-            return key
+    def victim(self, exclude: Collection[OffloadKey] = ()) -> OffloadKey | None:
+        recent, frequent = _oldest(self._t1, exclude), _oldest(self._t2, exclude)
+        if recent is not None and (len(self._t1) > self._p or frequent is None):
+            del self._t1[recent]
+            self._remember(self._b1, recent)
+            return recent
+        if frequent is not None:
+            del self._t2[frequent]
+            self._remember(self._b2, frequent)
+            return frequent
         return None
 
     def _remember(self, ghosts: OrderedDict[OffloadKey, None], key: OffloadKey) -> None:
@@ -85,3 +87,10 @@ class ARCPolicy:
 
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2
+
+
+def _oldest(keys: OrderedDict[OffloadKey, None], exclude: Collection[OffloadKey]) -> OffloadKey | None:
+    """The least recently used of ``keys`` not in ``exclude``, if any."""
+    if not exclude:
+        return next(iter(keys), None)
+    return next((key for key in keys if key not in exclude), None)

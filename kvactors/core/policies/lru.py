@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from kvactors.types import OffloadKey
 
@@ -125,15 +125,27 @@ class LRUPolicy:
             self._len -= 1
             self._unlink(row)
 
-    def victim(self) -> OffloadKey | None:
+    def victim(self, exclude: Collection[OffloadKey] = ()) -> OffloadKey | None:
         if self._order is not None:
-            if not self._order:
-                return None
-            key, _ = self._order.popitem(last=False)
-            return key
+            if not exclude:
+                if not self._order:
+                    return None
+                key, _ = self._order.popitem(last=False)
+                return key
+            for key in self._order:
+                if key not in exclude:
+                    del self._order[key]  # and stop iterating at once
+                    return key
+            return None
         if not self._len:
             return None
-        row = self._next[self._tail]
+        tail, key_of = self._tail, self._key_of
+        row = self._next[tail]
+        if exclude:
+            while row != tail and key_of[row] in exclude:
+                row = self._next[row]
+            if row == tail:
+                return None
         self._linked[row] = 0
         self._len -= 1
         self._unlink(row)

@@ -1,0 +1,222 @@
+"""Hostile arguments to every public method (issue 14, item 5).
+
+Each bad argument is a ``ValueError`` (or, for a pool that cannot be
+allocated, a ``MemoryError`` naming the sizes) raised to the caller, before
+anything is queued: the runtime's state and its ``contract_violations`` do not
+change, and a refused ``start`` leaves no thread behind. Misuse that only the
+actors can see in a non-blocking call is counted as a contract violation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import kvactors.manager as manager_module
+from kvactors import LookupResult, MemoryTier, ReqContext, TieringManager, TransferEngine
+from tests.support import settled
+
+CTX = ReqContext("r")
+READY, PENDING = b"key-ready", b"key-pending"
+BAD_TIMEOUTS = [-1, -0.5, math.nan, math.inf, -math.inf, "1", True, 1e300, [1]]
+
+
+@pytest.fixture(scope="module")
+def manager() -> Iterator[TieringManager]:
+    """One running manager: CTX active, READY ready, PENDING prepared and not completed."""
+    with TieringManager.start(num_blocks=4, block_bytes=8, secondary_tiers=[MemoryTier(capacity_blocks=4)]) as mgr:
+        mgr.on_new_request(CTX)
+        mgr.prepare_store([READY], CTX)
+        mgr.complete_store([READY], CTX)
+        assert mgr.prepare_store([PENDING], CTX) is not None
+        yield mgr
+
+
+def _state(mgr: TieringManager) -> tuple[Any, ...]:
+    stats = settled(mgr)
+    return (mgr.lookup([READY, PENDING], CTX), stats["contract_violations"], stats["blocks_ready"],
+            stats["blocks_pending"], stats["blocks_pinned"], stats["active_requests"], mgr.stopped)
+
+
+Call = Callable[[TieringManager], object]
+
+HOSTILE: list[tuple[str, str, Call]] = [
+    ("on_new_request", "a str ctx", lambda m: m.on_new_request("r")),  # type: ignore[arg-type]
+    ("on_new_request", "a tuple ctx", lambda m: m.on_new_request(("r", 0))),  # type: ignore[arg-type]
+    ("on_new_request", "None", lambda m: m.on_new_request(None)),  # type: ignore[arg-type]
+    *[(method, label, call) for method in ("lookup", "prepare_load", "complete_load", "touch", "prepare_store",
+                                           "complete_store")
+      for label, call in (
+          ("one key, not a list", lambda m, f=method: getattr(m, f)(READY, CTX)),
+          ("the empty key", lambda m, f=method: getattr(m, f)([READY, b""], CTX)),
+          ("a str key", lambda m, f=method: getattr(m, f)(["key-ready"], CTX)),
+          ("a bytearray key", lambda m, f=method: getattr(m, f)([bytearray(READY)], CTX)),
+          ("keys not iterable", lambda m, f=method: getattr(m, f)(5, CTX)),
+          ("keys None", lambda m, f=method: getattr(m, f)(None, CTX)),
+          ("arguments swapped", lambda m, f=method: getattr(m, f)(CTX, [READY])),
+          ("a str ctx", lambda m, f=method: getattr(m, f)([READY], "r")),
+      )],
+    *[("complete_store", f"success={value!r}", lambda m, v=value: m.complete_store([PENDING], CTX, success=v))
+      for value in ("False", "True", "", 0, 1, 0.0, None, [False], torch.tensor(False))],
+    ("on_request_finished", "a str ctx", lambda m: m.on_request_finished("r")),  # type: ignore[arg-type]
+    ("on_request_finished", "a tuple ctx", lambda m: m.on_request_finished(("r", 0))),  # type: ignore[arg-type]
+    *[("wait_idle", f"timeout={value!r}", lambda m, v=value: m.wait_idle(timeout=v)) for value in BAD_TIMEOUTS],
+    *[("stop", f"timeout={value!r}", lambda m, v=value: m.stop(timeout=v)) for value in BAD_TIMEOUTS],
+]
+
+NO_ARGUMENTS = {"reset_cache", "take_events", "stats"}  # nothing to check: Python refuses any argument
+NOT_CALLS = {"pool", "stopped", "tier_names", "start"}  # properties, an attribute; start: below
+
+
+def test_every_public_method_has_hostile_cases():
+    public = {name for name, _ in inspect.getmembers(TieringManager) if not name.startswith("_")}
+    public |= {name for name in vars(TieringManager) if not name.startswith("_")}
+    covered = {method for method, _, _ in HOSTILE} | NO_ARGUMENTS | NOT_CALLS
+    assert public <= covered, f"public methods without hostile cases: {sorted(public - covered)}"
+
+
+@pytest.mark.parametrize(("method", "label", "call"), HOSTILE, ids=[f"{m}-{label}" for m, label, _ in HOSTILE])
+def test_a_hostile_argument_is_a_value_error_that_changes_nothing(manager, method, label, call):
+    before = _state(manager)
+    with pytest.raises(ValueError):
+        call(manager)
+    assert _state(manager) == before, f"{method} with {label} changed the runtime's state"
+
+
+def test_success_must_be_a_bool_and_a_string_false_is_not_a_success(manager):
+    """``bool("False")`` is True: the unwritten block was made ready, a failure taken for a success."""
+    with pytest.raises(ValueError, match="success must be a bool"):
+        manager.complete_store([PENDING], CTX, success="False")  # type: ignore[arg-type]
+    assert manager.lookup([PENDING], CTX) == [LookupResult.HIT_PENDING]
+
+
+def test_pool_sizes_are_ints_and_an_impossible_pool_is_a_memory_error_naming_them():
+    threads = _kvactors_threads()
+    with pytest.raises(MemoryError, match=r"num_blocks=1000000000000 x block_bytes=1048576"):
+        TieringManager.start(num_blocks=10**12, block_bytes=1 << 20)
+    assert _kvactors_threads() == threads, "a refused start left threads running"
+
+
+def test_an_allocator_failure_is_a_memory_error_naming_the_sizes(monkeypatch):
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(manager_module.torch, "zeros", refuse)
+    threads = _kvactors_threads()
+    with pytest.raises(MemoryError, match=r"num_blocks=4 x block_bytes=8") as info:
+        TieringManager.start(num_blocks=4, block_bytes=8)
+    assert "alloc_cpu" not in str(info.value)
+    assert _kvactors_threads() == threads
+
+
+def _kvactors_threads() -> set[str]:
+    return {thread.name for thread in threading.enumerate() if thread.name.startswith("kvactors")}
+
+
+START_HOSTILE: list[tuple[str, dict[str, Any]]] = [
+    *[(f"num_blocks={v!r}", {"num_blocks": v}) for v in (0, -1, True, 1.5, "4", None)],
+    *[(f"block_bytes={v!r}", {"block_bytes": v}) for v in (0, -8, True, 8.0, "8")],
+    *[(f"eviction={v!r}", {"eviction": v}) for v in ("nope", "", ["lru"], None, 1)],
+    *[(f"transfer_timeout_s={v!r}", {"transfer_timeout_s": v}) for v in (0, *BAD_TIMEOUTS, None)],
+    *[(f"lookup_timeout_s={v!r}", {"lookup_timeout_s": v}) for v in (0, *BAD_TIMEOUTS, None)],
+    *[(f"secondary_tiers={v!r}", {"secondary_tiers": v}) for v in (5, "memory", [object()], None)],
+    *[(f"event_log={v!r}", {"event_log": v}) for v in (5, "", b"log")],
+]
+
+
+@pytest.mark.parametrize(("label", "kwargs"), START_HOSTILE, ids=[label for label, _ in START_HOSTILE])
+def test_start_refuses_hostile_arguments_and_leaves_nothing_running(label, kwargs):
+    threads = _kvactors_threads()
+    with pytest.raises(ValueError):
+        TieringManager.start(**{"num_blocks": 4, "block_bytes": 8, **kwargs})
+    assert _kvactors_threads() == threads, f"start with {label} left threads running"
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"req_id": 5}, {"req_id": ""}, {"req_id": None}, {"req_id": b"r"},
+    {"req_id": "r", "attempt": -1}, {"req_id": "r", "attempt": True}, {"req_id": "r", "attempt": 1.0},
+    {"req_id": "r", "attempt": "0"}, {"req_id": "r", "params": 5}, {"req_id": "r", "params": ["a"]},
+], ids=repr)
+def test_req_context_refuses_hostile_fields(kwargs):
+    with pytest.raises(ValueError):
+        ReqContext(**kwargs)
+
+
+def _engine_hostile() -> list[tuple[str, Callable[[TieringManager, torch.Tensor], object]]]:
+    def offload(*args: Any) -> Callable[[TieringManager, torch.Tensor], object]:
+        return lambda m, cache: TransferEngine(m, cache).offload(*args)
+
+    def onboard(*args: Any) -> Callable[[TieringManager, torch.Tensor], object]:
+        return lambda m, cache: TransferEngine(m, cache).onboard(*args)
+
+    cases: list[tuple[str, Callable[[TieringManager, torch.Tensor], object]]] = [
+        ("manager not a TieringManager", lambda m, cache: TransferEngine("manager", cache)),  # type: ignore[arg-type]
+        ("copy_workers=True", lambda m, cache: TransferEngine(m, cache, copy_workers=True)),
+        ("copy_workers=0", lambda m, cache: TransferEngine(m, cache, copy_workers=0)),
+        ("copy_workers=65", lambda m, cache: TransferEngine(m, cache, copy_workers=65)),
+        *[(f"copy_timeout_s={v!r}", lambda m, cache, v=v: TransferEngine(m, cache, copy_timeout_s=v))
+          for v in (0, *BAD_TIMEOUTS)],
+    ]
+    for name, call in (("offload", offload), ("onboard", onboard)):
+        cases += [
+            (f"{name}: a str ctx, nothing to copy", call("r", [], [])),
+            (f"{name}: a str ctx", call("r", [READY], [0])),
+            (f"{name}: the empty key", call(CTX, [b""], [0])),
+            (f"{name}: one key, not a list", call(CTX, READY, [0])),
+            (f"{name}: a bool device row", call(CTX, [READY], [True])),
+            (f"{name}: a float device row", call(CTX, [READY], [0.0])),
+            (f"{name}: a negative device row", call(CTX, [READY], [-1])),
+            (f"{name}: a device row out of range", call(CTX, [READY], [4])),
+            (f"{name}: device rows not a sequence", call(CTX, [READY], 0)),
+            (f"{name}: lengths differ", call(CTX, [READY], [0, 1])),
+        ]
+    return cases
+
+
+ENGINE_HOSTILE = _engine_hostile()
+
+
+@pytest.mark.parametrize(("label", "call"), ENGINE_HOSTILE, ids=[label for label, _ in ENGINE_HOSTILE])
+def test_transfer_engine_refuses_hostile_arguments(manager, label, call):
+    cache = torch.zeros((4, 8), dtype=torch.uint8)
+    before = _state(manager)
+    with pytest.raises(ValueError):
+        call(manager, cache)
+    assert _state(manager) == before, f"{label} changed the runtime's state"
+
+
+# ---------------------------------------------------------------- decided meanings
+
+
+def test_a_finish_of_an_unknown_request_is_a_no_op_not_a_violation():
+    """After finalize nothing of a request is kept (contract rule 8), so a finish of an attempt
+    never started looks exactly like a repeated finish, which is legal (idempotent)."""
+    with TieringManager.start(num_blocks=2, block_bytes=8) as mgr:
+        mgr.on_request_finished(ReqContext("never-started"))
+        ctx = ReqContext("done")
+        mgr.on_new_request(ctx)
+        mgr.on_request_finished(ctx)
+        assert mgr.wait_idle(10)
+        mgr.on_request_finished(ctx)  # after its finalize
+        stats = settled(mgr)
+        assert stats["contract_violations"] == 0 and stats["active_requests"] == 0
+        mgr.on_new_request(ctx)  # the identity may start a new lifetime
+        mgr.on_request_finished(ctx)
+
+
+def test_non_blocking_misuse_is_counted_and_changes_nothing():
+    with TieringManager.start(num_blocks=2, block_bytes=8) as mgr:
+        mgr.on_new_request(CTX)
+        mgr.complete_store([READY], CTX)  # never prepared
+        mgr.complete_load([READY], CTX)  # never pinned
+        mgr.complete_load([READY], ReqContext("unknown"))
+        stats = settled(mgr)
+        assert stats["contract_violations"] == 3
+        assert stats["blocks_ready"] == stats["blocks_pending"] == stats["blocks_pinned"] == 0
+        mgr.on_request_finished(CTX)
