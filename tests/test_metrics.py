@@ -158,3 +158,44 @@ def test_a_scrape_is_one_round_trip_and_a_stopped_manager_yields_nothing():
         assert "kvactors_pool_blocks" in text and 'kvactors_lookup_keys_total{tier="memory"}' in text
     assert list(collector.collect()) == []
     prometheus_client.generate_latest(registry)  # no error
+
+
+@pytest.mark.timeout(90)
+def test_simulate_serves_metrics_while_it_runs(tmp_path, monkeypatch, capsys):
+    import threading
+
+    import kvactors.metrics as metrics_module
+    from kvactors.cli import main
+    from tests.support import wait_for
+
+    servers = []
+    real = metrics_module.serve_metrics
+
+    def recording(manager, port, addr="127.0.0.1"):
+        out = real(manager, port, addr)
+        servers.append(out[0])
+        return out
+
+    monkeypatch.setattr(metrics_module, "serve_metrics", recording)
+    rc: list[int] = []
+    run = threading.Thread(target=lambda: rc.append(main([
+        "simulate", "--quick", "--seconds", "4", "--metrics-port", "0", "--disk-dir", str(tmp_path / "disk"),
+        "--event-log", str(tmp_path / "events.jsonl")])))
+    run.start()
+    try:
+        assert wait_for(lambda: bool(servers), 30), "no metrics server started"
+        assert wait_for(lambda: value(scrape(servers[0].server_port), "kvactors_lookup_keys_total", tier="cpu") > 0,
+                        30)
+        samples = scrape(servers[0].server_port)
+        assert ("kvactors_stored_bytes_total", (("tier", "disk"),)) in samples
+    finally:
+        run.join(60)
+    assert rc == [0]
+    assert "metrics: http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_simulate_metrics_port_out_of_range_is_a_clear_error(capsys):
+    from kvactors.cli import main
+
+    assert main(["simulate", "--metrics-port", "70000"]) == 2
+    assert "kvactors simulate: error: --metrics-port must be 0-65535" in capsys.readouterr().err
