@@ -1,5 +1,6 @@
 """kvactors: tiered KV-cache offloading for LLM serving, on Pykka actors."""
 
+from kvactors.aio import AsyncTieringManager
 from kvactors.core.errors import LifecycleError, ManagerStoppedError, TransferError
 from kvactors.manager import TieringManager
 from kvactors.tiers.base import SecondaryTier
@@ -19,6 +20,7 @@ from kvactors.types import (
 )
 
 __all__ = [
+    "AsyncTieringManager",
     "DiskTier",
     "JobResult",
     "LifecycleError",

@@ -20,6 +20,7 @@ from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.core.arguments import check_ctx as _check_ctx
 from kvactors.core.arguments import check_flag, check_int, check_timeout
 from kvactors.core.arguments import check_keys as _check_keys
+from kvactors.core.counters import MetricsSnapshot
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.core.policies import POLICIES
 from kvactors.logs import make_event_logger
@@ -354,6 +355,12 @@ class TieringManager:
         ``blocks_pinned``, ``jobs_in_flight``, ``contract_violations`` and more."""
         reply: Reply[dict[str, int | float]] = Reply()
         return self._ask(m.QueryStats(reply), reply)
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        """Every counter and gauge :mod:`kvactors.metrics` shows, ``stats()`` included,
+        in one round trip (a :class:`~kvactors.core.counters.MetricsSnapshot`)."""
+        reply: Reply[MetricsSnapshot] = Reply()
+        return self._ask(m.QueryMetrics(reply), reply)
 
     def stop(self, timeout: float | None = None) -> None:
         """Drain in-flight jobs (each ends by its deadline at the latest), finalize

@@ -41,6 +41,7 @@ threads' calls pooled), ``finalize_p99_ms`` (instant, 8 threads),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -70,7 +71,7 @@ class BenchTier(SecondaryTier):
     """Holds nothing (every lookup misses); records when ``on_request_finished`` ran."""
 
     def __init__(self, name: str, submit_cost_s: float, finalized: dict[tuple[str, int], float]) -> None:
-        super().__init__(name=name)
+        SecondaryTier.__init__(self, name=name)  # not super(): the class is rebuilt for --metrics-against
         self.submit_cost_s = submit_cost_s
         self.finalized = finalized
         # What returns at once, declared as a real tier would (DiskTier: all but the hooks it
@@ -101,8 +102,71 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def import_base(rev: str) -> Any:
+    """The tree of git revision ``rev``'s ``kvactors`` package, imported as ``kvactors_base``
+    (its absolute imports rewritten), so both can run in this process: an A/B without the
+    differences between two processes."""
+    import importlib
+    import re
+    import subprocess
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="kvactors-base-")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", repo, "archive", rev, "kvactors"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+    os.rename(os.path.join(root, "kvactors"), os.path.join(root, "kvactors_base"))
+    pattern = re.compile(r"\b(from|import) kvactors(?=[.\s])")
+    for dirpath, _, files in os.walk(os.path.join(root, "kvactors_base")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    text = f.read()
+                with open(path, "w") as f:
+                    f.write(pattern.sub(r"\1 kvactors_base", text))
+    sys.path.insert(0, root)
+    return importlib.import_module("kvactors_base")
+
+
+@contextlib.contextmanager
+def based(base: Any) -> Any:
+    """Rebind this module's kvactors names (and the bench tier's base class) to ``base``'s."""
+    import kvactors_base.actors.runtime as base_runtime  # type: ignore[import-not-found]
+
+    names = {"JobResult": base.JobResult, "LookupResult": base.LookupResult, "ReqContext": base.ReqContext,
+             "SecondaryTier": base.SecondaryTier, "TieringManager": base.TieringManager,
+             "ThreadRuntime": base_runtime.ThreadRuntime}
+    body = {k: v for k, v in vars(BenchTier).items() if k not in ("__dict__", "__weakref__")}
+    names["BenchTier"] = type("BenchTier", (base.SecondaryTier,), body)
+    saved = {name: globals()[name] for name in names}
+    globals().update(names)
+    try:
+        yield
+    finally:
+        globals().update(saved)
+
+
+def scraper(manager: Any, interval_s: float, stop: threading.Event) -> threading.Thread:
+    """A thread scraping ``manager``'s metrics every ``interval_s`` (as a Prometheus server would)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvactors.metrics import KvactorsCollector
+
+    registry = CollectorRegistry()
+    registry.register(KvactorsCollector(manager))
+
+    def run() -> None:
+        while not stop.wait(interval_s):
+            generate_latest(registry)
+
+    thread = threading.Thread(target=run, name="scraper", daemon=True)
+    thread.start()
+    return thread
+
+
 def run_phase(impl: str, variant: str, threads: int, duration_s: float, claims: bool = True,
-              colocation: bool = True) -> dict[str, Any]:
+              colocation: bool = True, base: Any = None, scrape_s: float | None = None) -> dict[str, Any]:
     """One phase: ``threads`` frontends for ``duration_s``; returns its figures.
 
     ``claims=False``: kvactors without claims (every message through the actors' threads);
@@ -110,9 +174,12 @@ def run_phase(impl: str, variant: str, threads: int, duration_s: float, claims: 
     cost = 0.001 if variant == "slow" else 0.0
     fin = [{}, {}]  # per tier: identity -> perf_counter at its on_request_finished
     tiers = [BenchTier(f"t{i}", cost, fin[i]) for i in range(2)]
+    if impl == "base":  # another revision (--metrics-against): its classes, through this module's names
+        with based(base):
+            return run_phase("kvactors", variant, threads, duration_s, claims, colocation)
     if impl == "kvactors":
-        mgr: Any = TieringManager.start(num_blocks=NUM_BLOCKS, block_bytes=BLOCK_BYTES, secondary_tiers=tiers,
-                                        runtime=ThreadRuntime(claims=claims, colocation=colocation))
+        mgr = TieringManager.start(num_blocks=NUM_BLOCKS, block_bytes=BLOCK_BYTES, secondary_tiers=tiers,
+                                   runtime=ThreadRuntime(claims=claims, colocation=colocation))
     else:
         mgr = LockedManager(num_blocks=NUM_BLOCKS, pool=torch.zeros((NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8),
                             secondary_tiers=tiers)
@@ -123,8 +190,11 @@ def run_phase(impl: str, variant: str, threads: int, duration_s: float, claims: 
         out = mgr.prepare_store(hot[start:start + 64], warm)
         mgr.complete_store(out.keys_to_store, warm)
     mgr.on_request_finished(warm)
-    if impl == "kvactors":
+    if impl != "lock":
         mgr.wait_idle(30)
+    scrape_stop = threading.Event()
+    if impl == "kvactors" and scrape_s:
+        scraper(mgr, scrape_s, scrape_stop)
 
     completions: queue.SimpleQueue[tuple[ReqContext, list[bytes], threading.Semaphore] | None] = queue.SimpleQueue()
     completed_at: dict[tuple[str, int], float] = {}
@@ -202,7 +272,8 @@ def run_phase(impl: str, variant: str, threads: int, duration_s: float, claims: 
     elapsed = time.perf_counter() - t_start
     completions.put(None)
     done_thread.join()
-    if impl == "kvactors":
+    scrape_stop.set()
+    if impl != "lock":
         mgr.wait_idle(60)
         mgr.stop()
 
@@ -266,6 +337,36 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def metrics_ab(args: argparse.Namespace, options: dict[str, Any]) -> None:
+    """``--metrics-against``: rounds of (base, metrics on) phases, order reversed every round."""
+    base = import_base(args.metrics_against)
+    duration = args.duration or (1.2 if args.quick else 2.0)
+    rounds = args.repeats or (2 if args.quick else 6)
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    rows = []
+    for variant in args.variants.split(","):
+        for threads in thread_counts:
+            got: dict[str, list[dict[str, Any]]] = {"base": [], "metrics": []}
+            for r in range(rounds):
+                for impl in ("base", "metrics") if r % 2 == 0 else ("metrics", "base"):
+                    got[impl].append(run_phase("base" if impl == "base" else "kvactors", variant, threads, duration,
+                                               base=base, scrape_s=args.scrape_interval, **options))
+            ratios = [m["rps"] / b["rps"] for b, m in zip(got["base"], got["metrics"], strict=True)]
+            row = {"variant": variant, "threads": threads, "rounds": rounds,
+                   "base_rps": statistics.median(x["rps"] for x in got["base"]),
+                   "metrics_rps": statistics.median(x["rps"] for x in got["metrics"]),
+                   "ratio": statistics.median(ratios), "ratios": ratios,
+                   "base_finalize_p99_ms": statistics.median(x["finalize_p99_ms"] for x in got["base"]),
+                   "metrics_finalize_p99_ms": statistics.median(x["finalize_p99_ms"] for x in got["metrics"])}
+            rows.append(row)
+            print(f"{variant:8} {threads:>2} threads: {args.metrics_against[:10]} {row['base_rps']:.0f} req/s, "
+                  f"metrics on {row['metrics_rps']:.0f} req/s: ratio {row['ratio']:.3f} (per round "
+                  + ", ".join(f"{x:.2f}" for x in ratios) + f"); finalize p99 {row['base_finalize_p99_ms']:.2f} -> "
+                  f"{row['metrics_finalize_p99_ms']:.2f} ms", flush=True)
+    if args.json:
+        print(json.dumps({"against": args.metrics_against, "scrape_interval_s": args.scrape_interval, "rows": rows}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short phases, one repeat (under a minute)")
@@ -283,8 +384,16 @@ def main() -> None:
                         help="kvactors without claims: frontend calls never run the idle primary on their thread")
     parser.add_argument("--no-colocation", action="store_true",
                         help="kvactors with the supervisor on a thread of its own, not the primary's")
+    parser.add_argument("--metrics-against", metavar="REV", default=None,
+                        help="the cost of metrics: this tree with a scraper thread (every --scrape-interval s) "
+                             "against revision REV (before the counters), imported under another name; "
+                             "interleaved rounds, no lock phases")
+    parser.add_argument("--scrape-interval", type=float, default=1.0)
     args = parser.parse_args()
     options = {"claims": not args.no_claims, "colocation": not args.no_colocation}
+    if args.metrics_against:
+        metrics_ab(args, options)
+        return
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     duration = args.duration or (1.2 if args.quick else 3.0)

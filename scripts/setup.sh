@@ -29,9 +29,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing torch (CPU build)" >&2
   pip_install "torch==2.13.0"
 fi
-if ! .venv/bin/python -c "import kvactors, pytest, hypothesis, pytest_timeout" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import kvactors, pytest, hypothesis, pytest_timeout, prometheus_client" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.kvactors-installed ]; then
   echo "setup: installing kvactors and its test dependencies" >&2
-  pip_install -e ".[test,plot,fast]"
+  pip_install -e ".[test,plot,fast,metrics]"
   touch .venv/.kvactors-installed
 fi

@@ -93,6 +93,12 @@ class QueryStats(NamedTuple):
     reply: Reply[dict[str, int | float]]
 
 
+class QueryMetrics(NamedTuple):
+    """The metrics' one round trip: the figures of ``stats()`` and every counter."""
+
+    reply: Reply[Any]
+
+
 class Shutdown(NamedTuple):
     """``stop``: stop accepting work, drain in-flight jobs, shut the tiers down."""
 
@@ -190,6 +196,17 @@ class SupervisorBarrier(NamedTuple):
 class SupervisorStats(NamedTuple):
     stats: tuple[tuple[str, int | float], ...]
     reply: Reply[dict[str, int | float]]
+
+
+class SupervisorMetrics(NamedTuple):
+    """The primary's part of a metrics snapshot; ``stats`` is the :class:`SupervisorStats`
+    reply the primary sent just before (the supervisor answers that one first)."""
+
+    counters: Any  # a copy of the primary's PrimaryCounters
+    pool_blocks: dict[str, int]
+    evicted_keys: int
+    stats: Reply[dict[str, int | float]]
+    reply: Reply[Any]
 
 
 class SupervisorShutdown(NamedTuple):

@@ -31,7 +31,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvactors.actors import messages as m
+from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
+from kvactors.core.counters import PrimaryCounters
 from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
 from kvactors.core.policies import make_policy
@@ -92,6 +94,7 @@ class PrimaryTier(Actor):
         self.supervisor: ActorRef
         self.contract_violations = 0
         self.stores_timed_out = 0
+        self.counters = PrimaryCounters()  # for metrics: plain ints, this actor's state
         self._requests: dict[tuple[str, int], _RequestRecord] = {}
         # One deadline per prepare_store call: its keys that are still pending when it passes expire.
         self._store_deadlines: DeadlineQueue[tuple[ReqContext, tuple[OffloadKey, ...]]] = DeadlineQueue()
@@ -184,6 +187,7 @@ class PrimaryTier(Actor):
     def _on_lookup(self, msg: m.Lookup) -> None:
         record = self._require_active(msg.ctx, "lookup")
         results = self.pool.lookup(msg.keys)
+        self.counters.lookup(results)
         miss = LookupResult.MISS
         missing = tuple([i for i, result in enumerate(results) if result is miss])
         if missing and self.tier_names:
@@ -213,6 +217,8 @@ class PrimaryTier(Actor):
         except PoolError as exc:
             self._violation("complete_load", ctx, str(exc))
             return
+        self.counters.load_ok += 1
+        self.counters.loaded_blocks += len(msg.keys)
         if self.tracing:
             self.log.debug("load_completed", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
 
@@ -265,6 +271,11 @@ class PrimaryTier(Actor):
             )
         if outcome.live == 0:
             return  # only late completions of detached writes: nothing left to count
+        if msg.success:
+            self.counters.store_ok += 1
+            self.counters.stored_blocks += len(outcome.stored)
+        else:
+            self.counters.store_failed += 1
         record = self._requests.get(ctx.identity)
         if record is not None:
             record.pending_stores -= outcome.live
@@ -282,7 +293,9 @@ class PrimaryTier(Actor):
         self._timer_due = None
         expired: Counter[ReqContext] = Counter()
         for ctx, keys in self._store_deadlines.pop_expired(self.runtime.now()):
-            expired[ctx] += sum(self.pool.detach_write(ctx.identity, key) for key in keys)
+            detached = sum(self.pool.detach_write(ctx.identity, key) for key in keys)
+            expired[ctx] += detached
+            self.counters.store_timed_out += detached > 0
         for ctx, count in expired.items():
             if not count:
                 continue  # every key of that store completed in time
@@ -367,6 +380,14 @@ class PrimaryTier(Actor):
         stats["stores_timed_out"] = self.stores_timed_out
         stats["primary_internal_errors"] = self.internal_errors
         self.supervisor.tell(m.SupervisorStats(tuple(stats.items()), msg.reply))
+
+    @handles(m.QueryMetrics)
+    def _on_query_metrics(self, msg: m.QueryMetrics) -> None:
+        # stats() first, then this actor's counters: the supervisor answers both in order.
+        stats: Reply[dict[str, int | float]] = Reply()
+        self._on_query_stats(m.QueryStats(stats))
+        self.supervisor.tell(m.SupervisorMetrics(self.counters.copy(), self.pool.state_counts(),
+                                                 self.pool.evicted_keys, stats, msg.reply))
 
     @handles(m.Shutdown)
     def _on_shutdown(self, msg: m.Shutdown) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -18,9 +19,11 @@ class Reply(Generic[T]):
     so code written against ``Future`` (simulated clients) works with either.
 
     Thread-safe. Setting it a second time raises ``RuntimeError``.
+    :meth:`add_done_callback` lets a waiter that must not block (an asyncio
+    loop) be called instead.
     """
 
-    __slots__ = ("_error", "_gate", "_set", "_value")
+    __slots__ = ("_callbacks", "_error", "_gate", "_set", "_value")
 
     def __init__(self) -> None:
         self._gate = _thread.allocate_lock()
@@ -28,6 +31,7 @@ class Reply(Generic[T]):
         self._set = False
         self._value: T | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Reply[T]], object]] | None = None
 
     def done(self) -> bool:
         return self._set
@@ -44,6 +48,30 @@ class Reply(Generic[T]):
         self._value, self._error = value, error
         self._set = True
         self._gate.release()
+        if self._callbacks is not None:
+            self._run_callbacks()
+
+    def add_done_callback(self, fn: Callable[[Reply[T]], object]) -> None:
+        """Call ``fn(self)`` once it is set: on the thread that sets it, or here and
+        now if it is set already. Exactly once per callback, whichever thread wins
+        (each is popped from the list, atomically, by the thread that runs it).
+        ``fn`` must be short and must not raise; adders of one Reply must not race
+        each other (one waiter adds)."""
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append(fn)
+        if self._set:
+            self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        callbacks = self._callbacks
+        assert callbacks is not None
+        while True:
+            try:
+                fn = callbacks.pop()
+            except IndexError:
+                return
+            fn(self)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until set or ``timeout`` passed; return whether it is set."""

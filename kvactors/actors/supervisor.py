@@ -57,6 +57,7 @@ from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.actors.secondary import TierLink
+from kvactors.core import counters
 from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
 from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
@@ -78,6 +79,7 @@ class _Job:
     # A promotion's deadline runs from its allocation (its keys are HIT_PENDING from then on),
     # queued or not; a cascade's from its submit.
     deadline: float | None = None
+    submitted_at: float = 0.0
 
     @property
     def counter(self) -> str:
@@ -146,6 +148,7 @@ class LifecycleSupervisor(Actor):
         self._gather_ids = 0
         self._timer_due: float | None = None
         self._shutdown: tuple[Reply[None], float | None] | None = None
+        self.metrics = counters.JobCounters(self.tier_order)  # for kvactors.metrics: plain ints
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "jobs_submitted",
@@ -286,7 +289,9 @@ class LifecycleSupervisor(Actor):
         job.submitted = True
         self._inflight[job.tier] += 1
         self.counters["jobs_submitted"] += 1
-        deadline = job.deadline if job.deadline is not None else self.runtime.now() + self.transfer_timeout_s
+        job.submitted_at = now = self.runtime.now()
+        self.metrics.job_started(job.tier, job.kind)
+        deadline = job.deadline if job.deadline is not None else now + self.transfer_timeout_s
         self._job_deadlines.add(job.job.job_id, deadline)
         self._arm_timer()
         if self.tracing:
@@ -298,6 +303,7 @@ class LifecycleSupervisor(Actor):
         """A job that never reached its tier fails: release its rows at once."""
         self._job_deadlines.discard(job.job.job_id)
         self.counters["jobs_dropped"] += 1
+        self.metrics.job_dropped(job.tier, job.kind)
         self.log.info("job_dropped", kind=job.kind, job_id=job.job.job_id, tier=job.tier, reason=reason,
                       req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
         self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=False))
@@ -369,6 +375,8 @@ class LifecycleSupervisor(Actor):
         success = outcomes.all_ok
         self.counters["jobs_succeeded" if success else "jobs_failed"] += 1
         self.counters["jobs_partial"] += outcomes.partial
+        self.metrics.job_ended(job.tier, job.kind, "ok" if success else "failed", len(outcomes.ok),
+                               self.runtime.now() - job.submitted_at)
         self.counters["job_keys_failed"] += len(outcomes.failed)
         if not success or self.tracing:
             log = self.log.debug if success else self.log.warning
@@ -444,6 +452,7 @@ class LifecycleSupervisor(Actor):
     def _time_out(self, job: _Job) -> None:
         """A job past its deadline fails; its rows stay held until its late report."""
         self.counters["jobs_timed_out"] += 1
+        self.metrics.job_ended(job.tier, job.kind, "timed_out", 0, self.runtime.now() - job.submitted_at)
         if job.job.is_promotion:
             self._back_off(job, job.job.keys)
         self._timed_out[job.job.job_id] = job
@@ -468,6 +477,7 @@ class LifecycleSupervisor(Actor):
         pending = _PendingLookup(msg.lookup_id, msg.ctx, msg.keys, msg.missing, results, msg.reply, keys,
                                  set(self.tier_order))
         for tier in self.tier_order:
+            self.metrics.asked(tier, len(keys))
             answered, answer = self.tiers[tier].lookup(msg.lookup_id, keys, msg.ctx)
             if answered:
                 pending.answers[tier] = answer
@@ -495,6 +505,7 @@ class LifecycleSupervisor(Actor):
         ask the primary to allocate promotions, if any, else answer the frontend."""
         self._lookups.pop(pending.lookup_id, None)  # absent if every tier answered inline
         self._lookup_deadlines.discard(pending.lookup_id)
+        self.metrics.answered(pending.answers)
         if promote and self.quarantine:
             self._ignore_backed_off(pending)
         pending.results, plan = resolve_lookup(pending.keys, pending.missing, pending.results, pending.asked,
@@ -652,6 +663,21 @@ class LifecycleSupervisor(Actor):
         stats["contract_violations"] = int(stats.pop("primary_violations", 0)) + self.counters["guard_violations"]
         stats["internal_errors"] = int(stats.pop("primary_internal_errors", 0)) + self.internal_errors
         msg.reply.set_result(stats)
+
+    @handles(m.SupervisorMetrics)
+    def _on_metrics(self, msg: m.SupervisorMetrics) -> None:
+        def done(stats: Reply[dict[str, int | float]]) -> None:
+            error = stats.exception()
+            if error is not None:
+                msg.reply.set_exception(error)
+            else:
+                msg.reply.set_result(counters.snapshot(msg.counters, msg.pool_blocks, msg.evicted_keys, self.metrics,
+                                                       stats.result(), queued, in_flight))
+
+        queued = {tier: len(queue) for tier, queue in self._queues.items()}
+        in_flight = dict(self._inflight)
+        # Answered already (stats is synchronous here); a callback keeps it right if it ever is not.
+        msg.stats.add_done_callback(done)
 
     @handles(m.SupervisorShutdown)
     def _on_shutdown(self, msg: m.SupervisorShutdown) -> None:

@@ -97,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="where the device cache lives (default: cuda when present, else cpu)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the results as one JSON object on the last line")
+    o.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while it runs (0: any free port)")
     o.add_argument("--plot", metavar="FILE.png", help="plot hit rate and throughput over time (needs matplotlib)")
     o.add_argument("--event-log", metavar="PATH",
                    help="the JSON-lines lifecycle log (default: events.jsonl in the run's directory)")
@@ -200,6 +202,8 @@ def _run(args: argparse.Namespace) -> int:
                               "(or pip install 'kvactors[plot]')") from None
         _check_dir_writable(os.path.dirname(os.path.abspath(args.plot)), "--plot")
     device = _device(args.device)
+    if args.metrics_port is not None:
+        _check_metrics_port(args.metrics_port)
 
     own_disk = args.disk_dir is None
     # The run's directory holds what the user did not place: the disk tier (removed after) and the log (kept).
@@ -219,7 +223,7 @@ def _run(args: argparse.Namespace) -> int:
     config = SimConfig(threads=_pick(args, "threads"), requests=requests, seconds=args.seconds, seed=args.seed,
                        block_bytes=block_bytes, cpu_blocks=cpu_blocks, disk_dir=disk_dir, disk_bytes=disk_bytes,
                        redis_url=args.redis, event_log=event_log, device=device)
-    result = _simulate(Simulation(config))
+    result = _simulate(Simulation(config), args.metrics_port)
     if own_disk:
         shutil.rmtree(disk_dir, ignore_errors=True)
         with contextlib.suppress(OSError):  # kept when it holds the log
@@ -245,8 +249,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if result.ok and check_ok else 1
 
 
-def _simulate(sim: Any) -> Any:
-    """Run with a progress bar on stderr (when it is a terminal)."""
+def _check_metrics_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise OptionError(f"--metrics-port must be 0-65535, got {port}")
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise OptionError("--metrics-port needs prometheus-client: pip install 'kvactors[metrics]'") from None
+
+
+def _simulate(sim: Any, metrics_port: int | None = None) -> Any:
+    """Run with a progress bar on stderr (when it is a terminal); with ``metrics_port``,
+    serve the manager's metrics from its start to the end of the run."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -259,7 +273,19 @@ def _simulate(sim: Any) -> Any:
         total = cfg.seconds if by_time else cfg.requests
         task = progress.add_task("simulate", total=total, done="", hits="")
 
+        server: list[Any] = []
+
         def tick(s: Any) -> None:
+            if metrics_port is not None and not server:
+                from kvactors.metrics import serve_metrics
+
+                try:
+                    server.append(serve_metrics(s.manager, metrics_port)[0])
+                except OSError as exc:
+                    server.append(None)
+                    console.print(f"{PROG}: metrics: cannot serve on port {metrics_port}: {exc}", markup=False)
+                else:
+                    console.print(f"metrics: http://127.0.0.1:{server[0].server_port}/metrics", markup=False)
             counts, hits = s.metrics.snapshot()
             looked = counts["keys_looked_up"]
             rate = f"hit rate {sum(hits.values()) / looked:.0%}" if looked else ""
@@ -271,4 +297,7 @@ def _simulate(sim: Any) -> Any:
             result = sim.run(tick)
         finally:
             progress.update(task, completed=total)
+            if server and server[0] is not None:
+                server[0].shutdown()
+                server[0].server_close()
     return result

@@ -133,6 +133,7 @@ class BlockPool:
         self._n_pending = 0
         self._n_pinned = 0
         self._detached: set[int] = set()  # unindexed rows that are still busy
+        self.evicted_keys = 0  # a counter for metrics: ready keys evicted to make room
         # A policy that can order rows itself (LRU) does so through our index
         # instead of keeping its own map of keys; the hot paths then call it by row.
         self._rows: LRUPolicy | None = None
@@ -199,6 +200,15 @@ class BlockPool:
             "jobs_pinning": len(self._job_pins),
             "jobs_held": len(self._held_jobs),
         }
+
+    def state_counts(self) -> dict[str, int]:
+        """Rows by exclusive state, summing to ``num_blocks``: ``ready`` (indexed,
+        ready, unpinned), ``pinned`` (indexed, ready, pinned), ``pending`` (indexed,
+        being written), ``detached`` (unindexed, still in use), ``free``. O(detached rows)."""
+        pinned_detached = sum(1 for row in self._detached if self._pins[row] > 0)
+        pinned = self._n_pinned - pinned_detached
+        return {"ready": self._n_ready - pinned, "pinned": pinned, "pending": self._n_pending,
+                "detached": len(self._detached), "free": len(self._free)}
 
     def take_events(self) -> list[OffloadingEvent]:
         """Stores and removals since the last call, in order."""
@@ -549,6 +559,7 @@ class BlockPool:
             return None
         evicted = tuple(self._evict_one(spare) for _ in range(max(shortfall, 0)))
         if evicted:
+            self.evicted_keys += len(evicted)
             self._events.append(OffloadingEvent(evicted, self.tier, True))
         # Ascending rows for consecutive keys: copies of a request's blocks then
         # coalesce into few large slice copies (rows freed by eviction come back

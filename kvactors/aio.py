@@ -1,0 +1,306 @@
+"""``AsyncTieringManager``: a :class:`~kvactors.TieringManager` for asyncio frontends.
+
+A coroutine per blocking call, a plain method per non-blocking one. No thread
+per call and no thread pool: a call puts its message exactly as the blocking
+manager does (claiming the idle primary, or queueing to its thread), and its
+answer comes back to the loop through the loop's ``call_soon_threadsafe``,
+called by the actor that sets the call's :class:`~kvactors.actors.reply.Reply`
+(:meth:`Reply.add_done_callback`). A call the primary answers on the spot
+(a claim that needed no other actor) returns without suspending.
+
+Every call runs the blocking manager's own argument checks and raises its
+errors (``ValueError``, ``LifecycleError``, ``ManagerStoppedError``): the
+coroutines drive the manager's methods through a view that shares its state
+(:class:`_Deferred`) and differs in one thing, ``_ask`` returns the reply
+instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast
+
+from kvactors.actors import messages as m
+from kvactors.actors.reply import Reply
+from kvactors.actors.runtime import ActorStoppedError
+from kvactors.core.errors import ManagerStoppedError
+from kvactors.manager import TieringManager
+from kvactors.types import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+)
+
+T = TypeVar("T")
+
+__all__ = ["AsyncTieringManager"]
+
+
+class _Deferred(TieringManager):
+    """The manager's methods on the manager's state, whose blocking calls return their
+    :class:`Reply` instead of waiting for it. Built by :func:`_view`, never started."""
+
+    def _ask(self, message: object, reply: Reply[T]) -> Reply[T]:  # type: ignore[override]
+        self._send(message)
+        return reply
+
+
+class _DeferredQueued(_Deferred):
+    """As :class:`_Deferred`, but never claims the primary: every message goes to the
+    primary's thread, so no handler runs on the caller's (the loop's) thread."""
+
+    def _put(self, message: object) -> bool:
+        if self._closed:
+            raise ManagerStoppedError("the TieringManager is stopped")
+        try:
+            self._primary.tell(message)
+        except ActorStoppedError:
+            raise ManagerStoppedError("the TieringManager is stopped") from None
+        return False
+
+
+def _view(manager: TieringManager, claims: bool) -> _Deferred:
+    view = object.__new__(_Deferred if claims else _DeferredQueued)
+    view.__dict__ = manager.__dict__  # the same state, not a copy: one manager
+    return view
+
+
+def _keys_once(keys: Iterable[OffloadKey]) -> Iterable[OffloadKey]:
+    """``keys`` as given if it can be read twice (the checks may refuse it as given), else a list."""
+    return keys if isinstance(keys, list | tuple | bytes | bytearray | str) else list(keys)
+
+
+_Undo = Callable[[Any], None] | None
+
+
+class _Inbox:
+    """Answers on their way to one loop, from any thread.
+
+    One ``call_soon_threadsafe`` per burst (a drain already scheduled takes
+    what arrives meanwhile), and at most :attr:`CHUNK` answers handed to
+    their coroutines per turn of the loop: a burst of answers (the primary
+    answers a whole batch at once) would otherwise wake every waiting
+    coroutine in one turn, and the loop's timers and other tasks would wait
+    for all of them.
+    """
+
+    CHUNK = 16
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: deque[tuple[asyncio.Future[Any], Reply[Any], _Undo]] = deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, future: asyncio.Future[Any], reply: Reply[Any], undo: _Undo) -> None:
+        """Called on the thread that set ``reply``."""
+        with self._lock:
+            self._items.append((future, reply, undo))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody will take the answers
+            with self._lock:
+                items, self._items = list(self._items), deque()
+            for _, done, undo_it in items:
+                if undo_it is not None and done.exception() is None:
+                    undo_it(done.result())
+
+    def _drain(self) -> None:
+        """On the loop's thread: hand over up to CHUNK answers, the rest on the next turn."""
+        items = self._items
+        for _ in range(self.CHUNK):
+            try:
+                future, done, undo = items.popleft()
+            except IndexError:
+                break
+            error = done.exception()
+            if future.cancelled():
+                if error is None and undo is not None:
+                    undo(done.result())
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(done.result())
+        with self._lock:
+            if not items:
+                self._scheduled = False
+                return
+        self.loop.call_soon(self._drain)
+
+
+class AsyncTieringManager:
+    """A started :class:`~kvactors.TieringManager`, for code on an asyncio event loop.
+
+    Coroutines (same names, arguments, results and errors as the blocking
+    methods): :meth:`on_new_request`, :meth:`lookup`, :meth:`prepare_load`,
+    :meth:`prepare_store`, :meth:`reset_cache`, :meth:`take_events`,
+    :meth:`wait_idle`, :meth:`stats`, :meth:`stop`. Plain methods:
+    :meth:`complete_load`, :meth:`complete_store`, :meth:`touch`,
+    :meth:`on_request_finished`.
+
+    Threading: the coroutines never block the loop's thread, whatever the
+    tiers do. What runs on it is the put of the call's message and, while
+    the primary tier's actor is idle, the primary's handler for it (a claim,
+    as with the blocking manager: bounded work on the pool, never a tier
+    call); ``claims=False`` queues every message to the primary's thread
+    instead. Calls from one task take effect in the order they were made
+    (each is put before the coroutine first suspends). It may be built
+    outside a running loop and serves one loop at a time (each call answers
+    on the loop it was awaited on). The blocking manager stays usable from
+    other threads meanwhile.
+
+    Cancellation: a task cancelled while it awaits a call leaves nothing
+    behind. The call's message is already sent, so its answer is undone when
+    it arrives: ``prepare_load``'s pins are released (``complete_load``),
+    ``prepare_store``'s rows are completed with ``success=False``, the events
+    ``take_events`` took are returned by the next ``take_events``. The
+    request itself is untouched: it can go on, or be finished.
+
+    ``TransferEngine``'s futures are ``concurrent.futures.Future``: await them
+    with ``asyncio.wrap_future(engine.offload(...))`` (note that ``offload``
+    and ``onboard`` make their ``prepare_*`` call on the calling thread).
+    """
+
+    def __init__(self, manager: TieringManager, *, claims: bool = True) -> None:
+        if not isinstance(manager, TieringManager):
+            raise ValueError(f"expected a TieringManager, got {type(manager).__name__}")
+        self.manager = manager
+        self._view = _view(manager, claims)
+        self._orphan_events: list[OffloadingEvent] = []
+        self._inbox: _Inbox | None = None
+
+    # ------------------------------------------------------------ the bridge
+
+    def _inbox_of(self, loop: asyncio.AbstractEventLoop) -> _Inbox:
+        inbox = self._inbox
+        if inbox is None or inbox.loop is not loop:
+            inbox = self._inbox = _Inbox(loop)
+        return inbox
+
+    async def _await(self, reply: Reply[T], undo: Callable[[T], None] | None = None) -> T:
+        """The answer of ``reply``, awaited on the running loop; ``undo(answer)`` runs
+        (on the loop's thread) if the awaiting task was cancelled before it got it."""
+        if reply.done():
+            return reply.result()
+        inbox = self._inbox_of(asyncio.get_running_loop())
+        future: asyncio.Future[T] = inbox.loop.create_future()
+        reply.add_done_callback(lambda done: inbox.post(future, done, undo))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancelled after the answer was delivered but before this task resumed.
+            if undo is not None and future.done() and not future.cancelled() and future.exception() is None:
+                undo(future.result())
+            raise
+
+    # ------------------------------------------------------------ coroutines
+
+    async def on_new_request(self, ctx: ReqContext) -> None:
+        """As :meth:`TieringManager.on_new_request` (never suspends: it returns once queued)."""
+        self._view.on_new_request(ctx)
+
+    async def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
+        """As :meth:`TieringManager.lookup`."""
+        reply: Reply[list[LookupResult]] = self._view.lookup(keys, ctx)  # type: ignore[assignment]
+        return await self._await(reply)
+
+    async def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
+        """As :meth:`TieringManager.prepare_load`; cancelled, its pins are released."""
+        keys = _keys_once(keys)
+        reply: Reply[LoadStoreSpec] = self._view.prepare_load(keys, ctx)  # type: ignore[assignment]
+        return await self._await(reply, lambda _: self._view.complete_load(keys, ctx))
+
+    async def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        """As :meth:`TieringManager.prepare_store`; cancelled, its rows are completed as failed."""
+        reply: Reply[PrepareStoreOutput | None] = self._view.prepare_store(keys, ctx)  # type: ignore[assignment]
+
+        def undo(out: PrepareStoreOutput | None) -> None:
+            if out is not None and out.keys_to_store:
+                self._view.complete_store(out.keys_to_store, ctx, success=False)
+
+        return await self._await(reply, undo)
+
+    async def reset_cache(self) -> None:
+        """As :meth:`TieringManager.reset_cache` (a cancelled reset still happens)."""
+        reply = cast(Reply[None], self._view.reset_cache())
+        await self._await(reply)
+
+    async def take_events(self) -> list[OffloadingEvent]:
+        """As :meth:`TieringManager.take_events`; events taken by a cancelled call come first."""
+        reply: Reply[list[OffloadingEvent]] = self._view.take_events()  # type: ignore[assignment]
+        events = await self._await(reply, self._orphan_events.extend)
+        if self._orphan_events:
+            events, self._orphan_events = [*self._orphan_events, *events], []
+        return events
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """As :meth:`TieringManager.wait_idle`: False if ``timeout`` passed first."""
+        reply: Reply[bool] = Reply()
+        self._view._send(m.Barrier(reply))
+        try:
+            return await asyncio.wait_for(self._await(reply), timeout)
+        except TimeoutError:
+            return False
+
+    async def stats(self) -> dict[str, int | float]:
+        """As :meth:`TieringManager.stats`."""
+        reply: Reply[dict[str, int | float]] = self._view.stats()  # type: ignore[assignment]
+        return await self._await(reply)
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """As :meth:`TieringManager.stop`. Its last step joins the actors' threads (a
+        tier stuck in a call may hold it up to ``timeout``), so it runs on one thread
+        of its own, started here, never on the loop's; a cancelled stop still completes."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def deliver(error: BaseException | None) -> None:
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+
+        def run() -> None:
+            error: BaseException | None = None
+            try:
+                self.manager.stop(timeout)
+            except BaseException as exc:
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(deliver, error)
+
+        threading.Thread(target=run, name="kvactors-async-stop", daemon=True).start()
+        await future
+
+    # ------------------------------------------------------------ non-blocking calls
+
+    def complete_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
+        """As :meth:`TieringManager.complete_load`."""
+        self._view.complete_load(keys, ctx)
+
+    def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
+        """As :meth:`TieringManager.touch`."""
+        self._view.touch(keys, ctx)
+
+    def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        """As :meth:`TieringManager.complete_store`."""
+        self._view.complete_store(keys, ctx, success)
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """As :meth:`TieringManager.on_request_finished`."""
+        self._view.on_request_finished(ctx)
+
+    def __repr__(self) -> str:
+        return f"AsyncTieringManager({self.manager!r})"

@@ -1,0 +1,194 @@
+"""Prometheus metrics of a :class:`~kvactors.TieringManager` (extra ``metrics``: ``prometheus-client``).
+
+:class:`KvactorsCollector` is a ``prometheus_client`` collector: register it in
+a registry, and every scrape reads the manager's figures in one round trip
+(:meth:`TieringManager.metrics_snapshot`), however many series. The counters
+themselves are plain ints the actors keep as they work
+(:mod:`kvactors.core.counters`); a scrape only copies them.
+
+Families (``tier`` is ``"cpu"`` for the primary pool, else a secondary tier's name):
+
+* ``kvactors_lookup_keys_total{tier}``, ``kvactors_hit_keys_total{tier}``: keys
+  asked at that tier, keys it answered ``HIT`` (at ``cpu``: ready in the pool;
+  a secondary tier is asked only the keys the pool missed);
+* ``kvactors_stored_bytes_total{tier}``, ``kvactors_loaded_bytes_total{tier}``:
+  block payload (``block_bytes`` per block) of successful transfers: at ``cpu``
+  completed stores and loads, at a tier its cascades and promotions;
+* ``kvactors_jobs_total{tier,kind,outcome}``: ended transfers; ``kind`` ``store``,
+  ``load`` (at ``cpu``: ``prepare_*`` calls completed, or past their deadline),
+  ``cascade``, ``promotion`` (a tier's jobs); ``outcome`` ``ok``, ``failed``,
+  ``timed_out``;
+* ``kvactors_jobs_started_total{tier,kind}``, ``kvactors_jobs_dropped_total{tier,kind}``:
+  cascades and promotions submitted to a tier, and those failed before they
+  reached it (a reset, a stop);
+* ``kvactors_job_duration_seconds{tier,kind}``: histogram, submit to report (or
+  deadline) of a tier's cascades and promotions;
+* ``kvactors_tier_jobs_queued{tier}``, ``kvactors_tier_jobs_in_flight{tier}``: a
+  tier's queue depth (jobs waiting for a slot) and jobs submitted, not reported;
+* ``kvactors_pool_blocks{state}``: rows of the pool by exclusive state, ``ready``,
+  ``pinned``, ``pending``, ``detached``, ``free``, summing to ``num_blocks``;
+* ``kvactors_evicted_keys_total{tier}``: keys evicted to make room (``cpu``);
+* ``kvactors_active_requests``, ``kvactors_lookups_in_flight``;
+* ``kvactors_contract_violations_total``, ``kvactors_lookups_timed_out_total``,
+  ``kvactors_late_reports_total``, ``kvactors_requests_finalized_total``,
+  ``kvactors_internal_errors_total``;
+* ``kvactors_tiers_stuck`` (and ``kvactors_tier_stuck{tier}``), when ``stats()``
+  reports stuck tiers (see :func:`stuck_tiers`).
+
+Threading: ``collect`` may run on any thread (the HTTP server's); it blocks for
+one round trip to the actors. A stopped manager yields no samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+try:
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # pragma: no cover - the extra is not installed
+    raise ImportError("kvactors.metrics needs prometheus-client: pip install 'kvactors[metrics]'") from exc
+
+from kvactors.core.counters import MetricsSnapshot
+from kvactors.core.errors import ManagerStoppedError
+
+if TYPE_CHECKING:
+    import threading
+    from wsgiref.simple_server import WSGIServer
+
+    from kvactors.manager import TieringManager
+
+__all__ = ["KvactorsCollector", "serve_metrics", "stuck_tiers"]
+
+POOL_STATES = ("ready", "pinned", "pending", "detached", "free")
+
+
+def stuck_tiers(stats: dict[str, int | float]) -> tuple[int | None, dict[str, int]]:
+    """The hook for stuck tiers: how many tiers ``stats()`` reports stuck, and which.
+
+    Reads ``stats["tiers_stuck"]`` (a count) and ``stats["tier_stuck:NAME"]``
+    (1 while tier NAME is stuck), when the runtime reports them; ``(None, {})``
+    when it does not (nothing is exported then rather than a made-up 0).
+    """
+    count = stats.get("tiers_stuck")
+    per_tier = {key.split(":", 1)[1]: int(value) for key, value in stats.items() if key.startswith("tier_stuck:")}
+    return (None if count is None else int(count)), per_tier
+
+
+class KvactorsCollector(Collector):
+    """The metrics of one manager, read in one round trip per scrape.
+
+    One collector per manager in a registry (the families have no manager
+    label). ``registry.register(KvactorsCollector(manager))``.
+    """
+
+    def __init__(self, manager: TieringManager) -> None:
+        self.manager = manager
+        self.block_bytes = int(manager.pool.shape[1])
+        self.num_blocks = int(manager.pool.shape[0])
+
+    def describe(self) -> list[Metric]:
+        # Registering must not cost a round trip (nor fail on a stopped manager).
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            snap = self.manager.metrics_snapshot()
+        except ManagerStoppedError:
+            return
+        yield from self.families(snap)
+
+    def families(self, snap: MetricsSnapshot) -> Iterator[Metric]:
+        """The metric families of ``snap``."""
+        bb = self.block_bytes
+
+        def per_tier(name: str, doc: str, values: dict[str, int], scale: int = 1) -> Metric:
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier, value in values.items():
+                family.add_metric([tier], value * scale)
+            return family
+
+        yield per_tier("kvactors_lookup_keys", "Keys asked at a tier (a secondary tier: keys the pool missed).",
+                       snap.lookup_keys)
+        yield per_tier("kvactors_hit_keys", "Keys a tier answered HIT (cpu: ready in the pool).", snap.hit_keys)
+        yield per_tier("kvactors_stored_bytes", "Block payload stored at a tier by successful transfers.",
+                       snap.stored_blocks, bb)
+        yield per_tier("kvactors_loaded_bytes", "Block payload loaded from a tier by successful transfers.",
+                       snap.loaded_blocks, bb)
+        yield per_tier("kvactors_evicted_keys", "Keys evicted to make room.", snap.evicted_keys)
+
+        jobs = CounterMetricFamily("kvactors_jobs", "Transfers ended, by tier, kind and outcome.",
+                                   labels=["tier", "kind", "outcome"])
+        for (tier, kind, outcome), value in snap.jobs.items():
+            jobs.add_metric([tier, kind, outcome], value)
+        yield jobs
+        for name, doc, values in (
+            ("kvactors_jobs_started", "Cascades and promotions submitted to a tier.", snap.jobs_started),
+            ("kvactors_jobs_dropped", "Cascades and promotions failed before reaching their tier (reset, stop).",
+             snap.jobs_dropped),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["tier", "kind"])
+            for (tier, kind), value in values.items():
+                family.add_metric([tier, kind], value)
+            yield family
+        durations = HistogramMetricFamily("kvactors_job_duration_seconds",
+                                          "A tier's cascades and promotions, submit to report (or deadline).",
+                                          labels=["tier", "kind"])
+        for (tier, kind), hist in snap.durations.items():
+            durations.add_metric([tier, kind], hist.cumulative(), hist.sum_s)
+        yield durations
+
+        for name, doc, depths in (
+            ("kvactors_tier_jobs_queued", "Jobs waiting for a slot of their tier (queue depth).", snap.jobs_queued),
+            ("kvactors_tier_jobs_in_flight", "Jobs submitted to a tier and not reported yet.", snap.jobs_in_flight),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier, value in depths.items():
+                gauge.add_metric([tier], value)
+            yield gauge
+        pool = GaugeMetricFamily("kvactors_pool_blocks", "Rows of the primary pool by state (they sum to num_blocks).",
+                                 labels=["state"])
+        for state in POOL_STATES:
+            pool.add_metric([state], snap.pool_blocks[state])
+        yield pool
+
+        stats = snap.stats
+        for name, doc, stat in (
+            ("kvactors_active_requests", "Request attempts from on_new_request until finalized.", "active_requests"),
+            ("kvactors_lookups_in_flight", "Lookups waiting for the secondary tiers.", "lookups_in_flight"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=stats.get(stat, 0))
+        for name, doc, stat in (
+            ("kvactors_contract_violations", "Misuse found in non-blocking calls (logged, state unchanged).",
+             "contract_violations"),
+            ("kvactors_lookups_timed_out", "Lookups that gave up waiting for a tier (lookup_timeout_s).",
+             "lookups_timed_out"),
+            ("kvactors_late_reports", "Job reports that came after their deadline.", "late_reports"),
+            ("kvactors_requests_finalized", "Request attempts finalized at every tier.", "requests_finalized"),
+            ("kvactors_internal_errors", "Handler failures inside the runtime (should stay 0).", "internal_errors"),
+        ):
+            yield CounterMetricFamily(name, doc, value=stats.get(stat, 0))
+        count, per_tier_stuck = stuck_tiers(stats)
+        if count is not None:
+            yield GaugeMetricFamily("kvactors_tiers_stuck", "Secondary tiers stuck inside a call.", value=count)
+        if per_tier_stuck:
+            stuck = GaugeMetricFamily("kvactors_tier_stuck", "1 while a tier is stuck inside a call.", labels=["tier"])
+            for tier, value in per_tier_stuck.items():
+                stuck.add_metric([tier], value)
+            yield stuck
+
+
+def serve_metrics(manager: TieringManager, port: int, addr: str = "127.0.0.1"
+                  ) -> tuple[WSGIServer, threading.Thread, CollectorRegistry]:
+    """Serve ``manager``'s metrics at ``http://addr:port/metrics`` (port 0: any free one).
+
+    A registry of its own with one :class:`KvactorsCollector`; the server runs on
+    one daemon thread. Returns ``(server, thread, registry)``: ``server.server_port``
+    is the port, ``server.shutdown()`` stops it.
+    """
+    registry = CollectorRegistry()
+    registry.register(KvactorsCollector(manager))
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    return server, thread, registry
