@@ -73,8 +73,11 @@ def integer(low: int, high: int) -> Callable[[str], int]:
 
     def parse(text: str) -> int:
         value = int(_number(text, int))
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {text!r}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}" if low == 1 else
+                                             f"must be at least {low}, got {text!r}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {text!r}")
         return value
 
     parse.__name__ = "integer"
@@ -86,9 +89,10 @@ def number(low: float, high: float, *, low_open: bool = False) -> Callable[[str]
 
     def parse(text: str) -> float:
         value = float(_number(text, float))
-        if not (low < value if low_open else low <= value) or value > high:
-            interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-            raise argparse.ArgumentTypeError(f"must be a number in {interval}, got {text!r}")
+        if not (low < value if low_open else low <= value):
+            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low:g}, got {text!r}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:g}, got {text!r}")
         return value
 
     parse.__name__ = "number"
@@ -101,10 +105,12 @@ probability = number(0.0, 1.0)
 
 def parse_size(text: str, *, high: int = MAX_SIZE) -> int:
     """``4096``, ``256KiB``, ``1GiB``, ``1.5MB`` -> bytes (an int in ``[1, high]``). For argparse ``type=``."""
-    m = re.fullmatch(r"\s*\+?([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
+    m = re.fullmatch(r"\s*([-+]?)([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(3).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"invalid size {text!r} ({SIZE_SYNTAX})")
-    digits, unit = m.group(1), _UNITS[m.group(2).lower()]
+    if m.group(1) == "-":
+        raise argparse.ArgumentTypeError(f"size must be a whole number of bytes > 0, got {text!r}")
+    digits, unit = m.group(2), _UNITS[m.group(3).lower()]
     whole, _, frac = digits.partition(".")
     # Exact arithmetic: a float would round 10**30 and accept 1.0000000001 KiB as a whole number.
     numerator = int(whole or "0") * 10 ** len(frac) + int(frac or "0")
