@@ -89,7 +89,7 @@ PLAIN = [
 ]
 
 DRIVER = textwrap.dedent('''
-    import json, os, runpy, sys, tempfile, traceback
+    import json, os, runpy, signal, sys, tempfile, traceback
     import kvactors.cli, kvactors.commands.stress, kvactors.commands.simulate, redis  # imported once
     try:
         import matplotlib.backend_bases
@@ -100,6 +100,7 @@ DRIVER = textwrap.dedent('''
         pid = os.fork()
         if pid == 0:
             code = 1
+            signal.alarm(20)  # a case that runs instead of failing at parse time is killed (exit status -14)
             try:
                 os.chdir(case["cwd"])
                 os.environ["TMPDIR"] = case["tmpdir"]
