@@ -1,11 +1,21 @@
-"""The ``kvactors`` command: ``simulate``, ``stress``, ``check-log``."""
+"""The ``kvactors`` command: ``simulate``, ``stress``, ``check-log``.
+
+A bad option is one line on stderr, ``kvactors <command>: error: ...``, and
+exit status 2 (:class:`kvactors.commands.options.Parser`); Ctrl-C ends a run
+with exit status 130 once the command has stopped what it started.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
+
+from kvactors.commands.options import Parser
 
 COMMANDS = {
     "simulate": "kvactors.commands.simulate",
@@ -14,10 +24,13 @@ COMMANDS = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvactors", description="Tiered KV-cache offloading runtime.")
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+    """The ``kvactors`` parser with one subparser per command module found; the modules by name.
+    :func:`subparsers` finds the commands' parsers in it.
+    """
+    parser = Parser(prog="kvactors", description="Tiered KV-cache offloading runtime.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    modules = {}
+    modules: dict[str, Any] = {}
     for name, module_name in COMMANDS.items():
         try:
             module = importlib.import_module(module_name)
@@ -26,9 +39,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             continue
         modules[name] = module
-        command_parser = subparsers.add_parser(name, help=module.HELP, description=module.HELP)
+        command_parser = subparsers.add_parser(name, help=module.HELP, description=module.HELP,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter,
+                                               epilog=getattr(module, "EPILOG", None))
         module.add_arguments(command_parser)
-    args = parser.parse_args(argv)
+    return parser, modules
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The commands' parsers of a parser made by :func:`build_parser`, by name."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        # A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored:
+        # Ctrl-C (or kill -INT) must still stop a run, so the commands get their KeyboardInterrupt.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    parser, modules = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's parser, so that the line names the command
+        subparsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return int(modules[args.command].run(args))
 
 

@@ -197,5 +197,9 @@ def test_simulate_serves_metrics_while_it_runs(tmp_path, monkeypatch, capsys):
 def test_simulate_metrics_port_out_of_range_is_a_clear_error(capsys):
     from kvactors.cli import main
 
-    assert main(["simulate", "--metrics-port", "70000"]) == 2
-    assert "kvactors simulate: error: --metrics-port must be 0-65535" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # a bad option is refused by the parser
+        main(["simulate", "--metrics-port", "70000"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvactors simulate: error: argument --metrics-port: must be at most 65535")
+    assert len(err.strip().splitlines()) == 1

@@ -42,7 +42,8 @@ def test_quick_run_is_clean(tmp_path, capsys):
     for name in ("offload_gbps", "onboard_gbps"):
         assert result[name] > 0
     assert (tmp_path / "events.jsonl").stat().st_size > 0
-    assert "contract violations" in out and "Traceback" not in out + err
+    assert len(out.splitlines()) == 1  # --json: only the JSON on stdout, the table on stderr
+    assert "contract violations" in err and "Traceback" not in out + err
 
 
 @pytest.mark.timeout(60)
@@ -77,8 +78,8 @@ def test_seconds_bounds_the_run(tmp_path, capsys):
         (["--cpu-blocks", "4"], "--cpu-blocks must be at least"),
         (["--block-bytes", "16"], "--block-bytes must be at least"),
         (["--seconds", "-1"], "--seconds: must be > 0"),
-        (["--redis", "redis://127.0.0.1:1"], "--redis redis://127.0.0.1:1: the server does not answer"),
-        (["--redis", "nonsense://x"], "--redis nonsense://x"),
+        (["--redis", "redis://127.0.0.1:1"], "--redis: redis://127.0.0.1:1: the server does not answer"),
+        (["--redis", "nonsense://x"], "--redis: nonsense://x"),
     ],
 )
 @pytest.mark.timeout(30)
@@ -96,7 +97,7 @@ def test_unwritable_disk_dir_is_a_clear_error(tmp_path, capsys):
     for path in (blocker, blocker / "below"):
         rc, out, err = run_cli(capsys, "--quick", "--disk-dir", str(path))
         assert rc == 2
-        assert f"kvactors simulate: error: --disk-dir {path}" in err, err
+        assert f"kvactors simulate: error: argument --disk-dir: {path}" in err, err
         assert "Traceback" not in out + err
 
 

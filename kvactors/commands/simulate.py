@@ -9,7 +9,9 @@ three numbers that must be zero: contract violations, byte mismatches, leaked
 states. The workload is described in :mod:`kvactors.simulation.runner`.
 
 Exit status: 0 for a clean run, 1 if a violation, mismatch, leak, frontend
-error or a failed ``check-log`` was found, 2 for bad options.
+error or a failed ``check-log`` was found, 2 for bad options, 3 if no request
+ran, 130 after Ctrl-C (the run stopped, the manager stopped, temporary files
+removed).
 """
 
 from __future__ import annotations
@@ -20,88 +22,83 @@ import importlib
 import io
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from typing import Any
+
+from kvactors.commands import options as opt
 
 HELP = "Run a multi-threaded serving frontend on the real tiers and check the lifecycle contract end to end."
 
 DEFAULTS: dict[str, Any] = {"threads": 4, "requests": 2000, "block_bytes": 64 * 1024, "cpu_blocks": 256,
-                            "disk_bytes": 256 * 1024 * 1024}
+                            "disk_bytes": 256 * 1024 * 1024, "redis_bytes": 256 * 1024 * 1024}
 QUICK: dict[str, Any] = {"threads": 4, "requests": 1500, "block_bytes": 16 * 1024, "cpu_blocks": 128,
-                         "disk_bytes": 64 * 1024 * 1024}
+                         "disk_bytes": 64 * 1024 * 1024, "redis_bytes": 64 * 1024 * 1024}
 MIN_BLOCK_BYTES = 64
 MIN_CPU_BLOCKS = 16
 PROG = "kvactors simulate"
+EPILOG = f"""syntax:
+  {opt.SIZE_SYNTAX}
 
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+exit status: 0 clean; 1 a violation, mismatch, leak, frontend error or failed check-log;
+2 bad options; 3 no request ran (nothing was checked); 130 Ctrl-C."""
 
-
-class OptionError(Exception):
-    """A bad option found after parsing (exit status 2)."""
-
-
-def parse_size(text: str) -> int:
-    """``4096``, ``256KiB``, ``1GiB``, ``1.5MB`` -> bytes (an int > 0). For argparse ``type=``."""
-    m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 4096, 256KiB, 64MiB, 1GiB)")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"size must be a whole number of bytes > 0, got {text!r}")
-    return int(value)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+parse_size = opt.parse_size
+OptionError = opt.OptionError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--threads", type=positive_int, help=f"frontend threads (default {DEFAULTS['threads']})")
-    g.add_argument("--requests", type=positive_int,
+    g.add_argument("--threads", type=opt.integer(1, 256), metavar="N",
+                   help=f"frontend threads (default {DEFAULTS['threads']})")
+    g.add_argument("--requests", type=opt.integer(1, 10**9), metavar="N",
                    help=f"requests (conversation turns) to serve; a preempted turn counts once "
-                        f"(default {DEFAULTS['requests']}; with --seconds alone: no limit)")
-    g.add_argument("--seconds", type=positive_float, help="stop starting requests after this many seconds")
-    g.add_argument("--seed", type=int, default=0, help="seed of the workload and the block contents (default 0)")
+                        f"(default {DEFAULTS['requests']}, --quick {QUICK['requests']}; with --seconds alone: "
+                        "no limit)")
+    g.add_argument("--seconds", type=opt.number(0, 7 * 86400, low_open=True), metavar="S",
+                   help="stop starting requests after S seconds (with --requests: whichever comes first; "
+                        "default: no time limit)")
+    g.add_argument("--seed", type=opt.integer(0, 2**63 - 1), default=0, metavar="N",
+                   help="seed of the workload and the block contents (default 0)")
     g.add_argument("--quick", action="store_true",
                    help=f"a short run (~10 s): {QUICK['requests']} requests, blocks of 16KiB, "
                         f"{QUICK['cpu_blocks']} CPU blocks, 64MiB of disk; explicit options still apply")
     t = parser.add_argument_group("tiers")
-    t.add_argument("--block-bytes", type=parse_size, help="bytes per KV block (default 64KiB)")
-    t.add_argument("--cpu-blocks", type=positive_int,
-                   help=f"blocks in the primary CPU pool (default {DEFAULTS['cpu_blocks']})")
-    t.add_argument("--disk-dir", help="directory of the DiskTier (default: a temporary directory, removed after)")
-    t.add_argument("--disk-bytes", type=parse_size, help="capacity of the DiskTier (default 256MiB)")
-    t.add_argument("--redis", metavar="URL", help="add a RedisTier on this server (e.g. redis://localhost:6379/0)")
+    t.add_argument("--block-bytes", type=opt.parse_size, metavar="SIZE",
+                   help=f"bytes per KV block, at least {MIN_BLOCK_BYTES} (default 64KiB, --quick 16KiB)")
+    t.add_argument("--cpu-blocks", type=opt.integer(1, 2**31), metavar="N",
+                   help=f"blocks in the primary CPU pool, at least {MIN_CPU_BLOCKS} "
+                        f"(default {DEFAULTS['cpu_blocks']}, --quick {QUICK['cpu_blocks']})")
+    t.add_argument("--num-blocks", type=opt.integer(1, 2**31), dest="cpu_blocks", default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # stress's old name
+    t.add_argument("--disk-dir", type=opt.directory, metavar="DIR",
+                   help="directory of the DiskTier (default: a temporary directory, removed at exit)")
+    t.add_argument("--disk-bytes", type=opt.parse_size, metavar="SIZE",
+                   help="capacity of the DiskTier (default 256MiB, --quick 64MiB)")
+    t.add_argument("--redis", type=opt.redis_url, metavar="URL",
+                   help="add a RedisTier on this server, answering PING within 1 s, e.g. redis://localhost:6379/0 "
+                        "(default: none; its keys go under a namespace of the run, deleted at exit)")
+    t.add_argument("--redis-bytes", type=opt.parse_size, metavar="SIZE",
+                   help="capacity of the RedisTier's namespace (default 256MiB, --quick 64MiB)")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the device cache lives (default: cuda when present, else cpu)")
+                   help="where the device cache lives (default auto: cuda when present, else cpu)")
+    t.add_argument("--transfer-timeout", type=opt.number(0, 3600, low_open=True), default=30.0, metavar="S",
+                   help="transfer deadline in seconds (default 30)")
     o = parser.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print the results as one JSON object on the last line")
-    o.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while it runs (0: any free port)")
-    o.add_argument("--plot", metavar="FILE.png", help="plot hit rate and throughput over time (needs matplotlib)")
-    o.add_argument("--event-log", metavar="PATH",
-                   help="the JSON-lines lifecycle log (default: events.jsonl in the run's directory)")
+    o.add_argument("--json", action="store_true",
+                   help="print only the results as one JSON object on stdout (the table goes to stderr)")
+    o.add_argument("--metrics-port", type=opt.integer(0, 65535), metavar="PORT",
+                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while it runs "
+                        "(0: any free port; default: none)")
+    o.add_argument("--plot", type=opt.plot_file, metavar="FILE.png",
+                   help="plot hit rate and throughput over time (needs matplotlib; default: no plot)")
+    o.add_argument("--event-log", type=opt.output_file, metavar="FILE",
+                   help="the JSON-lines lifecycle log (default: events.jsonl in a temporary directory of the run, "
+                        "kept); an existing file is refused unless --append-log")
+    o.add_argument("--append-log", action="store_true", help="append to an existing --event-log file")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
 
 
 def _pick(args: argparse.Namespace, name: str) -> Any:
@@ -109,32 +106,6 @@ def _pick(args: argparse.Namespace, name: str) -> Any:
     if value is not None:
         return value
     return (QUICK if args.quick else DEFAULTS)[name]
-
-
-def _check_dir_writable(path: str, option: str) -> None:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise OptionError(f"{option} {path}: exists and is not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        raise OptionError(f"{option} {path}: not writable ({exc.strerror or exc})") from None
-
-
-def _check_redis(url: str) -> None:
-    import redis
-
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
-    except ValueError as exc:
-        raise OptionError(f"--redis {url}: {exc}") from None
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        raise OptionError(f"--redis {url}: the server does not answer ({exc})") from None
-    finally:
-        client.close()
 
 
 def _device(choice: str) -> str:
@@ -145,6 +116,67 @@ def _device(choice: str) -> str:
     if choice == "cuda" and not torch.cuda.is_available():
         raise OptionError("--device cuda: no CUDA device is available")
     return choice
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run the options describe, once their combinations are checked."""
+
+    threads: int
+    requests: int | None
+    block_bytes: int
+    cpu_blocks: int
+    disk_bytes: int
+    redis_bytes: int
+    device: str
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Check the combinations of options and the memory they need (raises ``OptionError``); nothing starts."""
+    from kvactors.simulation.workload import WorkloadShape
+
+    block_bytes = _pick(args, "block_bytes")
+    cpu_blocks = _pick(args, "cpu_blocks")
+    disk_bytes = _pick(args, "disk_bytes")
+    redis_bytes = _pick(args, "redis_bytes")
+    threads = _pick(args, "threads")
+    if block_bytes < MIN_BLOCK_BYTES:
+        raise OptionError(f"--block-bytes must be at least {MIN_BLOCK_BYTES}, got {block_bytes}")
+    if cpu_blocks < MIN_CPU_BLOCKS:
+        raise OptionError(f"--cpu-blocks must be at least {MIN_CPU_BLOCKS}, got {cpu_blocks}")
+    if disk_bytes < 4 * (block_bytes + 256):
+        raise OptionError(f"--disk-bytes {disk_bytes} holds fewer than 4 blocks of {block_bytes} bytes")
+    if args.redis_bytes is not None and args.redis is None:
+        raise OptionError("--redis-bytes needs --redis URL")
+    if args.redis is not None and redis_bytes < 4 * (block_bytes + 256):
+        raise OptionError(f"--redis-bytes {redis_bytes} holds fewer than 4 blocks of {block_bytes} bytes")
+    if args.disk_bytes is not None:
+        free = opt.free_disk(args.disk_dir or tempfile.gettempdir())
+        if disk_bytes > free:
+            raise OptionError(f"--disk-bytes {opt.format_bytes(disk_bytes)} is more than the "
+                              f"{opt.format_bytes(free)} free on the disk tier's file system")
+    if args.event_log is not None and os.path.exists(args.event_log) and not args.append_log:
+        raise OptionError(f"--event-log {args.event_log}: the file exists (add --append-log to append to it)")
+    device = _device(args.device)
+    pool = cpu_blocks * block_bytes
+    cache = threads * WorkloadShape().max_request_blocks * block_bytes
+    parts = [("the CPU pool (--cpu-blocks x --block-bytes)", pool), ("block contents", 2 * block_bytes)]
+    if device == "cpu":
+        parts.append(("the device cache (--threads x 64 blocks)", cache))
+    else:
+        import torch
+
+        free_gpu = torch.cuda.mem_get_info()[0]
+        if cache > free_gpu:
+            raise OptionError(f"--threads {threads} --block-bytes {block_bytes}: the device cache needs "
+                              f"{opt.format_bytes(cache)}; {opt.format_bytes(free_gpu)} free on the GPU")
+    try:
+        opt.check_memory(parts)
+    except OptionError as exc:
+        raise OptionError(f"--cpu-blocks {cpu_blocks} --block-bytes {block_bytes}: {exc}") from None
+    requests = _pick(args, "requests") if args.requests is not None or args.seconds is None else None
+    return Plan(threads=threads, requests=requests, block_bytes=block_bytes, cpu_blocks=cpu_blocks,
+                disk_bytes=disk_bytes, redis_bytes=redis_bytes, device=device)
 
 
 def _check_log(path: str) -> tuple[str, bool]:
@@ -173,66 +205,71 @@ def _check_log(path: str) -> tuple[str, bool]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return _run(args)
+        with contextlib.ExitStack() as cleanup:
+            return _run(args, cleanup)
     except OptionError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted (the manager was stopped; temporary files removed)", file=sys.stderr, flush=True)
+        return 130
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     from rich.console import Console
 
     from kvactors.simulation.runner import SimConfig, Simulation
 
-    block_bytes = _pick(args, "block_bytes")
-    cpu_blocks = _pick(args, "cpu_blocks")
-    disk_bytes = _pick(args, "disk_bytes")
-    if block_bytes < MIN_BLOCK_BYTES:
-        raise OptionError(f"--block-bytes must be at least {MIN_BLOCK_BYTES}, got {block_bytes}")
-    if cpu_blocks < MIN_CPU_BLOCKS:
-        raise OptionError(f"--cpu-blocks must be at least {MIN_CPU_BLOCKS}, got {cpu_blocks}")
-    if disk_bytes < 4 * (block_bytes + 256):
-        raise OptionError(f"--disk-bytes {disk_bytes} holds fewer than 4 blocks of {block_bytes} bytes")
-    requests = _pick(args, "requests") if args.requests is not None or args.seconds is None else None
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise OptionError("--plot needs matplotlib: pip install matplotlib "
-                              "(or pip install 'kvactors[plot]')") from None
-        _check_dir_writable(os.path.dirname(os.path.abspath(args.plot)), "--plot")
-    device = _device(args.device)
+    the_plan = plan(args)
     if args.metrics_port is not None:
-        _check_metrics_port(args.metrics_port)
-
+        _check_metrics_port()
+    created: list[str] = []
+    cleanup.callback(opt.remove_created, created)  # only what is still empty: never the user's data
     own_disk = args.disk_dir is None
-    # The run's directory holds what the user did not place: the disk tier (removed after) and the log (kept).
+    # The run's directory holds what the user did not place: the disk tier (removed at exit) and the log
+    # (kept after a run that ends, removed after an error or Ctrl-C: nothing reports where it is).
     run_dir = tempfile.mkdtemp(prefix="kvactors-simulate-") if own_disk or not args.event_log else ""
-    disk_dir = os.path.join(run_dir, "disk") if own_disk else os.path.abspath(args.disk_dir)
-    event_log = os.path.abspath(args.event_log) if args.event_log else os.path.join(run_dir, "events.jsonl")
-    try:
-        _check_dir_writable(disk_dir, "--disk-dir")
-        _check_dir_writable(os.path.dirname(event_log), "--event-log")
-        if args.redis:
-            _check_redis(args.redis)
-    except OptionError:
-        if run_dir:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+    keep_log: list[bool] = []
 
-    config = SimConfig(threads=_pick(args, "threads"), requests=requests, seconds=args.seconds, seed=args.seed,
-                       block_bytes=block_bytes, cpu_blocks=cpu_blocks, disk_dir=disk_dir, disk_bytes=disk_bytes,
-                       redis_url=args.redis, event_log=event_log, device=device)
-    result = _simulate(Simulation(config), args.metrics_port)
+    def remove_run_dir() -> None:
+        if not keep_log:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    if run_dir:
+        cleanup.callback(remove_run_dir)
+    disk_dir = os.path.join(run_dir, "disk") if own_disk else args.disk_dir
+    event_log = args.event_log if args.event_log else os.path.join(run_dir, "events.jsonl")
+    opt.prepare_dir(disk_dir, "--disk-dir", created)
+    if own_disk:
+        cleanup.callback(shutil.rmtree, disk_dir, True)
+    opt.prepare_dir(os.path.dirname(event_log), "--event-log", created)
+
+    config = SimConfig(threads=the_plan.threads, requests=the_plan.requests, seconds=args.seconds, seed=args.seed,
+                       block_bytes=the_plan.block_bytes, cpu_blocks=the_plan.cpu_blocks, disk_dir=disk_dir,
+                       disk_bytes=the_plan.disk_bytes, redis_url=args.redis, redis_bytes=the_plan.redis_bytes,
+                       event_log=event_log, device=the_plan.device, transfer_timeout_s=args.transfer_timeout)
+    tiers = ",".join(["cpu", "disk", *(["redis"] if args.redis else [])])
+    bound = " and ".join(filter(None, (f"{the_plan.requests} requests" if the_plan.requests else "",
+                                       f"{args.seconds:g} s" if args.seconds else "")))
+    print(f"{PROG}: started: seed {args.seed}, {the_plan.threads} threads, tiers {tiers}, device {the_plan.device}, "
+          f"{bound}; lifecycle log {event_log}", file=sys.stderr, flush=True)
+    try:
+        result = _simulate(Simulation(config), args.metrics_port, show_progress=not args.no_progress)
+    except Exception as exc:
+        if opt.is_allocation_error(exc):
+            raise OptionError(f"--cpu-blocks {the_plan.cpu_blocks} --block-bytes {the_plan.block_bytes}: "
+                              f"cannot allocate ({str(exc).splitlines()[0]})") from None
+        raise
+    if result.interrupted:
+        raise KeyboardInterrupt  # the runner stopped the run and the manager; report it as Ctrl-C
     if own_disk:
         shutil.rmtree(disk_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):  # kept when it holds the log
-            os.rmdir(run_dir)
+    keep_log.append(True)
 
     from kvactors.simulation.report import DEFINITIONS, notes, plot, summary_table
 
     check, check_ok = _check_log(event_log)
-    console = Console(highlight=False)
+    console = Console(highlight=False, file=sys.stderr if args.json else sys.stdout)
     console.print(summary_table(result, event_log=event_log, check_log=check))
     for line in DEFINITIONS:
         console.print(line, style="dim", markup=False)
@@ -240,27 +277,28 @@ def _run(args: argparse.Namespace) -> int:
         console.print(line, markup=False)
     if args.plot:
         plot(result, args.plot)
-        console.print(f"plot: {os.path.abspath(args.plot)}", markup=False)
+        console.print(f"plot: {args.plot}", markup=False)
     if args.json:
         out = result.to_json()
-        out.update(event_log=event_log, check_log=check, device=device, tiers=["cpu", *result.tiers])
+        out.update(event_log=event_log, check_log=check, device=the_plan.device, tiers=["cpu", *result.tiers])
         console.file.flush()
         print(json.dumps(out), flush=True)
+    if not result.requests:
+        print(f"{PROG}: no request ran (is --seconds too short?): nothing was checked", file=sys.stderr)
+        return 3
     return 0 if result.ok and check_ok else 1
 
 
-def _check_metrics_port(port: int) -> None:
-    if not 0 <= port <= 65535:
-        raise OptionError(f"--metrics-port must be 0-65535, got {port}")
+def _check_metrics_port() -> None:
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
         raise OptionError("--metrics-port needs prometheus-client: pip install 'kvactors[metrics]'") from None
 
 
-def _simulate(sim: Any, metrics_port: int | None = None) -> Any:
-    """Run with a progress bar on stderr (when it is a terminal); with ``metrics_port``,
-    serve the manager's metrics from its start to the end of the run."""
+def _simulate(sim: Any, metrics_port: int | None = None, show_progress: bool = True) -> Any:
+    """Run with a progress bar on stderr (when it is a terminal and ``show_progress``); with
+    ``metrics_port``, serve the manager's metrics from its start to the end of the run."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -269,7 +307,8 @@ def _simulate(sim: Any, metrics_port: int | None = None) -> Any:
     by_time = cfg.requests is None
     columns = [TextColumn("[bold]simulate[/bold]"), BarColumn(),
                TextColumn("{task.fields[done]}"), TimeElapsedColumn(), TextColumn("{task.fields[hits]}")]
-    with Progress(*columns, console=console, disable=not console.is_terminal, transient=False) as progress:
+    disable = not (show_progress and console.is_terminal)
+    with Progress(*columns, console=console, disable=disable, transient=False) as progress:
         total = cfg.seconds if by_time else cfg.requests
         task = progress.add_task("simulate", total=total, done="", hits="")
 

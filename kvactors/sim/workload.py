@@ -61,6 +61,23 @@ class WorkloadConfig:
     store_outcomes: tuple[float, float, float, float] = (0.8, 0.1, 0.05, 0.05)
     transfer_timeout_s: float = 1.0
 
+    def __post_init__(self) -> None:
+        # A bad shape would crash the clients mid-run (randrange(0), negative weights), which
+        # reads as the runtime's failure: refuse it here, before anything runs.
+        for name in ("clients", "requests", "ops", "keys", "keys_per_op"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"WorkloadConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("p_preempt", "p_reset", "p_misuse", "p_finish_concurrent"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"WorkloadConfig.{name} must be a probability in [0, 1], got {value!r}")
+        weights = self.store_outcomes
+        if len(weights) != 4 or not all(w >= 0 for w in weights) or not sum(weights) > 0:
+            raise ValueError(f"WorkloadConfig.store_outcomes must be 4 weights >= 0 with a sum > 0, got {weights!r}")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"WorkloadConfig.transfer_timeout_s must be > 0, got {self.transfer_timeout_s!r}")
+
     def draw(self, rng: random.Random) -> WorkloadConfig:
         """A variation of this config (sizes and rates), drawn from ``rng``."""
         return WorkloadConfig(

@@ -70,6 +70,8 @@ class SimConfig:
     disk_dir: str = ""
     disk_bytes: int = 256 * 1024 * 1024
     redis_url: str | None = None
+    redis_bytes: int | None = 256 * 1024 * 1024
+    """Capacity of the RedisTier's namespace (``None``: the server's ``maxmemory``)."""
     event_log: str | None = None
     device: str = "cpu"
     preempt_p: float = 0.08
@@ -194,7 +196,7 @@ class Simulation:
         if cfg.redis_url:
             from kvactors.tiers.redis import RedisTier
 
-            tiers.append(RedisTier(cfg.redis_url, namespace=self.redis_namespace, capacity_bytes=cfg.disk_bytes))
+            tiers.append(RedisTier(cfg.redis_url, namespace=self.redis_namespace, capacity_bytes=cfg.redis_bytes))
         return tiers
 
     @property
@@ -230,11 +232,12 @@ class Simulation:
                         w.join(0.1)
                         if tick is not None:
                             tick(self)
-            except KeyboardInterrupt:  # Ctrl-C: finish the turns in progress, then check and report
+            except KeyboardInterrupt:  # Ctrl-C: let the turns in progress finish (bounded), then stop cleanly
                 self._stop.set()
                 self.interrupted = True
+                deadline = time.monotonic() + WAIT_S
                 for w in workers:
-                    w.join()
+                    w.join(max(deadline - time.monotonic(), 0.0))
             seconds = time.monotonic() - self._t0
             sampler.stop()
             engine.close()
