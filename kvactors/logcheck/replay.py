@@ -54,7 +54,7 @@ class _Lifetime:
     """One lifetime of a request attempt, from ``request_started`` to ``request_finalized``
     (and then until every tier received its finish)."""
 
-    __slots__ = ("ended_jobs", "finalized", "finish_seen", "finished", "jobs", "pending_stores", "roll_call",
+    __slots__ = ("cascades_owed", "ended_jobs", "finalized", "finish_seen", "finished", "jobs", "pending_stores", "roll_call",
                  "started", "store_events", "tier_finalized", "tier_received", "tiers_owed")
 
     def __init__(self, started: Event) -> None:
@@ -70,6 +70,7 @@ class _Lifetime:
         self.tiers_owed: set[str] = set()  # tier_finalized, not yet tier_finish_received
         self.jobs: dict[int, _Job] = {}  # live jobs of this lifetime
         self.ended_jobs: set[int] = set()  # while the lifetime is kept: a second end is caught
+        self.cascades_owed: dict[str, int] = {}  # per tier: stores completed whose cascade job is not yet seen
 
     def note_store(self, event: Event) -> None:
         self.store_events.append(event)
@@ -131,6 +132,12 @@ class ManagerReplay:
             self.jobs[job_id] = job
             if lifetime is not None:
                 lifetime.jobs[job_id] = job
+                if kind == "cascade":
+                    owed = lifetime.cascades_owed.get(job.tier, 0) - 1
+                    if owed < 0:
+                        self.violation("one-job-end", f"cascade job {job_id} to tier {job.tier} that no completed "
+                                       "store caused", *lifetime.store_events, event)
+                    lifetime.cascades_owed[job.tier] = max(owed, 0)
         job.events.append(event)
         if len(job.events) > 8:
             del job.events[1]
@@ -229,8 +236,15 @@ class ManagerReplay:
         if tier in req.tier_finalized:
             self.violation("one-finish", f"tier {tier} finalized twice", req.tier_finalized[tier], event)
             return
+        expected = next((t for t in self.tiers if t not in req.tier_finalized), None)
+        if expected is not None and tier != expected:
+            self.violation("one-finish", f"tier {tier} finalized before tier {expected} (the supervisor tells "
+                           "them in the tiers' order)", req.finish_seen or req.started, event)
         req.tier_finalized[tier] = event
         req.tiers_owed.add(tier)
+        if req.cascades_owed.get(tier):
+            self.violation("finalize-after-stores", f"tier {tier} told finished before the cascade of a completed "
+                           "store was submitted or dropped", *req.store_events, event)
         if req.pending_stores > 0:
             self.violation("finalize-after-stores", f"tier {tier} told finished with {req.pending_stores} primary "
                            "store(s) still pending", *req.store_events, event)
@@ -326,6 +340,11 @@ class ManagerReplay:
 
     def on_store_completed(self, event: Event) -> None:
         self._stores_done(event, event["live"])
+        if event["live"] and event["success"] and self.tiers:
+            req = self.current.get(self.identity(event))
+            if req is not None:  # each stored block cascades to every tier: one job per tier
+                for tier in self.tiers:
+                    req.cascades_owed[tier] = req.cascades_owed.get(tier, 0) + 1
 
     def on_cache_reset(self, event: Event) -> None:
         # Promotions the primary allocated before this reset reach the supervisor before it: not stale.
@@ -468,6 +487,9 @@ class ManagerReplay:
             self.violation("pin-released-once", "late report (rows released) without a timeout, or twice",
                            *(job.events if job else ()), event)
             return
+        if not job.received:
+            self.violation("one-job-end", f"late report of job {event['job_id']}, which its tier never received",
+                           *job.events, event)
         self._end_job(event["job_id"], job)
 
     def on_job_report_unexpected(self, event: Event) -> None:
@@ -507,6 +529,10 @@ class ManagerReplay:
             if req.tier_finalized:
                 self.violation("one-finish", "tiers finalized but the request never was",
                                *req.tier_finalized.values(), stopped)
+            for tier, owed in req.cascades_owed.items():
+                if owed:
+                    self.violation("one-job-end", f"{owed} completed store(s) never cascaded to tier {tier} "
+                                   "(no job submitted or dropped)", *req.store_events, stopped)
             in_flight = [job for job in req.jobs.values() if job.state == "submitted"]
             if req.finished is not None and req.pending_stores == 0 and not in_flight:
                 self.violation("one-finish", "finished with nothing pending at the stop, never finalized",
