@@ -54,8 +54,8 @@ class _Lifetime:
     """One lifetime of a request attempt, from ``request_started`` to ``request_finalized``
     (and then until every tier received its finish)."""
 
-    __slots__ = ("cascades_owed", "ended_jobs", "finalized", "finish_seen", "finished", "jobs", "pending_stores", "roll_call",
-                 "started", "store_events", "tier_finalized", "tier_received", "tiers_owed")
+    __slots__ = ("cascades_owed", "ended_jobs", "finalized", "finish_seen", "finished", "jobs", "pending_stores",
+                 "roll_call", "started", "store_events", "tier_finalized", "tier_received", "tiers_owed")
 
     def __init__(self, started: Event) -> None:
         self.started = started

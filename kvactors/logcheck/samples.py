@@ -68,7 +68,7 @@ def thread_log(path: str | Path, *, threads: int = 4, requests: int = 30, seed: 
                     manager.on_request_finished(ctx)
                 if number == 0 and r == requests // 2:
                     manager.reset_cache()
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+        except BaseException as exc:  # reported to the caller below
             errors.append(exc)
 
     workers = [threading.Thread(target=client, args=(n,), name=f"sample-client-{n}") for n in range(threads)]
