@@ -13,7 +13,11 @@ never touched. Each manager builds its own bound logger with
 
 Event names are snake_case verbs in the past tense (``store_prepared``,
 ``tier_finalized``) with bound context: ``req_id``, ``attempt``, ``tier``,
-``job_id``, ``keys`` (a count), pending counts.
+``job_id``, ``keys`` (a count), pending counts. Every name, with its levels and
+required fields, is defined once in :mod:`kvactors.log_schema`; with
+``KVACTORS_STRICT_EVENTS=1`` in the environment when a logger is built (the test
+suite sets it), logging a name not there, at another level or without a
+required field raises :class:`~kvactors.log_schema.UnknownEventError`.
 
 Cost: the level is fixed when the logger is built (structlog's filtering bound
 logger), so a filtered-out event is a no-op method call, well under a
@@ -36,10 +40,13 @@ import time
 from typing import IO, Any
 
 import structlog
-from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
+from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
+
+from kvactors.log_schema import UnknownEventError, problem
 
 LOGGER_NAME = "kvactors"
 ENV_EVENT_LOG = "KVACTORS_EVENT_LOG"
+ENV_STRICT_EVENTS = "KVACTORS_STRICT_EVENTS"
 
 _stdlib_logger = logging.getLogger(LOGGER_NAME)
 _stdlib_logger.addHandler(logging.NullHandler())
@@ -111,6 +118,26 @@ def _stamp(_: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDi
     return event_dict
 
 
+def _check_lifecycle(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    reason = problem(event_dict, lifecycle=True)
+    if reason is not None:
+        raise UnknownEventError(reason)
+    return event_dict
+
+
+def _check_component(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+    reason = problem(event_dict, lifecycle=False)
+    if reason is not None:
+        raise UnknownEventError(reason)
+    return event_dict
+
+
+def _processors(check: Processor) -> list[Processor]:
+    """The chain: stamp, then (strict mode, read when the logger is built) the schema check."""
+    strict = os.environ.get(ENV_STRICT_EVENTS, "") not in ("", "0")
+    return [_stamp, check, _hand_to_sink] if strict else [_stamp, _hand_to_sink]
+
+
 def _hand_to_sink(_: WrappedLogger, __: str, event_dict: EventDict) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (event_dict,), {}
 
@@ -131,7 +158,7 @@ def make_event_logger(
     logger = structlog.wrap_logger(
         sink,
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        processors=[_stamp, _hand_to_sink],
+        processors=_processors(_check_lifecycle),
     )
     # bind() turns structlog's lazy proxy into the filtering logger itself: no proxy hop per call.
     return logger.bind(**context), sink
@@ -160,6 +187,6 @@ def component_logger(component: str, **context: Any) -> FilteringBoundLogger:
     logger = structlog.wrap_logger(
         EventSink(None, stdlib),
         wrapper_class=structlog.make_filtering_bound_logger(stdlib.getEffectiveLevel()),
-        processors=[_stamp, _hand_to_sink],
+        processors=_processors(_check_component),
     )
     return logger.bind(**context)

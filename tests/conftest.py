@@ -45,3 +45,13 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
     Function scope: tests kill and restart it. Skips without a binary.
     """
     return redis_server_factory().start()
+
+
+# ---------------------------------------------------------------------------
+# Event names: every logger built during the tests checks its events against
+# kvactors.log_schema, so an event added or renamed without the schema fails
+# the test that emits it (read when a logger is built; subprocesses inherit it).
+# ---------------------------------------------------------------------------
+import os  # noqa: E402
+
+os.environ.setdefault("KVACTORS_STRICT_EVENTS", "1")

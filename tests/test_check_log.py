@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvactors.commands import check_log, stress
-from kvactors.commands.check_log import Event, check_events
+from kvactors.commands.check_log import Event, Verdict, check_events
 from kvactors.sim.explore import explore_one
 
 Mutation = Callable[[list[Event]], list[Event] | None]
@@ -186,10 +186,10 @@ def test_cli_exit_status_and_message(tmp_path: Path, sim_events: list[Event],
     check_log.add_arguments(parser)
     assert check_log.run(parser.parse_args([str(good)])) == 0
     assert check_log.run(parser.parse_args([str(bad), "--json"])) == 1
-    out = capsys.readouterr().out
-    assert "VIOLATION no-submit-after-finish" in out
-    assert "tier_submit_received" in out and "tier_finish_received" in out
-    assert json.loads(out.strip().splitlines()[-1])["violations"] >= 1
+    captured = capsys.readouterr()
+    assert "VIOLATION no-submit-after-finish" in captured.err  # --json: the report on stderr
+    assert "tier_submit_received" in captured.err and "tier_finish_received" in captured.err
+    assert json.loads(captured.out.strip().splitlines()[-1])["violations"] >= 1
     assert check_log.run(parser.parse_args([str(tmp_path / "missing.jsonl")])) == 2
 
 
@@ -201,11 +201,13 @@ def test_a_promotion_allocated_just_before_a_reset_may_still_be_submitted() -> N
              ("promotion_allocated", {"job_id": 5, "tier": "t", "keys": 1, "epoch": 0}),
              ("cache_reset", {"tier": "cpu"}),
              ("promotion_submitted", {"job_id": 5, "tier": "t"}), ("cache_reset_draining", {"epoch": 1}),
+             ("tier_submit_received", {"job_id": 5, "tier": "t", "promotion": True}),
              ("promotion_completed", {"job_id": 5, "tier": "t", "success": True}),
-             ("request_finished", {"tier": "cpu"}), ("tier_finalized", {"tier": "t"}),
+             ("request_finished", {"tier": "cpu", "pending_stores": 0}), ("request_finish_seen", {}),
+             ("tier_finalized", {"tier": "t"}),
              ("tier_finish_received", {"tier": "t"}), ("request_finalized", {}), ("manager_stopped", {})]
     events = [{**base, **fields, "event": name, "seq": seq} for seq, (name, fields) in enumerate(names)]
-    assert not check_events(events).violations
+    assert check_events(events).verdict is Verdict.OK
     # The same promotion allocated after the reset for a decision of the old epoch is stale: never submitted.
     stale = [dict(e) for e in events]
     stale[2], stale[3] = {**stale[3], "seq": 2}, {**stale[2], "seq": 3}

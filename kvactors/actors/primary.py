@@ -389,6 +389,14 @@ class PrimaryTier(Actor):
         self.supervisor.tell(m.SupervisorMetrics(self.counters.copy(), self.pool.state_counts(),
                                                  self.pool.evicted_keys, stats, msg.reply))
 
+    def on_stop(self) -> None:
+        # The roll call check-log needs at the stop: every request this actor still holds. Without it a
+        # log whose finish events were lost would pass for one of requests the caller never finished.
+        if self.tracing:
+            for record in self._requests.values():
+                self.log.debug("request_active_at_stop", req_id=record.ctx.req_id, attempt=record.ctx.attempt,
+                               finished=record.finished, pending_stores=record.pending_stores)
+
     @handles(m.Shutdown)
     def _on_shutdown(self, msg: m.Shutdown) -> None:
         self.supervisor.tell(m.SupervisorShutdown(msg.reply, msg.drain_timeout_s))

@@ -1,0 +1,137 @@
+"""The event names of kvactors' logs, defined once: name, levels, required fields.
+
+Two kinds of events exist:
+
+* **lifecycle** events, written by a manager's event logger
+  (:func:`kvactors.logs.make_event_logger`) to the stdlib logger ``kvactors`` and
+  to the JSON-lines event log that ``kvactors check-log`` replays. The checker
+  handles exactly these names (a test asserts that the names the runtime emits,
+  the names in the source and the names the checker handles are this set);
+* **component** events of a tier or the transfer engine
+  (:func:`kvactors.logs.component_logger`), which go to stdlib only and are
+  never in an event log.
+
+A new event, or a renamed one, must be added here first: the event logger
+refuses a name not listed here when ``KVACTORS_STRICT_EVENTS=1`` (the test
+suite sets it) and ``check-log`` reports one found in a log as unknown (the
+verdict cannot be OK: a renamed event would otherwise switch a rule off).
+
+This module is plain data; importing it costs nothing and configures nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: Fields every lifecycle event carries, stamped by the logger itself.
+STAMPED = frozenset({"event", "level", "ts", "thread", "seq", "manager", "pid"})
+
+#: The job kinds whose events are named ``<kind>_submitted`` / ``<kind>_completed``.
+JOB_KINDS = ("cascade", "promotion")
+
+
+@dataclass(frozen=True, slots=True)
+class EventSpec:
+    """One event: its name, the levels it may be logged at and the fields it must carry."""
+
+    name: str
+    levels: frozenset[str]
+    required: frozenset[str]
+    lifecycle: bool = True  # False: a component event (stdlib only)
+    doc: str = ""
+
+
+def _spec(name: str, levels: str, required: str = "", doc: str = "", *, lifecycle: bool = True) -> EventSpec:
+    return EventSpec(name, frozenset(levels.split()), frozenset(required.split()), lifecycle, doc)
+
+
+_REQ = "req_id attempt"
+
+_LIFECYCLE = (
+    # the manager
+    _spec("manager_started", "info", "tiers", "first event of a manager; tiers: cpu then the secondary tiers"),
+    _spec("manager_stopped", "info", "", "last event of a manager: every actor's events are in before it"),
+    _spec("runtime_stopping", "info", "jobs_in_flight active_requests", "the supervisor starts the stop"),
+    # the primary: request lifetime and the frontend's calls
+    _spec("request_started", "debug", _REQ, "on_new_request admitted"),
+    _spec("request_finished", "debug", _REQ + " pending_stores", "on_request_finished at the primary"),
+    _spec("finish_ignored", "debug", _REQ + " known", "a repeated finish, or one for an unknown request"),
+    _spec("call_rejected", "info", _REQ + " call reason", "a submit call refused with LifecycleError"),
+    _spec("store_prepared", "debug", _REQ + " keys", "prepare_store: keys rows allocated, not ready"),
+    _spec("store_rejected", "debug", _REQ + " keys", "prepare_store found no room"),
+    _spec("store_completed", "debug", _REQ + " keys live stale success",
+          "complete_store: live keys were still pending, stale ones were detached"),
+    _spec("load_prepared", "debug", _REQ + " keys", "prepare_load pinned keys rows"),
+    _spec("load_completed", "debug", _REQ + " keys", "complete_load unpinned keys rows"),
+    _spec("promotion_allocated", "debug", _REQ + " job_id tier keys epoch", "rows allocated for a promotion"),
+    _spec("cache_reset", "info", "", "the primary cleared its pool"),
+    _spec("request_active_at_stop", "debug", _REQ + " finished pending_stores",
+          "the roll call at stop: a request the primary still holds (not finalized)"),
+    # the supervisor
+    _spec("request_finish_seen", "debug", _REQ, "the supervisor learned of the finish"),
+    _spec("job_queued", "debug", _REQ + " kind job_id tier", "a job waits for a slot at its tier"),
+    *(_spec(f"{kind}_submitted", "debug", _REQ + " job_id tier", f"a {kind} job sent to its tier")
+      for kind in JOB_KINDS),
+    *(_spec(f"{kind}_completed", "debug warning", _REQ + " job_id tier success", f"a {kind} job reported")
+      for kind in JOB_KINDS),
+    _spec("job_dropped", "info", _REQ + " kind job_id tier reason", "a job ended before reaching its tier"),
+    _spec("job_timed_out", "warning", _REQ + " kind tier", "a store (kind=store, keys) or a job (job_id) expired"),
+    _spec("late_report_ignored", "warning", "job_id tier", "a timed-out job's report: its rows are released"),
+    _spec("job_report_unexpected", "warning", "job_id tier", "a report for no job of that tier"),
+    _spec("lookup_timed_out", "warning", _REQ, "a secondary lookup past its deadline"),
+    _spec("tier_finalized", "debug", _REQ + " tier", "the supervisor tells a tier the request is finished"),
+    _spec("request_finalized", "debug", _REQ, "the request's state is gone"),
+    _spec("cache_reset_draining", "info", "epoch", "the supervisor's part of reset_cache"),
+    _spec("contract_violation", "warning error", "reason",
+          "misuse rejected (warning) or the supervisor's guard (error, reason=submit_after_finalize)"),
+    _spec("invariant_broken", "error", "", "a lifecycle counter went below zero"),
+    # the tier actors
+    _spec("tier_finish_received", "debug", _REQ + " tier", "a tier actor got on_request_finished"),
+    _spec("tier_submit_received", "debug", _REQ + " tier job_id", "a tier actor got a submit"),
+    _spec("tier_call_failed", "warning", "tier call", "a tier plugin's method raised"),
+    _spec("job_report_invalid", "error", "tier", "a tier reported something that is not a JobResult"),
+    _spec("report_after_stop", "info", "tier job_id", "a tier reported after the stop"),
+    # any actor
+    _spec("actor_handler_failed", "error", "actor", "an actor's handler raised"),
+)
+
+_COMPONENT = tuple(
+    _spec(name, levels, lifecycle=False)
+    for name, levels in (
+        ("tier_opened", "debug"), ("job_failed", "warning"), ("blocks_discarded", "warning"),
+        ("unlink_failed", "warning"), ("report_failed", "warning"), ("tier_degraded", "warning"),
+        ("tier_recovered", "info"), ("disconnect_failed", "warning"), ("lookup_failed", "warning"),
+        ("touch_failed", "debug"), ("evict_failed", "warning"), ("forget_failed", "warning"),
+        ("engine_closed", "debug"), ("pool_not_pinned", "warning"), ("copy_failed", "warning"),
+        ("completion_failed", "warning"),
+    )
+)
+
+#: Every event, by name.
+EVENTS: dict[str, EventSpec] = {spec.name: spec for spec in (*_LIFECYCLE, *_COMPONENT)}
+#: The names of the event log (the checker's input).
+LIFECYCLE_EVENTS: frozenset[str] = frozenset(spec.name for spec in _LIFECYCLE)
+#: The names of tiers' and the transfer engine's own events (stdlib only).
+COMPONENT_EVENTS: frozenset[str] = frozenset(spec.name for spec in _COMPONENT)
+
+
+class UnknownEventError(ValueError):
+    """An event name not in this schema, or one missing a required field (strict mode only)."""
+
+
+def problem(event_dict: Mapping[str, Any], *, lifecycle: bool) -> str | None:
+    """What is wrong with ``event_dict`` against the schema (``None``: nothing)."""
+    name = event_dict.get("event")
+    spec = EVENTS.get(name) if isinstance(name, str) else None
+    if spec is None or spec.lifecycle != lifecycle:
+        kind = "lifecycle" if lifecycle else "component"
+        return f"event {name!r} is not a {kind} event of kvactors.log_schema"
+    level = event_dict.get("level")
+    if level is not None and level not in spec.levels:
+        return f"event {name!r} logged at {level!r}, not at {'/'.join(sorted(spec.levels))}"
+    missing = [f for f in sorted(spec.required) if f not in event_dict]
+    if missing:
+        return f"event {name!r} lacks field(s) {', '.join(missing)}"
+    return None

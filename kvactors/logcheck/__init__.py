@@ -1,0 +1,17 @@
+"""``kvactors check-log``'s engine: the lifecycle contract, verified from an event log alone.
+
+* :mod:`~kvactors.logcheck.reader`: the JSON lines, streamed;
+* :mod:`~kvactors.logcheck.replay`: the rules, over one manager's events (a plain class);
+* :mod:`~kvactors.logcheck.check`: managers, ``seq`` order and the verdict;
+* :mod:`~kvactors.logcheck.model`: violations, the verdict, the result.
+
+The event names are :mod:`kvactors.log_schema`'s.
+"""
+
+from kvactors.logcheck.check import LogChecker, check_events, check_file, check_stream
+from kvactors.logcheck.model import CheckResult, Event, Verdict, Violation, describe
+from kvactors.logcheck.reader import MAX_LINE_BYTES, LogReadError
+from kvactors.logcheck.replay import ManagerReplay
+
+__all__ = ["MAX_LINE_BYTES", "CheckResult", "Event", "LogChecker", "LogReadError", "ManagerReplay", "Verdict",
+           "Violation", "check_events", "check_file", "check_stream", "describe"]
