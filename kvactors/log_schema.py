@@ -81,6 +81,8 @@ _LIFECYCLE = (
     _spec("late_report_ignored", "warning", "job_id tier", "a timed-out job's report: its rows are released"),
     _spec("job_report_unexpected", "warning", "job_id tier", "a report for no job of that tier"),
     _spec("lookup_timed_out", "warning", _REQ, "a secondary lookup past its deadline"),
+    _spec("promotions_backed_off", "info", "job_id tier keys backoff_s",
+          "promotions of keys from a tier failed: that tier is not asked to promote them for backoff_s"),
     _spec("tier_finalized", "debug", _REQ + " tier", "the supervisor tells a tier the request is finished"),
     _spec("request_finalized", "debug", _REQ, "the request's state is gone"),
     _spec("cache_reset_draining", "info", "epoch", "the supervisor's part of reset_cache"),
@@ -91,7 +93,9 @@ _LIFECYCLE = (
     _spec("tier_finish_received", "debug", _REQ + " tier", "a tier actor got on_request_finished"),
     _spec("tier_submit_received", "debug", _REQ + " tier job_id", "a tier actor got a submit"),
     _spec("tier_call_failed", "warning", "tier call", "a tier plugin's method raised"),
-    _spec("job_report_invalid", "error", "tier", "a tier reported something that is not a JobResult"),
+    _spec("job_report_invalid", "warning error", "tier",
+          "a tier reported something that is not a JobResult (error, the tier actor), or a JobResult that does "
+          "not fit its job (warning, the supervisor, with reason): every key of that job failed"),
     _spec("report_after_stop", "info", "tier job_id", "a tier reported after the stop"),
     # any actor
     _spec("actor_handler_failed", "error", "actor", "an actor's handler raised"),

@@ -513,6 +513,7 @@ class ManagerReplay:
         pass
 
     on_lookup_timed_out = on_tier_call_failed = on_job_report_invalid = on_report_after_stop = _ignore
+    on_promotions_backed_off = _ignore  # a tier's promotions of those keys failed: no rule reads it
 
     # ------------------------------------------------------------ at the stop
 
