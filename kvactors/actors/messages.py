@@ -94,10 +94,11 @@ class QueryStats(NamedTuple):
 
 
 class Shutdown(NamedTuple):
-    """``stop``: stop accepting work, drain in-flight jobs, shut the tiers down."""
+    """``stop``: stop accepting work, drain in-flight jobs, shut the tiers down,
+    all within ``budget_s`` (jobs still in flight then fail)."""
 
     reply: Reply[None]
-    drain_timeout_s: float | None
+    budget_s: float
 
 
 # --------------------------------------------------------------- primary -> supervisor
@@ -194,7 +195,7 @@ class SupervisorStats(NamedTuple):
 
 class SupervisorShutdown(NamedTuple):
     reply: Reply[None]
-    drain_timeout_s: float | None
+    budget_s: float
 
 
 class TouchTiers(NamedTuple):

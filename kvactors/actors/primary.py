@@ -370,4 +370,4 @@ class PrimaryTier(Actor):
 
     @handles(m.Shutdown)
     def _on_shutdown(self, msg: m.Shutdown) -> None:
-        self.supervisor.tell(m.SupervisorShutdown(msg.reply, msg.drain_timeout_s))
+        self.supervisor.tell(m.SupervisorShutdown(msg.reply, msg.budget_s))
