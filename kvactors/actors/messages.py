@@ -237,7 +237,10 @@ class RequestFinalized(NamedTuple):
 
 
 class BarrierFinal(NamedTuple):
+    """``idle``: every tier passed the barrier (false only when stop() cut it short)."""
+
     reply: Reply[bool]
+    idle: bool = True
 
 
 # --------------------------------------------------------------- supervisor <-> tier actors

@@ -357,7 +357,7 @@ class PrimaryTier(Actor):
 
     @handles(m.BarrierFinal)
     def _on_barrier_final(self, msg: m.BarrierFinal) -> None:
-        msg.reply.set_result(True)
+        msg.reply.set_result(msg.idle)
 
     @handles(m.QueryStats)
     def _on_query_stats(self, msg: m.QueryStats) -> None:

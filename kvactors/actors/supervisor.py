@@ -700,7 +700,8 @@ class LifecycleSupervisor(Actor):
             self._gather("barrier", functools.partial(self._finish_barrier, reply), patient=True)
 
     def _finish_barrier(self, reply: Reply[bool], payloads: object, missing: frozenset[str]) -> None:
-        self.primary.tell(m.BarrierFinal(reply))
+        # A patient round misses a tier only when stop() cuts it short: not idle.
+        self.primary.tell(m.BarrierFinal(reply, not missing))
 
     @handles(m.SupervisorStats)
     def _on_stats(self, msg: m.SupervisorStats) -> None:
@@ -755,4 +756,15 @@ class LifecycleSupervisor(Actor):
         assert self._shutdown is not None
         if missing:
             self.log.warning("tiers_not_shut_down", tiers=",".join(sorted(missing)))
+        # Calls still waiting get their answer now, without the tiers that did not give it.
+        for gather_id, gather in list(self._gathers.items()):
+            gather.missing.update(gather.waiting)
+            gather.waiting.clear()
+            self._end_gather(gather_id, gather)
+        for wait in list(self._reset_waits):
+            wait.jobs.clear()
+            self._check_reset(wait)
+        for _, reply in self._barriers:
+            reply.set_result(False)
+        self._barriers.clear()
         self._shutdown.reply.set_result(None)
