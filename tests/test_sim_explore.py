@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.core import lifecycle
 from kvactors.core.pool import BlockPool
 from kvactors.sim.explore import ExploreReport, explore, explore_one
@@ -113,3 +114,14 @@ def test_planted_failed_store_served(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(BlockPool, "complete_store",
                         lambda pool, keys, writer, success: complete_store(pool, keys, writer, True))
     _hunt(300, 0.05, "do not hold their blocks")
+
+
+def test_planted_gather_without_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 4 of issue 14: a round through the tiers that waits for a tier stuck in a call.
+
+    Every gather made patient (no deadline, stuck tiers waited for): the poller's
+    take_events / reset_cache then wait for the stuck tier's thaw, past their deadline."""
+    gather = LifecycleSupervisor._gather
+    monkeypatch.setattr(LifecycleSupervisor, "_gather",
+                        lambda self, what, on_done, **kw: gather(self, what, on_done, **{**kw, "patient": True}))
+    _hunt(300, 0.05, "not answered by its deadline")

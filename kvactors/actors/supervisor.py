@@ -144,6 +144,7 @@ class _Shutdown:
     reply: Reply[None]
     deadline: float  # jobs still in flight then are timed out; the tiers' drain gets what is left
     gathering: bool = False
+    expired: bool = False  # the deadline passed: nothing more is waited for before the tiers' round
 
 
 SHUTDOWN_GRACE_S = 0.25
@@ -414,7 +415,7 @@ class LifecycleSupervisor(Actor):
         deadlines = [d for d in (self._job_deadlines.next_deadline(), self._lookup_deadlines.next_deadline(),
                                  self._gather_deadlines.next_deadline(), self._watch.next_deadline())
                      if d is not None]
-        if self._shutdown is not None and not self._shutdown.gathering:
+        if self._shutdown is not None and not self._shutdown.gathering and not self._shutdown.expired:
             deadlines.append(self._shutdown.deadline)
         if not deadlines:
             return
@@ -446,10 +447,14 @@ class LifecycleSupervisor(Actor):
                 self.log.warning("lookup_timed_out", req_id=pending.ctx.req_id, attempt=pending.ctx.attempt,
                                  tiers=",".join(sorted(pending.waiting)))
                 self._resolve_lookup(pending)
-        if self._shutdown is not None and not self._shutdown.gathering and now >= self._shutdown.deadline:
-            # The stop's budget is spent: what is still in flight fails now, as at its own deadline.
+        shutdown = self._shutdown
+        if shutdown is not None and not shutdown.gathering and not shutdown.expired and now >= shutdown.deadline:
+            # The stop's budget is spent: what is still in flight fails now, as at its own deadline,
+            # and promotions the primary has not allocated yet are not waited for.
+            shutdown.expired = True
             for job_id in [job_id for job_id, job in self._jobs.items() if job.submitted]:
                 self._time_out(self._jobs.pop(job_id))
+            self._check_shutdown()
         self._arm_timer()
 
     # ------------------------------------------------------------ stuck tiers
@@ -745,7 +750,9 @@ class LifecycleSupervisor(Actor):
 
     def _check_shutdown(self) -> None:
         shutdown = self._shutdown
-        if shutdown is None or shutdown.gathering or any(self._inflight.values()) or self._allocations:
+        if shutdown is None or shutdown.gathering:
+            return
+        if not shutdown.expired and (any(self._inflight.values()) or self._allocations):
             return
         shutdown.gathering = True
         remaining = max(shutdown.deadline - self.runtime.now(), 0.0)

@@ -68,7 +68,8 @@ class TierWatch:
         """The tiers found stuck at ``now`` (each once per stuck spell), in order."""
         found = []
         for name, state in self._tiers.items():
-            if state.owed and not state.stuck and now - state.silent_since >= self.stuck_after_s:
+            # The same sum as next_deadline(): a tick at that deadline must find the tier due.
+            if state.owed and not state.stuck and now >= state.silent_since + self.stuck_after_s:
                 state.stuck = True
                 self.found_stuck += 1
                 found.append(name)

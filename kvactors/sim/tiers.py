@@ -6,7 +6,11 @@ job completions happen *later, elsewhere* (a :class:`Deferrer`): on a
 random steps; on threads a small fixed pool of worker threads runs them (never
 a thread per job). Faults are drawn per job from a seeded RNG: a job may fail,
 ``submit_*`` may raise, a job may stall (never reported: its deadline fires),
-or be slow (reported after a delay, possibly after its deadline).
+or be slow (reported after a delay, possibly after its deadline). With
+``Faults.hang``, a call (any that is not inline) may leave the tier's actor
+*stuck in it* for ``hang_s``: on threads the call blocks; on a
+:class:`~kvactors.sim.SimRuntime` the actor handles nothing more until virtual
+time reaches its thaw.
 
 It asserts, per request attempt, what a tier can see of the contract:
 
@@ -39,7 +43,7 @@ import torch
 from kvactors.actors import runtime as rt
 from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.wrapper import DelegatingTier
-from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext, TransferJob
+from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 # --------------------------------------------------------------------- block bytes
 
@@ -77,6 +81,11 @@ class Deferrer(Protocol):
 
     def defer(self, label: str, task: Callable[[], None], delay_s: float = 0.0) -> None: ...
 
+    def hang(self, seconds: float) -> float:
+        """Leave the calling tier call stuck for ``seconds``. Returns the delay still
+        to add to the work the call schedules (0 where the call really blocked)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class _RunTask:
@@ -104,6 +113,10 @@ class SimDeferrer:
             self.runtime.defer(label, task)  # type: ignore[attr-defined]
         else:
             self.runtime.call_later(delay_s, self._ref, _RunTask(label, task))  # type: ignore[attr-defined]
+
+    def hang(self, seconds: float) -> float:
+        """The actor is stuck from the moment the call returns; what the call started happens after the thaw."""
+        return seconds if self.runtime.hang_current(seconds) else 0.0  # type: ignore[attr-defined]
 
 
 class ThreadDeferrer:
@@ -145,6 +158,12 @@ class ThreadDeferrer:
                 with self._cond:
                     self._running -= 1
 
+    def hang(self, seconds: float) -> float:
+        """Block the calling thread for ``seconds`` (or until :meth:`close`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed, seconds)
+        return 0.0
+
     def pending(self) -> int:
         """Tasks waiting or running."""
         with self._cond:
@@ -173,6 +192,8 @@ class Faults:
     slow: float = 0.0  # reported after slow_s (virtual seconds in a simulation)
     slow_s: float = 1.0
     lookup_raise: float = 0.0  # lookup raises (the runtime answers RETRY)
+    hang: float = 0.0  # a call that is not inline leaves the actor stuck in it for hang_s
+    hang_s: float = 10.0
 
     @classmethod
     def parse(cls, text: str, slow_s: float = 1.0) -> Faults:
@@ -219,8 +240,18 @@ class RecordingTier(SecondaryTier):
         self.stalled: set[int] = set()
         self.jobs = 0
         self.reports = 0
+        self.hangs = 0
+        self._hang_rng = random.Random(f"{seed}/{name}/hang")  # its own: the other faults draw as before
 
     # ------------------------------------------------------------ recording
+
+    def _maybe_hang(self, call: str) -> float:
+        """Perhaps get stuck in ``call`` (never in an inline one: that promise is kept)."""
+        if not self.faults.hang or call in self.inline_calls or self._hang_rng.random() >= self.faults.hang:
+            return 0.0
+        self.hangs += 1
+        self._record(f"hang in {call} for {self.faults.hang_s:g} s")
+        return self.deferrer.hang(self.faults.hang_s)
 
     def _record(self, text: str) -> None:
         if self.calls is not None:
@@ -241,9 +272,11 @@ class RecordingTier(SecondaryTier):
     def on_new_request(self, ctx: ReqContext) -> None:
         self._record(f"on_new_request {ctx}")
         self.started.add(ctx.identity)
+        self._maybe_hang("on_new_request")
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._record(f"on_request_finished {ctx}")
+        self._maybe_hang("on_request_finished")
         count = self.finished.get(ctx.identity, 0) + 1
         self.finished[ctx.identity] = count
         if count > 1:
@@ -252,10 +285,19 @@ class RecordingTier(SecondaryTier):
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         if self.faults.lookup_raise and self.rng.random() < self.faults.lookup_raise:
             raise RuntimeError(f"planted lookup failure in tier {self.name}")
+        self._maybe_hang("lookup")
         with self._lock:
             return [LookupResult.HIT if key in self._blocks else LookupResult.MISS for key in keys]
 
+    def take_events(self) -> list[OffloadingEvent]:
+        self._maybe_hang("take_events")
+        return []
+
+    def drain(self, timeout: float | None) -> None:
+        self._maybe_hang("drain")
+
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self._maybe_hang("touch")
         with self._lock:
             for key in keys:
                 if key in self._blocks:
@@ -268,6 +310,7 @@ class RecordingTier(SecondaryTier):
 
     def _dispatch(self, job: TransferJob, finish: Callable[[bool], None]) -> None:
         self.jobs += 1
+        stuck_for = self._maybe_hang("submit_load" if job.is_promotion else "submit_store")
         mode = self._mode()
         if mode == "raise":
             raise RuntimeError(f"planted submit failure in tier {self.name}")
@@ -277,7 +320,7 @@ class RecordingTier(SecondaryTier):
             return
         label = f"{self.name} {'load' if job.is_promotion else 'store'} job {job.job_id}"
         delay = self.faults.slow_s * (0.5 + self.rng.random()) if mode == "slow" else 0.0
-        self.deferrer.defer(label, lambda: finish(mode != "fail"), delay)
+        self.deferrer.defer(label, lambda: finish(mode != "fail"), delay + stuck_for)
 
     def submit_store(self, job: TransferJob) -> None:
         self._check_submit("submit_store", job)
