@@ -53,6 +53,9 @@ _LIFECYCLE = (
     # the manager
     _spec("manager_started", "info", "tiers", "first event of a manager; tiers: cpu then the secondary tiers"),
     _spec("manager_stopped", "info", "", "last event of a manager: every actor's events are in before it"),
+    _spec("stop_timed_out", "warning", "", "stop() spent its budget: what was in flight failed"),
+    _spec("actor_abandoned", "warning", "actor", "an actor that did not stop in time, left behind (a daemon thread)"),
+    _spec("call_unanswered", "error", "call", "a blocking call not answered long past its deadline (a wedged thread)"),
     _spec("runtime_stopping", "info", "jobs_in_flight active_requests", "the supervisor starts the stop"),
     # the primary: request lifetime and the frontend's calls
     _spec("request_started", "debug", _REQ, "on_new_request admitted"),
@@ -81,6 +84,11 @@ _LIFECYCLE = (
     _spec("late_report_ignored", "warning", "job_id tier", "a timed-out job's report: its rows are released"),
     _spec("job_report_unexpected", "warning", "job_id tier", "a report for no job of that tier"),
     _spec("lookup_timed_out", "warning", _REQ, "a secondary lookup past its deadline"),
+    _spec("tier_stuck", "warning", "tier", "a tier owed answers and gave none for transfer_timeout_s"),
+    _spec("tier_unstuck", "warning", "tier", "a tier known stuck answered again"),
+    _spec("gather_timed_out", "warning", "what tiers", "a round through the tiers passed its deadline"),
+    _spec("inline_call_demoted", "warning", "tier call", "an inline tier call blocked: it runs on the tier's thread"),
+    _spec("tiers_not_shut_down", "warning", "tiers", "tiers that did not answer the stop's shutdown round"),
     _spec("promotions_backed_off", "info", "job_id tier keys backoff_s",
           "promotions of keys from a tier failed: that tier is not asked to promote them for backoff_s"),
     _spec("tier_finalized", "debug", _REQ + " tier", "the supervisor tells a tier the request is finished"),

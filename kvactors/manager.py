@@ -39,6 +39,16 @@ T = TypeVar("T")
 
 _manager_ids = itertools.count()
 
+STOP_GRACE_S = 0.5
+"""How far past its budget ``stop()`` may run: the supervisor's last round, then the
+actors' own stop (each phase gets at most this much)."""
+
+ANSWER_SLACK_S = 10.0
+"""A safety net, not the mechanism: every blocking call is answered by the actors
+within its own deadline; a facade still waiting this long past the longest one
+raises instead of hanging (the primary's thread is wedged: a bug, or a tier's
+inline call that blocks)."""
+
 
 BOOKKEEPING_BYTES_PER_BLOCK = 256
 """An upper bound of the primary's bookkeeping per pool row (measured: 182 B at 1M blocks)."""
@@ -95,8 +105,11 @@ class TieringManager:
     """
 
     def __init__(self, *, runtime: Runtime, pool: torch.Tensor, primary: ActorRef,
-                 actors: Sequence[ActorRef], sink: Any, tier_names: Sequence[str]) -> None:
+                 actors: Sequence[ActorRef], sink: Any, tier_names: Sequence[str],
+                 transfer_timeout_s: float = 30.0, lookup_timeout_s: float = 5.0) -> None:
         self._runtime = runtime
+        self._transfer_timeout_s = float(transfer_timeout_s)
+        self._answer_bound_s = max(float(transfer_timeout_s), float(lookup_timeout_s)) + ANSWER_SLACK_S
         self._pool = pool
         self._primary = primary
         self._actors = list(actors)
@@ -197,7 +210,8 @@ class TieringManager:
             sink.close()
             raise
         manager = cls(runtime=runtime, pool=pool, primary=primary_ref,
-                      actors=[primary_ref, supervisor_ref, *tier_refs.values()], sink=sink, tier_names=names[1:])
+                      actors=[primary_ref, supervisor_ref, *tier_refs.values()], sink=sink, tier_names=names[1:],
+                      transfer_timeout_s=transfer_timeout_s, lookup_timeout_s=lookup_timeout_s)
         manager._log = log
         primary.connect(supervisor_ref, forget=manager._live.discard)
         supervisor.connect(primary_ref, {actor.tier.name: actor.link() for actor in tier_actors})
@@ -241,7 +255,11 @@ class TieringManager:
 
     def _ask(self, message: object, reply: Reply[T]) -> T:
         self._send(message)
-        self._runtime.wait(reply, None)
+        if not self._runtime.wait(reply, self._answer_bound_s):
+            call = type(message).__name__
+            self._log.error("call_unanswered", call=call, waited_s=self._answer_bound_s)
+            raise TimeoutError(f"{call}: no answer from the primary tier's actor in {self._answer_bound_s:.1f} s "
+                               "(its thread is wedged: a tier's inline call blocking?)")
         return reply.result()
 
     # ------------------------------------------------------------ the API
@@ -366,27 +384,34 @@ class TieringManager:
         """Drain in-flight jobs (each ends by its deadline at the latest), finalize
         nothing that is not finished, shut the tiers down and stop every actor.
 
-        Safe to call twice, and from several threads. Later calls of any other
-        method raise :class:`ManagerStoppedError`. With ``timeout``, gives up
-        waiting after that many seconds and stops the actors anyway: ``None``
-        or finite seconds ``>= 0`` (else ``ValueError``, and nothing is stopped).
+        Returns within its budget, ``timeout`` or else ``transfer_timeout_s``, plus
+        at most ``2 * STOP_GRACE_S``: jobs still in flight then fail, and a tier
+        stuck in a call is not waited for. An actor that did not stop is left
+        behind (its thread is a daemon: it never holds up the interpreter's exit)
+        and named in an ``actor_abandoned`` warning. Safe to call twice, and from
+        several threads. Later calls of any other method raise
+        :class:`ManagerStoppedError`.
         """
         timeout = check_timeout(timeout, "timeout")
+        budget = self._transfer_timeout_s if timeout is None else float(timeout)
         with self._gate:
             first = not self._closed
             self._closed = True
             if first:
                 reply: Reply[None] = Reply()
-                self._primary.tell(m.Shutdown(reply, timeout))
+                self._primary.tell(m.Shutdown(reply, budget))
         if not first:
-            self._stopped.wait(timeout)
+            self._stopped.wait(None if timeout is None else timeout + 2 * STOP_GRACE_S)
             return
         started = time.monotonic()
-        self._runtime.wait(reply, timeout)
-        remaining = None if timeout is None else max(timeout - (time.monotonic() - started), 0.5)
-        self._runtime.stop(self._actors, remaining)
-        # The last event: a log checker knows every actor's events are in before it.
-        self._log.info("manager_stopped")
+        if not self._runtime.wait(reply, budget + STOP_GRACE_S):
+            self._log.warning("stop_timed_out", waited_s=round(time.monotonic() - started, 3), budget_s=budget)
+        left = self._runtime.stop(self._actors, STOP_GRACE_S)
+        for name in left:
+            self._log.warning("actor_abandoned", actor=name)
+        # The last event: a log checker knows every actor's events are in before it
+        # (but those of an actor left behind).
+        self._log.info("manager_stopped", abandoned=",".join(left))
         self._sink.close()
         self._stopped.set()
 

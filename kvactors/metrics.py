@@ -32,8 +32,8 @@ Families (``tier`` is ``"cpu"`` for the primary pool, else a secondary tier's na
 * ``kvactors_contract_violations_total``, ``kvactors_lookups_timed_out_total``,
   ``kvactors_late_reports_total``, ``kvactors_requests_finalized_total``,
   ``kvactors_internal_errors_total``;
-* ``kvactors_tiers_stuck`` (and ``kvactors_tier_stuck{tier}``), when ``stats()``
-  reports stuck tiers (see :func:`stuck_tiers`).
+* ``kvactors_tiers_stuck`` and ``kvactors_tier_stuck{tier}``: tiers stuck inside a
+  call (see :func:`stuck_tiers`).
 
 Threading: ``collect`` may run on any thread (the HTTP server's); it blocks for
 one round trip to the actors. A stopped manager yields no samples.
@@ -66,14 +66,14 @@ POOL_STATES = ("ready", "pinned", "pending", "detached", "free")
 
 
 def stuck_tiers(stats: dict[str, int | float]) -> tuple[int | None, dict[str, int]]:
-    """The hook for stuck tiers: how many tiers ``stats()`` reports stuck, and which.
+    """How many tiers ``stats()`` reports stuck, and which.
 
-    Reads ``stats["tiers_stuck"]`` (a count) and ``stats["tier_stuck:NAME"]``
-    (1 while tier NAME is stuck), when the runtime reports them; ``(None, {})``
-    when it does not (nothing is exported then rather than a made-up 0).
+    Reads ``stats["tiers_stuck"]`` (a count) and ``stats["tier_stuck.NAME"]``
+    (1 while tier NAME is stuck); ``(None, {})`` when they are absent (nothing
+    is exported then rather than a made-up 0).
     """
     count = stats.get("tiers_stuck")
-    per_tier = {key.split(":", 1)[1]: int(value) for key, value in stats.items() if key.startswith("tier_stuck:")}
+    per_tier = {key.split(".", 1)[1]: int(value) for key, value in stats.items() if key.startswith("tier_stuck.")}
     return (None if count is None else int(count)), per_tier
 
 

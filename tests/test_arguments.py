@@ -70,7 +70,8 @@ HOSTILE: list[tuple[str, str, Call]] = [
     *[("stop", f"timeout={value!r}", lambda m, v=value: m.stop(timeout=v)) for value in BAD_TIMEOUTS],
 ]
 
-NO_ARGUMENTS = {"reset_cache", "take_events", "stats", "metrics_snapshot"}  # nothing to check: Python refuses any argument
+# Nothing to check: Python refuses any argument.
+NO_ARGUMENTS = {"reset_cache", "take_events", "stats", "metrics_snapshot"}
 NOT_CALLS = {"pool", "stopped", "tier_names", "start"}  # properties, an attribute; start: below
 
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.core import lifecycle
 from kvactors.core.pool import BlockPool, _LoadPins
 from kvactors.sim import explore as explore_module
@@ -209,3 +210,14 @@ def test_planted_prepare_store_evicting_its_own_keys(monkeypatch: pytest.MonkeyP
     """Issue 14, item 2 (vLLM PR #35846): eviction no longer spares the call's present keys."""
     monkeypatch.setattr(BlockPool, "_spared", lambda pool, present: frozenset())
     _hunt(300, 0.02, "evicted its own keys")
+
+
+def test_planted_gather_without_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 4 of issue 14: a round through the tiers that waits for a tier stuck in a call.
+
+    Every gather made patient (no deadline, stuck tiers waited for): the poller's
+    take_events / reset_cache then wait for the stuck tier's thaw, past their deadline."""
+    gather = LifecycleSupervisor._gather
+    monkeypatch.setattr(LifecycleSupervisor, "_gather",
+                        lambda self, what, on_done, **kw: gather(self, what, on_done, **{**kw, "patient": True}))
+    _hunt(300, 0.05, "not answered by its deadline")

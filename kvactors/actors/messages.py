@@ -100,10 +100,11 @@ class QueryMetrics(NamedTuple):
 
 
 class Shutdown(NamedTuple):
-    """``stop``: stop accepting work, drain in-flight jobs, shut the tiers down."""
+    """``stop``: stop accepting work, drain in-flight jobs, shut the tiers down,
+    all within ``budget_s`` (jobs still in flight then fail)."""
 
     reply: Reply[None]
-    drain_timeout_s: float | None
+    budget_s: float
 
 
 # --------------------------------------------------------------- primary -> supervisor
@@ -211,7 +212,7 @@ class SupervisorMetrics(NamedTuple):
 
 class SupervisorShutdown(NamedTuple):
     reply: Reply[None]
-    drain_timeout_s: float | None
+    budget_s: float
 
 
 class TouchTiers(NamedTuple):
@@ -255,7 +256,10 @@ class RequestFinalized(NamedTuple):
 
 
 class BarrierFinal(NamedTuple):
+    """``idle``: every tier passed the barrier (false only when stop() cut it short)."""
+
     reply: Reply[bool]
+    idle: bool = True
 
 
 # --------------------------------------------------------------- supervisor <-> tier actors

@@ -370,7 +370,7 @@ class PrimaryTier(Actor):
 
     @handles(m.BarrierFinal)
     def _on_barrier_final(self, msg: m.BarrierFinal) -> None:
-        msg.reply.set_result(True)
+        msg.reply.set_result(msg.idle)
 
     @handles(m.QueryStats)
     def _on_query_stats(self, msg: m.QueryStats) -> None:
@@ -399,4 +399,4 @@ class PrimaryTier(Actor):
 
     @handles(m.Shutdown)
     def _on_shutdown(self, msg: m.Shutdown) -> None:
-        self.supervisor.tell(m.SupervisorShutdown(msg.reply, msg.drain_timeout_s))
+        self.supervisor.tell(m.SupervisorShutdown(msg.reply, msg.budget_s))

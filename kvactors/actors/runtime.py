@@ -116,8 +116,12 @@ class Runtime(Protocol):
         """Block until ``future`` is done or ``timeout_s`` passed; return whether done."""
         ...
 
-    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> None:
-        """Stop ``refs`` after the messages already queued to them, then the timers."""
+    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> list[str]:
+        """Stop ``refs`` after the messages already queued to them, then the timers.
+
+        Returns the names of the actors that did not stop within ``timeout_s``
+        (stuck in a handler: they are left behind, and never block the
+        interpreter's exit)."""
         ...
 
 
@@ -481,17 +485,21 @@ class ThreadRuntime:
             return False
         return True
 
-    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> None:
+    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> list[str]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stops = []
         for ref in refs:
             assert isinstance(ref, ThreadActorRef)
             stop_future = ref.close()
             if stop_future is not None:
-                stops.append(stop_future)
-        for stop_future in stops:
+                stops.append((ref.name, stop_future))
+        left = []
+        for name, stop_future in stops:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.01)
-            # A daemon thread stuck in a tier call cannot be killed; it is left behind.
-            with contextlib.suppress(pykka.Timeout):
+            try:
                 stop_future.get(timeout=remaining)
+            except pykka.Timeout:
+                # A (daemon) thread stuck in a tier call cannot be killed: it is left behind.
+                left.append(name)
         self._timer.stop()
+        return left

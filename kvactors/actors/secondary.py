@@ -21,15 +21,26 @@ submits anything, so the contract is unaffected) but never the
 A tier's *inline* calls (:attr:`~kvactors.tiers.base.SecondaryTier.inline_calls`:
 the methods that never block) skip the hand-off when its actor is idle: the
 supervisor claims the actor and runs the call on its own thread, still alone
-and after everything sent before it.
+and after everything sent before it. That is the tier's promise, and the one
+place where a tier can stall the primary: nothing can interrupt a call running
+on the supervisor's thread. A call that breaks it is caught afterwards: one
+that took longer than :data:`INLINE_LIMIT_S` is never run inline again
+(``inline_call_demoted``), so it can stall the primary once, not on every call.
+
+A plugin stuck inside any call (inline or not, on this actor's thread) never
+holds up the supervisor beyond a deadline: see "Nothing here waits for a tier
+without a deadline" in :mod:`kvactors.actors.supervisor`. This actor's
+answers to a supervisor that is gone (a stuck call that returned after
+``stop()``) are dropped, not raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -79,29 +90,51 @@ class LookupLane:
             return taken
 
 
-@dataclass(frozen=True, slots=True)
+INLINE_LIMIT_S = 0.25
+"""An inline call that took longer than this on the sender's thread is demoted:
+sent to the tier's thread from then on. (A call that keeps its promise takes
+microseconds; the margin is for a loaded machine's scheduling.)"""
+
+
 class TierLink:
-    """How the supervisor reaches one tier actor.
+    """How the supervisor reaches one tier actor. Used by the supervisor's thread only.
 
     ``wants_new_request`` / ``wants_touch``: whether the plugin overrides those
     optional hooks (a message not worth sending otherwise). ``on_request_finished``
     is always sent: the actor logs its arrival for ``check-log``.
     ``inline``: the plugin's methods that may run on the sender's thread
-    (:func:`~kvactors.tiers.base.inline_calls_of`).
+    (:func:`~kvactors.tiers.base.inline_calls_of`); one that overruns
+    :data:`INLINE_LIMIT_S` there leaves the set, and ``on_blocked(tier, call,
+    seconds)`` is told.
     """
 
-    ref: ActorRef
-    lane: LookupLane
-    wants_new_request: bool
-    wants_touch: bool
-    inline: frozenset[str] = frozenset()
+    __slots__ = ("inline", "lane", "on_blocked", "ref", "tier", "wants_new_request", "wants_touch")
+
+    def __init__(self, ref: ActorRef, lane: LookupLane, wants_new_request: bool, wants_touch: bool,
+                 inline: frozenset[str] = frozenset(), tier: str = "") -> None:
+        self.ref = ref
+        self.lane = lane
+        self.wants_new_request = wants_new_request
+        self.wants_touch = wants_touch
+        self.inline: frozenset[str] = inline
+        self.tier = tier
+        self.on_blocked: Callable[[str, str, float], None] | None = None
+
+    def _run_inline(self, message: object, call: str) -> None:
+        started = time.perf_counter()
+        self.ref.run_claimed(message)
+        took = time.perf_counter() - started
+        if took > INLINE_LIMIT_S and call in self.inline:
+            self.inline = self.inline - {call}
+            if self.on_blocked is not None:
+                self.on_blocked(self.tier, call, took)
 
     def send(self, message: object, call: str) -> None:
         """Send a hook or a submit (the plugin's method ``call``); if that method is
         inline and the actor idle, run it here (a claim: alone, after everything
         sent to the tier before)."""
         if call in self.inline and self.ref.claim():
-            self.ref.run_claimed(message)
+            self._run_inline(message, call)
         else:
             self.ref.tell(message)
 
@@ -117,7 +150,7 @@ class TierLink:
         """
         if "lookup" in self.inline and self.ref.claim():
             reply: Reply[tuple[LookupResult, ...] | None] = Reply()
-            self.ref.run_claimed(m.TierLookup(lookup_id, keys, ctx, reply))
+            self._run_inline(m.TierLookup(lookup_id, keys, ctx, reply), "lookup")
             return True, reply.result() if reply.done() and reply.exception() is None else None
         message = m.TierLookup(lookup_id, keys, ctx)
         self.lane.push(message)
@@ -141,7 +174,8 @@ class SecondaryTierActor(Actor):
 
     def link(self) -> TierLink:
         """The supervisor's handle on this actor (after it was spawned)."""
-        return TierLink(self.ref, self._lane, self.wants_new_request, overrides(self.tier, "touch"), self.inline)
+        return TierLink(self.ref, self._lane, self.wants_new_request, overrides(self.tier, "touch"), self.inline,
+                        self.tier.name)
 
     def connect(self, supervisor: ActorRef, pool: torch.Tensor) -> None:
         """Attach the plugin; runs before the actor receives any message."""
@@ -158,6 +192,11 @@ class SecondaryTierActor(Actor):
         except ActorStoppedError:
             # stop() already counted this job as failed; the report has nowhere to go.
             self.log.info("report_after_stop", tier=self.tier.name, job_id=result.job_id)
+
+    def _answer(self, message: object) -> None:
+        """Tell the supervisor; after ``stop()`` (a call stuck past it) there is nobody to tell."""
+        with contextlib.suppress(ActorStoppedError):
+            self.supervisor.tell(message)
 
     def _failed(self, call: str, exc: BaseException, **context: object) -> None:
         self.tier_errors += 1
@@ -232,7 +271,7 @@ class SecondaryTierActor(Actor):
         if msg.reply is not None:
             msg.reply.set_result(results)
         else:
-            self.supervisor.tell(m.TierLookupAnswered(msg.lookup_id, self.tier.name, results))
+            self._answer(m.TierLookupAnswered(msg.lookup_id, self.tier.name, results))
 
     @handles(m.TierGather)
     def _on_gather(self, msg: m.TierGather) -> None:
@@ -247,4 +286,4 @@ class SecondaryTierActor(Actor):
                     self.tier.shutdown()
         except BaseException as exc:
             self._failed(msg.what, exc)
-        self.supervisor.tell(m.TierGathered(msg.gather_id, self.tier.name, payload))
+        self._answer(m.TierGathered(msg.gather_id, self.tier.name, payload))

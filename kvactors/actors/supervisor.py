@@ -43,6 +43,24 @@ not reported in time (their rows stay held until the late report, since the
 tier may still be touching them), per-tier queues bound the jobs in flight,
 and ``reset_cache`` zeroes the counts and finalizes finished requests while
 in-flight jobs drain.
+
+Nothing here waits for a tier without a deadline
+------------------------------------------------
+A tier's actor may be stuck inside one of its plugin's calls for minutes. Every
+round through the tiers (a *gather*: events, barrier, shutdown) and every
+lookup therefore has a deadline, and a :class:`~kvactors.core.tierwatch.TierWatch`
+keeps the books of what each tier owes: a tier that owes an answer and has
+given none for ``transfer_timeout_s`` is *stuck* (``tier_stuck`` in the log,
+``tiers_stuck`` and ``tier_stuck.<name>`` in the stats). A stuck tier is left
+out of what waits on it: open gathers and lookups go on without it, later
+ones do not wait for it at all (a caller polling ``take_events`` every step
+pays nothing for it), its lookups are ``RETRY``, its queued jobs and new jobs
+fail at once without being sent (no row is held for it), and the jobs it was
+given time out as any other. Its hooks and finishes are still sent: the
+contract holds at that tier too once it moves again. Its first answer is
+``tier_unstuck``; its late answers are accounted for (events a late gather
+brings are handed out by the next ``take_events``; late reports release
+their rows as before).
 """
 
 from __future__ import annotations
@@ -64,6 +82,7 @@ from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
 from kvactors.core.lookups import resolve_lookup
 from kvactors.core.outcomes import key_outcomes
 from kvactors.core.quarantine import PromotionQuarantine
+from kvactors.core.tierwatch import TierWatch
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 
@@ -104,11 +123,40 @@ class _PendingLookup:
     answers: dict[str, tuple[LookupResult, ...] | None] = field(default_factory=dict)
 
 
+GatherDone = Callable[[dict[str, tuple[Any, ...]], frozenset[str]], None]
+"""Called once a gather ends: the tiers' payloads, and the tiers that did not answer in time."""
+
+
 @dataclass(slots=True)
 class _Gather:
+    what: str
     waiting: set[str]
-    on_done: Callable[[dict[str, tuple[Any, ...]]], None]
+    on_done: GatherDone
+    patient: bool = False
     payloads: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    missing: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _ResetWait:
+    """A ``reset_cache`` waiting for the jobs in flight at its start and one round through the tiers."""
+
+    jobs: set[int]
+    reply: Reply[None]
+    gathered: bool = False
+
+
+@dataclass(slots=True)
+class _Shutdown:
+    reply: Reply[None]
+    deadline: float  # jobs still in flight then are timed out; the tiers' drain gets what is left
+    gathering: bool = False
+    expired: bool = False  # the deadline passed: nothing more is waited for before the tiers' round
+
+
+SHUTDOWN_GRACE_S = 0.25
+"""How long past the stop's deadline the tiers' shutdown round may take (a tier's
+``shutdown()`` after a ``drain`` that used the whole budget)."""
 
 
 class LifecycleSupervisor(Actor):
@@ -143,11 +191,14 @@ class LifecycleSupervisor(Actor):
         self._lookup_deadlines: DeadlineQueue[int] = DeadlineQueue()
         self._allocations: dict[int, ReqContext] = {}  # lookup id -> request, while the primary allocates
         self._barriers: list[tuple[int, Reply[bool]]] = []
-        self._reset_waits: list[tuple[set[int], Reply[None]]] = []
+        self._reset_waits: list[_ResetWait] = []
         self._gathers: dict[int, _Gather] = {}
         self._gather_ids = 0
+        self._gather_deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self._watch = TierWatch(self.tier_order, transfer_timeout_s)
+        self._late_events: dict[str, list[OffloadingEvent]] = {}  # brought by gathers answered too late
         self._timer_due: float | None = None
-        self._shutdown: tuple[Reply[None], float | None] | None = None
+        self._shutdown: _Shutdown | None = None
         self.metrics = counters.JobCounters(self.tier_order)  # for kvactors.metrics: plain ints
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -165,6 +216,8 @@ class LifecycleSupervisor(Actor):
                 "lookups_timed_out",
                 "requests_finalized",
                 "guard_violations",
+                "gathers_incomplete",
+                "inline_calls_demoted",
             ),
             0,
         )
@@ -172,6 +225,13 @@ class LifecycleSupervisor(Actor):
     def connect(self, primary: ActorRef, tiers: dict[str, TierLink]) -> None:
         self.primary = primary
         self.tiers = dict(tiers)
+        for link in self.tiers.values():
+            link.on_blocked = self._inline_call_blocked
+
+    def _inline_call_blocked(self, tier: str, call: str, seconds: float) -> None:
+        """A call the tier declared inline took ``seconds`` on this thread: it is not inline any more."""
+        self.counters["inline_calls_demoted"] += 1
+        self.log.warning("inline_call_demoted", tier=tier, call=call, seconds=round(seconds, 3))
 
     # ------------------------------------------------------------ the finalize decision
 
@@ -259,8 +319,11 @@ class LifecycleSupervisor(Actor):
     # ------------------------------------------------------------ jobs
 
     def _enqueue(self, job: _Job) -> None:
-        self._jobs[job.job.job_id] = job
         tier = job.tier
+        if self._watch.is_stuck(tier):
+            self._end_unsubmitted(job, "tier_stuck")  # sent, it would hold its rows until the tier moves
+            return
+        self._jobs[job.job.job_id] = job
         if job.job.is_promotion:
             job.deadline = self.runtime.now() + self.transfer_timeout_s
         if self._inflight[tier] < self.max_inflight[tier] and not self._queues[tier]:
@@ -308,10 +371,10 @@ class LifecycleSupervisor(Actor):
                       req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
         self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=False))
 
-    def _drop_queued(self, reason: str) -> list[ReqContext]:
-        """Fail every job still waiting for a tier slot; returns their requests."""
+    def _drop_queued(self, reason: str, tiers: Sequence[str] | None = None) -> list[ReqContext]:
+        """Fail every job still waiting for a slot at ``tiers`` (default: all); returns their requests."""
         touched = []
-        for tier in self.tier_order:
+        for tier in self.tier_order if tiers is None else tiers:
             queue = self._queues[tier]
             while queue:
                 job = self._jobs.pop(queue.popleft())
@@ -341,11 +404,9 @@ class LifecycleSupervisor(Actor):
         """Book-keeping shared by every end of a submitted job."""
         self._inflight[job.tier] -= 1
         self._job_deadlines.discard(job.job.job_id)
-        for ids, reply in list(self._reset_waits):
-            ids.discard(job.job.job_id)
-            if not ids:
-                self._reset_waits.remove((ids, reply))
-                self._reset_done(reply)
+        for wait in list(self._reset_waits):
+            wait.jobs.discard(job.job.job_id)
+            self._check_reset(wait)
         self._slot_freed(job.tier)
         self._check_barriers()
         self._check_shutdown()
@@ -403,11 +464,17 @@ class LifecycleSupervisor(Actor):
 
     # ------------------------------------------------------------ deadlines
 
-    def _arm_timer(self) -> None:
-        if self._timer_due is not None and self._timer_due <= self.runtime.now() + self._shortest_timeout:
+    def _arm_timer(self, soonest: float | None = None) -> None:
+        """Make sure a tick comes by the next deadline. ``soonest``: a deadline just
+        added that may be sooner than ``now + min(timeouts)`` (the fast path's bound)."""
+        bound = self.runtime.now() + self._shortest_timeout if soonest is None else soonest
+        if self._timer_due is not None and self._timer_due <= bound:
             return  # a tick is due no later than any deadline added now
-        deadlines = [d for d in (self._job_deadlines.next_deadline(), self._lookup_deadlines.next_deadline())
+        deadlines = [d for d in (self._job_deadlines.next_deadline(), self._lookup_deadlines.next_deadline(),
+                                 self._gather_deadlines.next_deadline(), self._watch.next_deadline())
                      if d is not None]
+        if self._shutdown is not None and not self._shutdown.gathering and not self._shutdown.expired:
+            deadlines.append(self._shutdown.deadline)
         if not deadlines:
             return
         deadline = min(deadlines)
@@ -420,6 +487,15 @@ class LifecycleSupervisor(Actor):
     def _on_tick(self, msg: m.Tick) -> None:
         self._timer_due = None
         now = self.runtime.now()
+        for tier in self._watch.due(now):
+            self._tier_stuck(tier, now)
+        for gather_id in self._gather_deadlines.pop_expired(now):
+            gather = self._gathers.get(gather_id)
+            if gather is not None:
+                self.log.warning("gather_timed_out", what=gather.what, tiers=",".join(sorted(gather.waiting)))
+                gather.missing.update(gather.waiting)
+                gather.waiting.clear()
+                self._end_gather(gather_id, gather)
         expired = [self._jobs.pop(job_id) for job_id in self._job_deadlines.pop_expired(now)]
         # Queued ones first: a slot that a timed-out job frees must not go to a job already past its deadline.
         for job in expired:
@@ -435,6 +511,14 @@ class LifecycleSupervisor(Actor):
                 self.log.warning("lookup_timed_out", req_id=pending.ctx.req_id, attempt=pending.ctx.attempt,
                                  tiers=",".join(sorted(pending.waiting)))
                 self._resolve_lookup(pending)
+        shutdown = self._shutdown
+        if shutdown is not None and not shutdown.gathering and not shutdown.expired and now >= shutdown.deadline:
+            # The stop's budget is spent: what is still in flight fails now, as at its own deadline,
+            # and promotions the primary has not allocated yet are not waited for.
+            shutdown.expired = True
+            for job_id in [job_id for job_id, job in self._jobs.items() if job.submitted]:
+                self._time_out(self._jobs.pop(job_id))
+            self._check_shutdown()
         self._arm_timer()
 
     def _expire_queued(self, job: _Job) -> None:
@@ -448,6 +532,32 @@ class LifecycleSupervisor(Actor):
         self._maybe_finalize_request(ctx)
         self._check_barriers()
         self._check_shutdown()
+
+    # ------------------------------------------------------------ stuck tiers
+
+    def _tier_stuck(self, tier: str, now: float) -> None:
+        """``tier`` owes answers and gave none for ``transfer_timeout_s``: go on without it."""
+        self.log.warning("tier_stuck", tier=tier, silent_s=round(self._watch.silent_for(tier, now), 3),
+                         owed=self._watch.owed(tier), jobs_in_flight=self._inflight[tier])
+        for gather_id, gather in list(self._gathers.items()):
+            if tier in gather.waiting and not gather.patient:
+                gather.waiting.discard(tier)
+                gather.missing.add(tier)
+                if not gather.waiting:
+                    self._end_gather(gather_id, gather)
+        for pending in list(self._lookups.values()):
+            if tier in pending.waiting:
+                pending.waiting.discard(tier)  # no answer: its keys are RETRY unless another tier has them
+                if not pending.waiting:
+                    self._resolve_lookup(pending)
+        for ctx in self._drop_queued("tier_stuck", (tier,)):
+            self._maybe_finalize_request(ctx)
+
+    def _heard_from(self, tier: str, probe: tuple[str, int]) -> None:
+        """An answer from ``tier``'s actor: it is moving."""
+        silent = self._watch.answered(tier, probe, self.runtime.now())
+        if silent is not None:
+            self.log.warning("tier_unstuck", tier=tier, silent_s=round(silent, 3))
 
     def _time_out(self, job: _Job) -> None:
         """A job past its deadline fails; its rows stay held until its late report."""
@@ -476,25 +586,34 @@ class LifecycleSupervisor(Actor):
         keys = tuple(dict.fromkeys(msg.keys[i] for i in msg.missing))
         pending = _PendingLookup(msg.lookup_id, msg.ctx, msg.keys, msg.missing, results, msg.reply, keys,
                                  set(self.tier_order))
+        now = self.runtime.now()
         for tier in self.tier_order:
+            if self._watch.is_stuck(tier):
+                pending.waiting.discard(tier)  # not asked: its keys are RETRY unless another tier has them
+                continue
             self.metrics.asked(tier, len(keys))
             answered, answer = self.tiers[tier].lookup(msg.lookup_id, keys, msg.ctx)
             if answered:
                 pending.answers[tier] = answer
                 pending.waiting.discard(tier)
+            else:
+                self._watch.asked(tier, ("lookup", msg.lookup_id), now)
         if not pending.waiting:  # every tier answered inline
             self._resolve_lookup(pending)
             return
         # The other answers are messages to this actor: they come after this handler.
         self._lookups[msg.lookup_id] = pending
-        self._lookup_deadlines.add(msg.lookup_id, self.runtime.now() + self.lookup_timeout_s)
+        self._lookup_deadlines.add(msg.lookup_id, now + self.lookup_timeout_s)
         self._arm_timer()
 
     @handles(m.TierLookupAnswered)
     def _on_tier_lookup_answered(self, msg: m.TierLookupAnswered) -> None:
+        self._heard_from(msg.tier, ("lookup", msg.lookup_id))
         pending = self._lookups.get(msg.lookup_id)
         if pending is None:
             return  # answered after its deadline, a reset or a stop
+        if msg.tier not in pending.waiting:
+            return  # found stuck meanwhile: the lookup went on without it
         pending.answers[msg.tier] = msg.results
         pending.waiting.discard(msg.tier)
         if not pending.waiting:
@@ -578,46 +697,86 @@ class LifecycleSupervisor(Actor):
             self._finalize(state)
         in_flight = {job_id for job_id, job in self._jobs.items() if job.submitted}
         self.log.info("cache_reset_draining", jobs=len(in_flight), epoch=self.epoch)
-        if in_flight:
-            self._reset_waits.append((in_flight, msg.reply))
-        else:
-            self._reset_done(msg.reply)
+        wait = _ResetWait(in_flight, msg.reply)
+        self._reset_waits.append(wait)
+        # A round through the tiers, at once (it ends by its deadline, as the jobs do by
+        # theirs): when reset_cache returns, they have processed its finishes.
+        self._gather("barrier", functools.partial(self._reset_gathered, wait))
         self._check_barriers()
 
-    def _reset_done(self, reply: Reply[None]) -> None:
-        # A round through the tiers: when reset_cache returns, they have processed its finishes.
-        self._gather("barrier", lambda _: reply.set_result(None))
+    def _reset_gathered(self, wait: _ResetWait, payloads: object, missing: frozenset[str]) -> None:
+        wait.gathered = True
+        self._check_reset(wait)
+
+    def _check_reset(self, wait: _ResetWait) -> None:
+        if wait.gathered and not wait.jobs and wait in self._reset_waits:
+            self._reset_waits.remove(wait)
+            wait.reply.set_result(None)
 
     @handles(m.CollectEvents)
     def _on_collect_events(self, msg: m.CollectEvents) -> None:
-        def done(payloads: dict[str, tuple[Any, ...]]) -> None:
+        def done(payloads: dict[str, tuple[Any, ...]], missing: frozenset[str]) -> None:
             events: list[OffloadingEvent] = list(msg.events)
             for tier in self.tier_order:
+                events.extend(self._late_events.pop(tier, ()))  # older than this answer's
                 events.extend(payloads.get(tier, ()))
             msg.reply.set_result(events)
 
         self._gather("events", done)
 
-    def _gather(self, what: str, on_done: Callable[[dict[str, tuple[Any, ...]]], None],
-                timeout_s: float | None = None) -> None:
-        if not self.tier_order:
-            on_done({})
-            return
+    def _gather(self, what: str, on_done: GatherDone, *, drain_timeout_s: float | None = None,
+                deadline: float | None = None, patient: bool = False) -> None:
+        """One round through the tiers: ``on_done`` once each answered, or was found
+        stuck, or ``deadline`` (default: ``transfer_timeout_s`` from now) passed.
+
+        A tier already stuck is not waited for (it is in ``missing`` at once); it
+        is sent only a shutdown (so that it shuts down if it ever moves again).
+        ``patient``: no deadline, and every tier is waited for, stuck or not (a
+        caller's own timeout bounds it: ``wait_idle``)."""
         self._gather_ids += 1
-        self._gathers[self._gather_ids] = _Gather(set(self.tier_order), on_done)
+        gather_id = self._gather_ids
+        gather = _Gather(what, set(), on_done, patient)
+        now = self.runtime.now()
+        probe = ("gather", gather_id)
         for tier in self.tier_order:
-            self.tiers[tier].ref.tell(m.TierGather(self._gather_ids, what, timeout_s))
+            stuck = self._watch.is_stuck(tier) and not patient
+            if stuck:
+                gather.missing.add(tier)
+                if what != "shutdown":
+                    continue
+            self.tiers[tier].ref.tell(m.TierGather(gather_id, what, drain_timeout_s))
+            if not stuck:
+                gather.waiting.add(tier)
+                self._watch.asked(tier, probe, now)
+        if not gather.waiting:
+            self._end_gather(gather_id, gather)
+            return
+        self._gathers[gather_id] = gather
+        if not patient:
+            due = now + self.transfer_timeout_s if deadline is None else deadline
+            self._gather_deadlines.add(gather_id, due)
+            self._arm_timer(due)
+
+    def _end_gather(self, gather_id: int, gather: _Gather) -> None:
+        self._gathers.pop(gather_id, None)
+        self._gather_deadlines.discard(gather_id)
+        if gather.missing:
+            self.counters["gathers_incomplete"] += 1
+        gather.on_done(gather.payloads, frozenset(gather.missing))
 
     @handles(m.TierGathered)
     def _on_tier_gathered(self, msg: m.TierGathered) -> None:
+        self._heard_from(msg.tier, ("gather", msg.gather_id))
         gather = self._gathers.get(msg.gather_id)
-        if gather is None:
+        if gather is None or msg.tier not in gather.waiting:
+            # Too late for its gather: events it brings go to the next take_events.
+            if msg.payload:
+                self._late_events.setdefault(msg.tier, []).extend(msg.payload)
             return
         gather.payloads[msg.tier] = msg.payload
         gather.waiting.discard(msg.tier)
         if not gather.waiting:
-            del self._gathers[msg.gather_id]
-            gather.on_done(gather.payloads)
+            self._end_gather(msg.gather_id, gather)
 
     @handles(m.SupervisorBarrier)
     def _on_barrier(self, msg: m.SupervisorBarrier) -> None:
@@ -641,10 +800,13 @@ class LifecycleSupervisor(Actor):
         for _, reply in ready:
             # Hooks sent before now must be processed too, then the primary's
             # queue must pass the releases sent before now: a tier round, then the primary.
-            self._gather("barrier", functools.partial(self._finish_barrier, reply))
+            # Patient: wait_idle's own timeout bounds its caller, and a tier found stuck
+            # (perhaps only slow) that moves again passes the barrier and lets it say True.
+            self._gather("barrier", functools.partial(self._finish_barrier, reply), patient=True)
 
-    def _finish_barrier(self, reply: Reply[bool], _: dict[str, tuple[Any, ...]]) -> None:
-        self.primary.tell(m.BarrierFinal(reply))
+    def _finish_barrier(self, reply: Reply[bool], payloads: object, missing: frozenset[str]) -> None:
+        # A patient round misses a tier only when stop() cuts it short: not idle.
+        self.primary.tell(m.BarrierFinal(reply, not missing))
 
     @handles(m.SupervisorStats)
     def _on_stats(self, msg: m.SupervisorStats) -> None:
@@ -661,6 +823,14 @@ class LifecycleSupervisor(Actor):
         stats["promotions_quarantined"] = len(self.quarantine)
         stats["lookups_in_flight"] = len(self._lookups) + len(self._allocations)
         stats["contract_violations"] = int(stats.pop("primary_violations", 0)) + self.counters["guard_violations"]
+        stuck = self._watch.stuck()
+        stats["tiers_stuck"] = len(stuck)
+        stats["tiers_found_stuck"] = self._watch.found_stuck
+        stats["tiers_recovered"] = self._watch.recovered
+        now = self.runtime.now()
+        for tier in self.tier_order:
+            stats[f"tier_stuck.{tier}"] = int(tier in stuck)
+            stats[f"tier_silent_s.{tier}"] = round(self._watch.silent_for(tier, now), 6)
         stats["internal_errors"] = int(stats.pop("primary_internal_errors", 0)) + self.internal_errors
         msg.reply.set_result(stats)
 
@@ -682,18 +852,42 @@ class LifecycleSupervisor(Actor):
     @handles(m.SupervisorShutdown)
     def _on_shutdown(self, msg: m.SupervisorShutdown) -> None:
         self.stopping = True
-        self._shutdown = (msg.reply, msg.drain_timeout_s)
+        deadline = self.runtime.now() + msg.budget_s
+        self._shutdown = _Shutdown(msg.reply, deadline)
         for pending in list(self._lookups.values()):
             self._resolve_lookup(pending, promote=False)
         for ctx in self._drop_queued("stopping"):
             self._maybe_finalize_request(ctx)
         self.log.info("runtime_stopping", jobs_in_flight=sum(self._inflight.values()),
-                      active_requests=len(self.table))
+                      active_requests=len(self.table), budget_s=msg.budget_s,
+                      tiers_stuck=",".join(self._watch.stuck()))
+        self._arm_timer(deadline)
         self._check_shutdown()
 
     def _check_shutdown(self) -> None:
-        if self._shutdown is None or any(self._inflight.values()) or self._allocations:
+        shutdown = self._shutdown
+        if shutdown is None or shutdown.gathering:
             return
-        reply, timeout_s = self._shutdown
-        self._shutdown = None
-        self._gather("shutdown", lambda _: reply.set_result(None), timeout_s)
+        if not shutdown.expired and (any(self._inflight.values()) or self._allocations):
+            return
+        shutdown.gathering = True
+        remaining = max(shutdown.deadline - self.runtime.now(), 0.0)
+        self._gather("shutdown", self._shut_down, drain_timeout_s=remaining,
+                     deadline=shutdown.deadline + SHUTDOWN_GRACE_S)
+
+    def _shut_down(self, payloads: object, missing: frozenset[str]) -> None:
+        assert self._shutdown is not None
+        if missing:
+            self.log.warning("tiers_not_shut_down", tiers=",".join(sorted(missing)))
+        # Calls still waiting get their answer now, without the tiers that did not give it.
+        for gather_id, gather in list(self._gathers.items()):
+            gather.missing.update(gather.waiting)
+            gather.waiting.clear()
+            self._end_gather(gather_id, gather)
+        for wait in list(self._reset_waits):
+            wait.jobs.clear()
+            self._check_reset(wait)
+        for _, reply in self._barriers:
+            reply.set_result(False)
+        self._barriers.clear()
+        self._shutdown.reply.set_result(None)

@@ -17,7 +17,12 @@ runs many and returns the failures. The check after each run
 * (simulation only) the actors' internals hold nothing but what the workload
   left on purpose: stores never completed, jobs stalled at a tier; and every
   ready row of the pool holds its block's bytes (a promotion's failed key
-  made ready shows up here even if no client loads it).
+  made ready shows up here even if no client loads it);
+* in seeds where a tier may get stuck in a call (``Faults.hang``), a *poller*
+  (a scheduler calling ``take_events``, ``stats`` and now and then
+  ``reset_cache`` between steps) is answered by each call's deadline in virtual
+  time (:meth:`~kvactors.sim.SimRuntime.expect_by`), and every stuck tier has
+  recovered once the run settled.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvactors.actors import messages as m
+from kvactors.actors.reply import Reply
 from kvactors.manager import TieringManager
-from kvactors.sim.runtime import SimRuntime, SimulationStuck
+from kvactors.sim.runtime import Client, SimRuntime, SimulationStuck
 from kvactors.sim.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer, rows_hold
 from kvactors.sim.workload import Env, WorkloadConfig, make_clients
 from kvactors.tiers.base import INLINE_CALLS
@@ -93,6 +99,7 @@ def check_stats(env: Env, stats: dict[str, Any], tiers: list[Any]) -> list[str]:
         "contract_violations": env.expected_misuse,
         "jobs_held": stalled,
         "jobs_awaiting_late_report": stalled,
+        "tiers_stuck": 0,  # a tier stuck in a call has moved again, and said so
     }
     for name, value in expect.items():
         if stats.get(name) != value:
@@ -194,7 +201,45 @@ def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]
         "inline_calls": rng.random() < 0.5,
         # Jobs that end per key, and sloppy reports (the runtime must apply the one, reject the other).
         "report_faults": [(rng.choice((0.0, 0.1, 0.3)), rng.choice((0.0, 0.0, 0.05, 0.2))) for _ in tiers],
-    }
+    } | _draw_hangs(rng, config, tiers)
+
+
+def _draw_hangs(rng: random.Random, config: WorkloadConfig, tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Drawn after the rest: a tier that may get stuck in its calls, and a poller to notice."""
+    if rng.random() >= 0.3:
+        return {"poller": False}
+    spec = rng.choice(tiers)
+    spec["faults"] = dataclasses.replace(spec["faults"], hang=rng.choice((0.02, 0.1, 0.3)),
+                                         hang_s=config.transfer_timeout_s * rng.choice((3, 20)))
+    return {"poller": True}
+
+
+def poller(env: Env, runtime: SimRuntime, seed: int) -> Client:
+    """A scheduler's loop: ``take_events`` and ``stats`` between steps, ``reset_cache`` now and then.
+
+    Each answer is expected by its deadline: ``transfer_timeout_s`` (a stuck tier
+    is waited for once, never again while it is known stuck)."""
+    rng = random.Random(f"{seed}/poller")
+    bound = env.config.transfer_timeout_s
+    for _ in range(rng.randint(10, 60)):
+        nap: Reply[None] = Reply()
+        env.deferrer.defer("poller step", lambda nap=nap: nap.set_result(None), rng.uniform(0.0, bound))  # type: ignore[misc]
+        yield nap
+        x = rng.random()
+        reply: Reply[Any] = Reply()
+        message: object
+        if x < 0.6:
+            label, message = "take_events", m.TakeEvents(reply)
+        elif x < 0.95:
+            label, message = "stats", m.QueryStats(reply)
+        else:
+            label, message = "reset_cache", m.ResetCache(reply)
+        env.manager._send(message)
+        runtime.expect_by(reply, bound, f"poller: {label} at t={runtime.now():.3f}")
+        env.count()
+        yield reply
+        if reply.exception() is not None:
+            env.violation(f"poller: {label} raised {reply.exception()!r}")
 
 
 def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = False,
@@ -222,7 +267,10 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
     try:
         for index, client in enumerate(make_clients(env)):
             runtime.spawn_client(f"client{index}", client)
+        if params["poller"]:
+            runtime.spawn_client("poller", poller(env, runtime, seed))
         runtime.run()
+        result.violations.extend(runtime.late)
         if not manager.wait_idle():
             result.violations.append("wait_idle() did not return True")
         stats = manager.stats()

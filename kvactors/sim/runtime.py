@@ -23,6 +23,16 @@ purpose (``architecture-notes.md``: a planted race found in 735 of 1000 seeds,
 Blocking calls made from outside any client (``manager.lookup(...)`` in a test)
 work too: :meth:`wait` keeps stepping until the reply is there.
 
+An actor can be *stuck in a call* (:meth:`SimRuntime.hang_current`, from
+inside its handler): it handles nothing more, and cannot be claimed, until
+virtual time reaches its thaw, as a thread blocked inside that call would.
+:meth:`SimRuntime.expect_by` checks that a reply comes by its deadline: if
+the scheduler must advance time past it (nothing else left to run) while the
+reply is still missing, that reply depends on something later than its
+deadline (a stuck actor's thaw, say), and :attr:`SimRuntime.late` says so. A
+jump of time the seed chose while work was pending (a slow machine) restarts
+every expected reply's clock: only waits the runtime could not avoid count.
+
 Not thread-safe: one thread drives it.
 """
 
@@ -52,7 +62,7 @@ class SimActorRef:
     :class:`~kvactors.actors.runtime.Routed`, in its host's, as on threads.
     """
 
-    __slots__ = ("actor", "closed", "guests", "host", "inbox", "name", "running", "runtime")
+    __slots__ = ("actor", "closed", "frozen", "guests", "host", "inbox", "name", "running", "runtime", "stopping")
 
     def __init__(self, runtime: SimRuntime, actor: Actor, name: str, host: SimActorRef | None = None) -> None:
         self.runtime = runtime
@@ -63,6 +73,8 @@ class SimActorRef:
         self.inbox: deque[object] = deque()
         self.closed = False
         self.running = False
+        self.frozen = False  # stuck in a call: nothing is delivered until it thaws
+        self.stopping = False  # stopped while stuck: on_stop once its inbox is drained
 
     def tell(self, message: object) -> None:
         host = self.host
@@ -78,7 +90,7 @@ class SimActorRef:
         on threads a claim of an idle actor can fail too (another caller's turn)."""
         if self.host is not None:
             return self.host.claim()
-        if self.closed or self.inbox or self.running:
+        if self.closed or self.inbox or self.running or self.frozen:
             return False
         return self.runtime.rng.random() < self.runtime.claim_chance
 
@@ -94,6 +106,28 @@ class SimActorRef:
 
 class SimulationStuck(RuntimeError):
     """A wait can never end: nothing left to run and the future is not done."""
+
+
+class _Thaw:
+    """A timer's target that ends an actor's stuck call."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: SimActorRef) -> None:
+        self.ref = ref
+
+    def tell(self, message: object) -> None:
+        self.ref.frozen = False
+
+
+class _Expected:
+    __slots__ = ("future", "label", "start", "within")
+
+    def __init__(self, future: Reply[Any] | Future[Any], label: str, start: float, within: float) -> None:
+        self.future = future
+        self.label = label
+        self.start = start
+        self.within = within
 
 
 class SimRuntime:
@@ -116,10 +150,14 @@ class SimRuntime:
         self.trace: list[str] | None = [] if trace else None
         self._now = 0.0
         self._refs: list[SimActorRef] = []
-        self._timers: list[tuple[float, int, ActorRef, object]] = []
+        self._timers: list[tuple[float, int, ActorRef | _Thaw, object]] = []
         self._timer_seq = itertools.count()
         self._tasks: list[tuple[str, Callable[[], None]]] = []
         self._clients: list[tuple[str, Client, Reply[Any] | Future[Any] | None]] = []
+        self._current: list[tuple[SimActorRef, bool]] = []  # deliveries in progress (claims nest)
+        self._expected: list[_Expected] = []
+        self.late: list[str] = []
+        """Replies that came later than their deadline (see :meth:`expect_by`)."""
 
     # ------------------------------------------------------------ the Runtime interface
 
@@ -154,20 +192,54 @@ class SimRuntime:
                 return False
         return True
 
-    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> None:
+    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> list[str]:
         # Everything already queued to these actors is delivered first, as pykka does;
-        # colocated actors stop with their host.
+        # colocated actors stop with their host. One stuck in a call past the timeout
+        # is left behind: it refuses new messages, handles its queued ones when it
+        # thaws, then stops.
         hosts = [ref.host or ref for ref in refs if isinstance(ref, SimActorRef)]
         targets = [ref for ref in self._refs if any(ref is host for host in hosts)]
-        while any(ref.inbox for ref in targets):
-            self.step()
+        deadline = None if timeout_s is None else self._now + timeout_s
+        while any(ref.inbox for ref in targets) and self.step(until=deadline):
+            pass
+        left = []
         for ref in targets:
-            if not ref.closed:
-                for stopping in (ref, *ref.guests):
-                    stopping.closed = True
-                    stopping.actor.on_stop()
+            if ref.closed:
+                continue
+            for stopping in (ref, *ref.guests):
+                stopping.closed = True
+            if ref.inbox or ref.frozen:
+                ref.stopping = True
+                left.append(ref.name)
+            else:
+                self._on_stop(ref)
+        return left
+
+    @staticmethod
+    def _on_stop(ref: SimActorRef) -> None:
+        ref.stopping = False
+        for stopping in (ref, *ref.guests):
+            stopping.actor.on_stop()
 
     # ------------------------------------------------------------ simulation-only hooks
+
+    def hang_current(self, seconds: float) -> bool:
+        """The actor whose handler is running is stuck in it for ``seconds`` of
+        virtual time (from the moment the handler returns). Ignored (False) in a
+        claimed call: that runs on the claimer's thread, which would be the one stuck."""
+        if not self._current:
+            return False
+        ref, claimed = self._current[-1]
+        if claimed or ref.host is not None:
+            return False
+        ref.frozen = True
+        heapq.heappush(self._timers, (self._now + max(seconds, 0.0), next(self._timer_seq), _Thaw(ref), None))
+        return True
+
+    def expect_by(self, future: Reply[Any] | Future[Any], within_s: float, label: str) -> None:
+        """Record in :attr:`late` if ``future`` is not done by ``within_s`` from now,
+        where time had to advance to get it (see the module docstring)."""
+        self._expected.append(_Expected(future, label, self._now, within_s))
 
     def defer(self, label: str, task: Callable[[], None]) -> None:
         """Run ``task`` at a later step chosen by the scheduler (work of another thread)."""
@@ -207,7 +279,7 @@ class SimRuntime:
         """
         options: list[Callable[[], None]] = []
         for ref in self._refs:
-            if ref.inbox:
+            if ref.inbox and not ref.frozen:
                 options.append(functools.partial(self._deliver, ref))
         if self._tasks:
             options.append(self._run_task)
@@ -216,7 +288,7 @@ class SimRuntime:
                 options.append(functools.partial(self._resume, index))
         can_jump = bool(self._timers) and (until is None or self._timers[0][0] <= until)
         if can_jump and (not options or self.rng.random() < self.time_jump_chance):
-            self._jump_time()
+            self._jump_time(forced=not options)
         elif options:
             options[self.rng.randrange(len(options))]()
         else:
@@ -226,12 +298,15 @@ class SimRuntime:
 
     def _deliver(self, ref: SimActorRef) -> None:
         self._deliver_now(ref, ref.inbox.popleft(), claimed=False)
+        if ref.stopping and not ref.inbox and not ref.frozen:
+            self._on_stop(ref)
 
     def _deliver_now(self, ref: SimActorRef, message: object, *, claimed: bool) -> None:
         if self.trace is not None:
             to, shown = (message.actor.name, message.message) if type(message) is Routed else (ref.name, message)
             self.trace.append(f"{self.steps} {to} <- {type(shown).__name__}{' (claimed)' if claimed else ''}")
         ref.running = True
+        self._current.append((ref, claimed))
         try:
             if type(message) is Routed:
                 message.actor.deliver(message.message)
@@ -239,6 +314,7 @@ class SimRuntime:
                 ref.actor.deliver(message)
         finally:
             ref.running = False
+            self._current.pop()
 
     def _run_task(self) -> None:
         label, task = self._tasks.pop(self.rng.randrange(len(self._tasks)))
@@ -257,8 +333,10 @@ class SimRuntime:
             return
         self._clients[index] = (name, client, waiting)
 
-    def _jump_time(self) -> None:
+    def _jump_time(self, *, forced: bool) -> None:
         when = self._timers[0][0]
+        if self._expected:
+            self._check_expected(when, forced)
         self._now = max(self._now, when)
         if self.trace is not None:
             self.trace.append(f"{self.steps} time -> {self._now:.3f}")
@@ -266,3 +344,19 @@ class SimRuntime:
             _, _, ref, message = heapq.heappop(self._timers)
             with contextlib.suppress(ActorStoppedError):  # a timer outliving its actor
                 ref.tell(message)
+            if type(ref) is _Thaw and ref.ref.stopping and not ref.ref.inbox:
+                self._on_stop(ref.ref)
+
+    def _check_expected(self, when: float, forced: bool) -> None:
+        kept = []
+        for expected in self._expected:
+            if expected.future.done():
+                continue
+            if not forced:
+                expected.start = max(expected.start, when)  # a slow machine: the clock restarts
+            elif when > expected.start + expected.within + 1e-9:
+                self.late.append(f"{expected.label} not answered by its deadline ({expected.within:g} s): time "
+                                 f"had to advance to {when - expected.start:g} s for it")
+                continue
+            kept.append(expected)
+        self._expected = kept

@@ -13,7 +13,10 @@ per key (``partial``: some keys succeed, the others fail, named in
 ``success=True`` naming only some keys, the report sent twice, a report for
 a job that does not exist). Every row of a key that must not become ready
 (failed, or under a report the runtime must reject) is filled with junk
-first, so serving it shows up as wrong bytes.
+first, so serving it shows up as wrong bytes. With ``Faults.hang``, a call
+(any that is not inline) may leave the tier's actor *stuck in it* for ``hang_s``: on threads the call blocks; on a
+:class:`~kvactors.sim.SimRuntime` the actor handles nothing more until virtual
+time reaches its thaw.
 
 It asserts, per request attempt, what a tier can see of the contract:
 
@@ -46,7 +49,7 @@ import torch
 from kvactors.actors import runtime as rt
 from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.wrapper import DelegatingTier
-from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext, TransferJob
+from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 # --------------------------------------------------------------------- block bytes
 
@@ -84,6 +87,11 @@ class Deferrer(Protocol):
 
     def defer(self, label: str, task: Callable[[], None], delay_s: float = 0.0) -> None: ...
 
+    def hang(self, seconds: float) -> float:
+        """Leave the calling tier call stuck for ``seconds``. Returns the delay still
+        to add to the work the call schedules (0 where the call really blocked)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class _RunTask:
@@ -111,6 +119,10 @@ class SimDeferrer:
             self.runtime.defer(label, task)  # type: ignore[attr-defined]
         else:
             self.runtime.call_later(delay_s, self._ref, _RunTask(label, task))  # type: ignore[attr-defined]
+
+    def hang(self, seconds: float) -> float:
+        """The actor is stuck from the moment the call returns; what the call started happens after the thaw."""
+        return seconds if self.runtime.hang_current(seconds) else 0.0  # type: ignore[attr-defined]
 
 
 class ThreadDeferrer:
@@ -152,6 +164,12 @@ class ThreadDeferrer:
                 with self._cond:
                     self._running -= 1
 
+    def hang(self, seconds: float) -> float:
+        """Block the calling thread for ``seconds`` (or until :meth:`close`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed, seconds)
+        return 0.0
+
     def pending(self) -> int:
         """Tasks waiting or running."""
         with self._cond:
@@ -182,6 +200,8 @@ class Faults:
     lookup_raise: float = 0.0  # lookup raises (the runtime answers RETRY)
     partial: float = 0.0  # the job ends per key: some keys succeed, the others fail
     lie: float = 0.0  # a sloppy report (see the module docstring)
+    hang: float = 0.0  # a call that is not inline leaves the actor stuck in it for hang_s
+    hang_s: float = 10.0
 
     @classmethod
     def parse(cls, text: str, slow_s: float = 1.0) -> Faults:
@@ -274,8 +294,18 @@ class RecordingTier(SecondaryTier):
         self.jobs = 0
         self.reports = 0
         self.extra_reports = 0  # reports of jobs that do not exist (any more): the runtime counts them
+        self.hangs = 0
+        self._hang_rng = random.Random(f"{seed}/{name}/hang")  # its own: the other faults draw as before
 
     # ------------------------------------------------------------ recording
+
+    def _maybe_hang(self, call: str) -> float:
+        """Perhaps get stuck in ``call`` (never in an inline one: that promise is kept)."""
+        if not self.faults.hang or call in self.inline_calls or self._hang_rng.random() >= self.faults.hang:
+            return 0.0
+        self.hangs += 1
+        self._record(f"hang in {call} for {self.faults.hang_s:g} s")
+        return self.deferrer.hang(self.faults.hang_s)
 
     def _record(self, text: str) -> None:
         if self.calls is not None:
@@ -296,9 +326,11 @@ class RecordingTier(SecondaryTier):
     def on_new_request(self, ctx: ReqContext) -> None:
         self._record(f"on_new_request {ctx}")
         self.started.add(ctx.identity)
+        self._maybe_hang("on_new_request")
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._record(f"on_request_finished {ctx}")
+        self._maybe_hang("on_request_finished")
         count = self.finished.get(ctx.identity, 0) + 1
         self.finished[ctx.identity] = count
         if count > 1:
@@ -307,10 +339,19 @@ class RecordingTier(SecondaryTier):
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         if self.faults.lookup_raise and self.rng.random() < self.faults.lookup_raise:
             raise RuntimeError(f"planted lookup failure in tier {self.name}")
+        self._maybe_hang("lookup")
         with self._lock:
             return [LookupResult.HIT if key in self._blocks else LookupResult.MISS for key in keys]
 
+    def take_events(self) -> list[OffloadingEvent]:
+        self._maybe_hang("take_events")
+        return []
+
+    def drain(self, timeout: float | None) -> None:
+        self._maybe_hang("drain")
+
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self._maybe_hang("touch")
         with self._lock:
             for key in keys:
                 if key in self._blocks:
@@ -323,6 +364,7 @@ class RecordingTier(SecondaryTier):
 
     def _dispatch(self, job: TransferJob, finish: Callable[[ReportPlan], None]) -> None:
         self.jobs += 1
+        stuck_for = self._maybe_hang("submit_load" if job.is_promotion else "submit_store")
         mode = self._mode()
         if mode == "raise":
             raise RuntimeError(f"planted submit failure in tier {self.name}")
@@ -333,7 +375,7 @@ class RecordingTier(SecondaryTier):
         label = f"{self.name} {'load' if job.is_promotion else 'store'} job {job.job_id}"
         delay = self.faults.slow_s * (0.5 + self.rng.random()) if mode == "slow" else 0.0
         plan = plan_report(job, "ok" if mode == "slow" else mode, self.rng)
-        self.deferrer.defer(label, lambda: finish(plan), delay)
+        self.deferrer.defer(label, lambda: finish(plan), delay + stuck_for)
 
     def submit_store(self, job: TransferJob) -> None:
         self._check_submit("submit_store", job)
