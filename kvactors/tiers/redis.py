@@ -105,8 +105,22 @@ class RedisTier(SecondaryTier):
         Redis evicted on its own stay counted until they are the oldest. The tier emits
         ``OffloadingEvent(removed=False)`` for the blocks it stores and
         ``removed=True`` for the blocks it removes (capacity evictions, corrupt
-        records); evictions made by Redis itself are not seen. Standalone Redis (or a
-        primary with replicas) only, not Redis Cluster.
+        records); evictions made by Redis itself are not seen.
+
+    Cluster (``cluster=True``)
+        ``url`` names any node of a Redis Cluster (``redis://`` or ``rediss://``, database 0);
+        :mod:`kvactors.tiers.redis_cluster` keeps the topology (redis-py's ``RedisCluster``)
+        and sends one pipeline per shard, every shard written before any is read. A block is
+        stored under ``namespace:{tag}hex(key)``, the tag one of
+        :data:`~kvactors.tiers.redis_cluster.BUCKETS` hash tags spread evenly over the slots
+        (the key's bucket), so the namespace may not contain ``{``. A shard that fails (down,
+        timed out, ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN``) fails its keys only: lookups
+        answer ``MISS`` (``RETRY`` for a timeout or a moving slot), jobs end per key, an
+        unreachable value is never deleted; the failed node is skipped for ``retry_after_s``
+        and the topology re-read, so failovers and migrations heal by themselves. Degraded
+        mode (above) covers a cluster of which no node answers. ``capacity_bytes`` is split
+        over the buckets: each has its own LRU set ``namespace:{tag}__lru__`` in its slot
+        and keeps ``capacity_bytes // record_size // BUCKETS`` blocks (at least one).
 
     Threading
         As for every ``SecondaryTier``, the methods are called on the tier actor's
@@ -179,7 +193,7 @@ class RedisTier(SecondaryTier):
             health_check_interval=0,
             max_connections=io_workers + 2,
         )
-        self._evict_script = self._client.register_script(_EVICT_LUA)
+        self._evict_script = self._client.register_script(_EVICT_LUA)  # one server only
 
         thread_ids = itertools.count()
 

@@ -24,9 +24,11 @@ from typing import Any
 
 import redis
 import xxhash
+from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import AskError, ClusterDownError, MovedError, SlotNotCoveredError, TryAgainError
+from redis.retry import Retry
 
 from kvactors.types import OffloadKey
 
@@ -97,11 +99,12 @@ class ClusterClient:
             "socket_read_size": socket_read_size,
             "max_connections": max_connections,
             # The tier decides what a failure means: no retries inside redis-py.
-            "cluster_error_retry_attempts": 0,
+            "retry": Retry(NoBackoff(), 0),
             "require_full_coverage": False,
         }
         self._lock = threading.Lock()  # guards the fields below
         self._client: RedisCluster | None = None
+        self._connecting = threading.Lock()  # held while one thread creates the client
         self._next_connect = 0.0
         self._node_down_until: dict[str, float] = {}
         self._stale = False
@@ -115,29 +118,33 @@ class ClusterClient:
     # --------------------------------------------------------------- topology
 
     def _cluster(self) -> RedisCluster:
-        """The client, created on first use. Raises ``redis.ConnectionError`` while no node answers."""
-        with self._lock:
-            if self._closed:
-                raise redis.ConnectionError("tier shut down")
-            if self._client is not None:
-                return self._client
-            if time.monotonic() < self._next_connect:
-                raise redis.ConnectionError("cluster unreachable, retrying later")
-            self._next_connect = time.monotonic() + self.retry_after_s
-        try:
-            # Constructing reads CLUSTER SLOTS from the node in the URL.
-            client = RedisCluster.from_url(self.url, **self._kwargs)
-        except Exception as exc:
-            raise redis.ConnectionError(f"cluster unreachable: {exc}") from exc
-        with self._lock:
-            if self._client is None and not self._closed:
-                self._client = client
-                return client
-            existing = self._client
+        """The client, created on first use. Raises ``redis.ConnectionError`` while no node
+        answers. Threads that need it while one creates it wait for that one (its connects
+        and reads are bounded by ``timeout_s``)."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._connecting:
+            with self._lock:
+                if self._closed:
+                    raise redis.ConnectionError("tier shut down")
+                if self._client is not None:
+                    return self._client
+                if time.monotonic() < self._next_connect:
+                    raise redis.ConnectionError("cluster unreachable, retrying later")
+            try:
+                # Constructing reads CLUSTER SLOTS from the node in the URL.
+                client = RedisCluster.from_url(self.url, **self._kwargs)
+            except Exception as exc:
+                with self._lock:
+                    self._next_connect = time.monotonic() + self.retry_after_s
+                raise redis.ConnectionError(f"cluster unreachable: {exc}") from exc
+            with self._lock:
+                if not self._closed:
+                    self._client = client
+                    return client
         client.close()
-        if existing is None:
-            raise redis.ConnectionError("tier shut down")
-        return existing
+        raise redis.ConnectionError("tier shut down")
 
     def _node_failed(self, node: ClusterNode) -> None:
         with self._lock:
@@ -182,6 +189,7 @@ class ClusterClient:
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
+        # A thread creating the client now sees _closed and closes it itself.
         if client is not None:
             try:
                 for node in client.get_nodes():
