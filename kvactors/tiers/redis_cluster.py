@@ -327,8 +327,9 @@ class ShardPipeline:
                 replies[index] = exc
                 if isinstance(exc, MovedError):
                     # The slot has a new owner (resharding, failover): route there from now on.
+                    move_slot = getattr(self._client._cluster().nodes_manager, "move_slot", None)
                     try:
-                        self._client._cluster().nodes_manager.move_slot(exc)
+                        move_slot(exc)  # type: ignore[misc]  # redis-py >= 6; else the re-read below
                     except Exception:
                         self._client._mark_stale()
                 elif isinstance(exc, (ClusterDownError, TryAgainError)):
