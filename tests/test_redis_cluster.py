@@ -6,10 +6,12 @@ import itertools
 import os
 import pathlib
 import queue
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
@@ -360,6 +362,7 @@ def _failover_run(cluster: LocalCluster) -> None:
     stop = threading.Event()
     device = torch.zeros((64, BLOCK), dtype=torch.uint8)
 
+    _hung_shard_is_retry_for_its_keys_only(cluster, direct)
     with TieringManager.start(num_blocks=1024, block_bytes=BLOCK, secondary_tiers=[tier],
                               transfer_timeout_s=5, lookup_timeout_s=2) as manager, \
             TransferEngine(manager, device) as engine:
@@ -433,6 +436,27 @@ def _failover_run(cluster: LocalCluster) -> None:
         manager.on_request_finished(ctx)
         assert settled(manager, 30)["contract_violations"] == 0
     direct.tier.shutdown()
+
+
+def _hung_shard_is_retry_for_its_keys_only(cluster: LocalCluster, direct: Harness) -> None:
+    """A primary that stops answering (SIGSTOP, shorter than the failover timeout) times
+    out its keys only: RETRY for them, HIT for the others, within about ``timeout_s``."""
+    keys = keys_("hung", 24)
+    assert direct.store(keys).success
+    hung = cluster.primaries()[1]
+    on_hung = [_owner_port(cluster, direct.tier.redis_key(k)) == hung.port for k in keys]
+    assert any(on_hung) and not all(on_hung)
+    assert hung.pid is not None
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        answers = direct.tier.lookup(keys, CTX)
+        took = time.monotonic() - started
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    assert answers == [RETRY if h else HIT for h in on_hung]
+    assert took < 2.5, took  # one timeout (0.5 s), not one per key (8 or so on that shard)
+    assert wait_for(lambda: direct.tier.lookup(keys, CTX) == [HIT] * len(keys), timeout=10, interval=0.05)
 
 
 def _owner_port(cluster: LocalCluster, rkey: bytes) -> int:

@@ -473,14 +473,13 @@ class RedisTier(SecondaryTier):
             # Each LRU set bounds its share of the capacity (the whole of it on one server).
             limit = max(1, capacity // len(records[0]) // self._lru_sets)
             counts = replies[len(records) + 1 :: 2]  # after the SETs: ZADD, ZCARD per set
-            evicted: list[OffloadKey] = []
+            over: list[tuple[bytes, bytes, int]] = []
             for (lru_key, (prefix, _)), count in zip(groups.items(), counts, strict=True):
                 if isinstance(count, Exception):
                     self._log.warning("evict_failed", job_id=job.job_id, error=_describe(count))
-                    continue
-                excess = int(count) - limit
-                if excess > 0:
-                    evicted += self._evict(lru_key, prefix, excess, job.job_id)
+                elif int(count) > limit:
+                    over.append((lru_key, prefix, int(count) - limit))
+            evicted = self._evict(over, job.job_id) if over else []
             if evicted:
                 events.append(OffloadingEvent(keys=tuple(evicted), tier=self.name, removed=True))
         if not failed:
@@ -489,27 +488,33 @@ class RedisTier(SecondaryTier):
         error = f"{len(failed)} of {len(set(job.keys))} blocks not stored ({next(iter(failed.values()))})"
         self._complete(state, False, error, events, successful_keys=stored)
 
-    def _evict(self, lru_key: bytes, prefix: bytes, count: int, job_id: int) -> list[OffloadKey]:
-        """Remove the ``count`` least recently used blocks of an LRU set (the namespace's,
-        or a bucket's on a cluster). A failure here does not fail the store that triggered it."""
+    def _evict(self, over: list[tuple[bytes, bytes, int]], job_id: int) -> list[OffloadKey]:
+        """For each ``(LRU set, key prefix, count)``, remove the ``count`` least recently used
+        blocks of that set (the namespace's; on a cluster a bucket's, all of them in one
+        round trip per shard). A failure here does not fail the store that triggered it."""
         try:
             if self._cluster is None:
-                members = self._evict_script(keys=[lru_key], args=[count, prefix])
+                ((lru_key, prefix, count),) = over
+                replies = [self._evict_script(keys=[lru_key], args=[count, prefix])]
             else:
-                (members,) = self._cluster.pipeline().eval(_EVICT_LUA, lru_key, count, prefix).execute()
+                pipe = self._cluster.pipeline()
+                for lru_key, prefix, count in over:
+                    pipe.eval(_EVICT_LUA, lru_key, count, prefix)
+                replies = pipe.execute()
         except Exception as exc:
             self._failed(exc)
             self._log.warning("evict_failed", job_id=job_id, error=_describe(exc))
             return []
-        if isinstance(members, Exception):  # that shard's failure: not the tier's
-            self._log.warning("evict_failed", job_id=job_id, error=_describe(members))
-            return []
         evicted: list[OffloadKey] = []
-        for member in members:
-            try:
-                evicted.append(bytes.fromhex(member.decode()))
-            except ValueError:  # not one of ours: ignore
+        for members in replies:
+            if isinstance(members, Exception):  # that shard's failure: not the tier's
+                self._log.warning("evict_failed", job_id=job_id, error=_describe(members))
                 continue
+            for member in members:
+                try:
+                    evicted.append(bytes.fromhex(member.decode()))
+                except ValueError:  # not one of ours: ignore
+                    continue
         return evicted
 
     def _do_load(self, state: _JobState) -> None:

@@ -200,7 +200,7 @@ class ClusterClient:
 
 
 class _NodeBatch:
-    __slots__ = ("commands", "connection", "node", "pool", "written")
+    __slots__ = ("commands", "connection", "failed", "node", "pool", "written")
 
     def __init__(self, node: ClusterNode) -> None:
         self.node = node
@@ -208,6 +208,7 @@ class _NodeBatch:
         self.connection: Any = None
         self.pool: Any = None
         self.written = False
+        self.failed = False  # its replies are set (errors): nothing to read
 
 
 class ShardPipeline:
@@ -292,6 +293,7 @@ class ShardPipeline:
         try:
             for batch in batches.values():
                 if owner._node_down(batch.node, now):
+                    batch.failed = True
                     self._fail(batch, replies, ShardUnavailableError(f"shard {batch.node.name} failed recently"))
                     continue
                 try:
@@ -304,7 +306,7 @@ class ShardPipeline:
                 except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                     self._node_error(batch, replies, exc)
             for batch in batches.values():
-                if batch.connection is None or not batch.written:
+                if batch.failed or batch.connection is None:
                     continue
                 self._read(batch, commands, replies)
         finally:
@@ -337,6 +339,7 @@ class ShardPipeline:
         batch.written = False  # every reply read: the connection is clean
 
     def _node_error(self, batch: _NodeBatch, replies: list[Any], exc: BaseException, start: int | None = None) -> None:
+        batch.failed = True
         self._client._node_failed(batch.node)
         failure = exc if isinstance(exc, redis.RedisError) else redis.ConnectionError(str(exc))
         self._fail(batch, replies, failure, start)
