@@ -348,8 +348,22 @@ def test_slot_migration_during_loads_never_loads_wrong_bytes(
 def test_primary_killed_during_concurrent_offloads_then_failover() -> None:
     if find_redis_server() is None or find_redis_cli() is None:
         pytest.skip("redis-server/redis-cli not found")
-    with LocalCluster() as cluster:
-        _failover_run(cluster)
+    cluster = LocalCluster()  # ports chosen, nothing started yet
+    early = Harness(RedisTier(cluster.url, name="early", namespace="early", cluster=True,
+                              timeout_s=0.5, retry_after_s=0.05))
+    try:
+        # Constructed while no node runs: degraded, not an error.
+        assert early.tier.lookup(keys_("e", 4), CTX) == [MISS] * 4
+        assert not early.store(keys_("e", 4)).success
+        with cluster:
+            # It connects by itself once the cluster answers.
+            assert wait_for(lambda: early.store(keys_("e", 4)).success, timeout=10, interval=0.1)
+            assert early.tier.lookup(keys_("e", 4), CTX) == [HIT] * 4
+            early.tier.shutdown()
+            _failover_run(cluster)
+    finally:
+        early.tier.shutdown()
+        cluster.stop()
 
 
 def _failover_run(cluster: LocalCluster) -> None:
