@@ -6,7 +6,7 @@ Measures, in one run:
 * ``store``/``load``: ``RedisTier.submit_store``/``submit_load`` of ``--blocks`` blocks of
   ``--block-bytes``, in jobs of ``--job-blocks`` with ``--inflight`` jobs outstanding,
   timed from the first submit to the last report (records are encoded and verified
-  with their crc32, loads are copied into the pool);
+  with their XXH3 checksum, loads are copied into the pool);
 * ``raw_set``/``raw_get``: pipelined ``SET``/``GET`` of values of the same size with the
   plain ``redis`` client, pipelines of ``--job-blocks`` commands, on 1 thread and on
   ``--io-workers`` threads (the better of the two is the baseline).
@@ -15,6 +15,11 @@ Measures, in one run:
 Each figure is the best of ``--repeat`` runs, the phases interleaved. A ``redis-server`` is started on a free
 loopback port unless ``--url`` is given. ``--json`` prints one JSON object as the last
 line of stdout.
+
+``--cluster``: the same against a Redis Cluster, ``RedisTier(url, cluster=True)`` against
+redis-py's ``RedisCluster`` pipelines (which group the commands per node); without
+``--url`` a local cluster of 3 primaries (and 3 replicas, ``--replicas``) is started and
+removed afterwards.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kvactors.tiers.redis import RedisTier
 from kvactors.types import JobResult, ReqContext, TransferJob
+from tests.redis_cluster import LocalCluster
 from tests.redis_server import RedisServer
 
 GB = 1e9
@@ -53,22 +59,24 @@ def run_tier_jobs(tier: RedisTier, results: queue.Queue[JobResult], jobs: list[T
         if outstanding >= inflight:
             break
     failed = 0
+    first_error = None
     while outstanding:
         res = results.get(timeout=60)
         outstanding -= 1
         failed += not res.success
+        first_error = first_error or res.error
         job = next(pending, None)
         if job is not None:
             submit(job)
             outstanding += 1
     elapsed = time.perf_counter() - start
     if failed:
-        raise RuntimeError(f"{failed} jobs failed")
+        raise RuntimeError(f"{failed} jobs failed, the first: {first_error}")
     return elapsed
 
 
-def raw_phase(client: redis.Redis, keys: list[bytes], values: list[bytes], batch: int, threads: int,
-              op: str) -> float:
+def raw_phase(client: redis.Redis | redis.RedisCluster, keys: list[bytes], values: list[bytes], batch: int,
+              threads: int, op: str) -> float:
     batches = [list(range(i, min(i + batch, len(keys)))) for i in range(0, len(keys), batch)]
 
     def one(idx: list[int]) -> None:
@@ -104,16 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer blocks and repeats (well under 30 s)")
     ap.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
+    ap.add_argument("--cluster", action="store_true", help="a Redis Cluster: --url names any node, or "
+                    "a local one is started")
+    ap.add_argument("--replicas", type=int, default=1, help="replicas per primary of the local cluster")
     args = ap.parse_args(argv)
     if args.quick:
         args.blocks = min(args.blocks, 256)
         args.repeat = min(args.repeat, 3)
 
-    server: RedisServer | None = None
+    server: RedisServer | LocalCluster | None = None
     url = args.url
     if url is None:
-        need = 2 * args.blocks * (args.block_bytes + 1024)
-        server = RedisServer(maxmemory=str(max(need * 2, 256 << 20))).start()
+        need = str(max(2 * 2 * args.blocks * (args.block_bytes + 1024), 256 << 20))
+        if args.cluster:
+            server = LocalCluster(maxmemory=need, replicas=args.replicas).start()
+        else:
+            server = RedisServer(maxmemory=need).start()
         url = server.url
     try:
         return _bench(args, url, server is not None)
@@ -129,7 +143,8 @@ def _bench(args: argparse.Namespace, url: str, own_server: bool) -> int:
     pool = torch.randint(0, 256, (n, bb), dtype=torch.uint8)
     reference = pool.clone()
     results: queue.Queue[JobResult] = queue.Queue()
-    tier = RedisTier(url, name="bench", namespace="kvactors-bench", io_workers=args.io_workers)
+    tier = RedisTier(url, name="bench", namespace="kvactors-bench", io_workers=args.io_workers,
+                     cluster=args.cluster)
     tier.attach(pool, results.put)
     keys = [f"blk-{i}".encode() for i in range(n)]
     job_ids = iter(range(1, 1 << 62))
@@ -140,7 +155,8 @@ def _bench(args: argparse.Namespace, url: str, own_server: bool) -> int:
             for i in range(0, n, jb)
         ]
 
-    client = redis.Redis.from_url(url)
+    client: redis.Redis | redis.RedisCluster = (
+        redis.RedisCluster.from_url(url) if args.cluster else redis.Redis.from_url(url))
     raw_keys = [f"kvactors-bench-raw:{i}".encode() for i in range(n)]
     values = [bytes(reference[i].numpy()) for i in range(n)]
     thread_options = sorted({1, args.io_workers})
@@ -165,7 +181,7 @@ def _bench(args: argparse.Namespace, url: str, own_server: bool) -> int:
         tier.take_events()
     finally:
         tier.shutdown()
-        if own_server:
+        if own_server and not args.cluster:  # a local cluster is removed with its data
             client.flushall()
         client.close()
 
@@ -173,6 +189,7 @@ def _bench(args: argparse.Namespace, url: str, own_server: bool) -> int:
         return total / seconds / GB
 
     out = {
+        "cluster": args.cluster,
         "block_bytes": bb,
         "blocks": n,
         "job_blocks": jb,
@@ -189,7 +206,8 @@ def _bench(args: argparse.Namespace, url: str, own_server: bool) -> int:
     out["store_ratio"] = out["store_gbps"] / out["raw_set_gbps"]
     out["load_ratio"] = out["load_gbps"] / out["raw_get_gbps"]
 
-    print(f"RedisTier vs raw redis-py: {n} blocks x {bb // 1024} KiB = {total / 2**20:.0f} MiB, "
+    kind = " (cluster)" if args.cluster else ""
+    print(f"RedisTier{kind} vs raw redis-py: {n} blocks x {bb // 1024} KiB = {total / 2**20:.0f} MiB, "
           f"jobs/pipelines of {jb}, best of {args.repeat}")
     print(f"{'path':<34}{'GB/s':>8}")
     print(f"{'RedisTier store':<34}{out['store_gbps']:>8.2f}")

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Set up kvactors on a fresh machine: a virtual environment in .venv with the
 # CPU build of torch (when no torch is there yet), the package and its test
-# dependencies, and a redis-server binary for the Redis tests (Debian/Ubuntu).
+# dependencies, and redis-server and redis-cli for the Redis tests (Debian/Ubuntu).
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "setup: installing redis-server" >&2
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null \
-      || echo "setup: could not install redis-server; the Redis tests will be skipped" >&2
+    echo "setup: installing redis-server and redis-tools" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools) >/dev/null \
+      || echo "setup: could not install redis-server/redis-tools; the Redis tests will be skipped" >&2
   else
-    echo "setup: no redis-server; the Redis tests will be skipped" >&2
+    echo "setup: no redis-server/redis-cli; the Redis tests will be skipped" >&2
   fi
 fi
 

@@ -48,6 +48,26 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
 
 
 # ---------------------------------------------------------------------------
+# Redis Cluster: 3 primaries with a replica each, one per test module
+# ---------------------------------------------------------------------------
+from tests.redis_cluster import LocalCluster, find_redis_cli  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A started 6-node Redis Cluster (3 primaries, 1 replica each) on loopback ports,
+    shared by the tests of one module and removed after it. Skips without
+    ``redis-server``/``redis-cli``. Tests must not kill its nodes (start their own)."""
+    if find_redis_server() is None or find_redis_cli() is None:
+        pytest.skip("redis-server/redis-cli not found (apt-get install redis-server redis-tools)")
+    cluster = LocalCluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+# ---------------------------------------------------------------------------
 # Event names: every logger built during the tests checks its events against
 # kvactors.log_schema, so an event added or renamed without the schema fails
 # the test that emits it (read when a logger is built; subprocesses inherit it).

@@ -17,16 +17,18 @@ from redis.retry import Retry
 
 from kvactors.logs import component_logger
 from kvactors.tiers import codec
+from kvactors.tiers import redis_cluster as rc
 from kvactors.tiers.base import ReportFn, SecondaryTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 # Bytes read per recv: blocks are large (hundreds of KiB), so fewer, larger reads.
 _SOCKET_READ_SIZE = 1 << 20
 
-# Evicts the ``ARGV[1]`` least recently used members of the namespace's LRU
-# sorted set (``KEYS[1]``) and unlinks their blocks (``ARGV[2]`` is the key
-# prefix). Atomic, so concurrent writers never evict one member twice. The
-# block keys are built inside the script: standalone Redis only, not Cluster.
+# Evicts the ``ARGV[1]`` least recently used members of an LRU sorted set
+# (``KEYS[1]``) and unlinks their blocks (``ARGV[2]`` is the key prefix).
+# Atomic, so concurrent writers never evict one member twice. The block keys
+# are built inside the script: on a cluster, prefix and set share a hash tag,
+# so they are in the set's slot.
 _EVICT_LUA = """
 local popped = redis.call('ZPOPMIN', KEYS[1], ARGV[1])
 local out = {}
@@ -103,8 +105,22 @@ class RedisTier(SecondaryTier):
         Redis evicted on its own stay counted until they are the oldest. The tier emits
         ``OffloadingEvent(removed=False)`` for the blocks it stores and
         ``removed=True`` for the blocks it removes (capacity evictions, corrupt
-        records); evictions made by Redis itself are not seen. Standalone Redis (or a
-        primary with replicas) only, not Redis Cluster.
+        records); evictions made by Redis itself are not seen.
+
+    Cluster (``cluster=True``)
+        ``url`` names any node of a Redis Cluster (``redis://`` or ``rediss://``, database 0);
+        :mod:`kvactors.tiers.redis_cluster` keeps the topology (redis-py's ``RedisCluster``)
+        and sends one pipeline per shard, every shard written before any is read. A block is
+        stored under ``namespace:{tag}hex(key)``, the tag one of
+        :data:`~kvactors.tiers.redis_cluster.BUCKETS` hash tags spread evenly over the slots
+        (the key's bucket), so the namespace may not contain ``{``. A shard that fails (down,
+        timed out, ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN``) fails its keys only: lookups
+        answer ``MISS`` (``RETRY`` for a timeout or a moving slot), jobs end per key, an
+        unreachable value is never deleted; the failed node is skipped for ``retry_after_s``
+        and the topology re-read, so failovers and migrations heal by themselves. Degraded
+        mode (above) covers a cluster of which no node answers. ``capacity_bytes`` is split
+        over the buckets: each has its own LRU set ``namespace:{tag}__lru__`` in its slot
+        and keeps ``capacity_bytes // record_size // BUCKETS`` blocks (at least one).
 
     Threading
         As for every ``SecondaryTier``, the methods are called on the tier actor's
@@ -131,6 +147,7 @@ class RedisTier(SecondaryTier):
         timeout_s: float = 1.0,
         io_workers: int = 4,
         retry_after_s: float = 0.5,
+        cluster: bool = False,
     ) -> None:
         super().__init__(name=name)
         if not isinstance(namespace, str) or not namespace:
@@ -143,6 +160,9 @@ class RedisTier(SecondaryTier):
             raise ValueError(f"io_workers must be >= 1, got {io_workers!r}")
         if retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s!r}")
+        if cluster and "{" in namespace:
+            # The bucket's hash tag must be the first "{...}" of every key.
+            raise ValueError(f"namespace must not contain '{{' with cluster=True, got {namespace!r}")
         self.url = url
         self.namespace = namespace
         self.capacity_bytes = capacity_bytes
@@ -151,9 +171,18 @@ class RedisTier(SecondaryTier):
         self._prefix = namespace.encode() + b":"
         self._lru_key = self._prefix + b"__lru__"
         self._log = component_logger("tiers.redis", tier=name)
-
+        self.cluster = bool(cluster)
+        self._cluster: rc.ClusterClient | None = None
+        # Sets the capacity is split over: one per namespace, or one per bucket on a cluster.
+        self._lru_sets = rc.BUCKETS if cluster else 1
+        if cluster:
+            _check_cluster_url(url)
+            self._cluster = rc.ClusterClient(
+                url, timeout_s=self.timeout_s, retry_after_s=self.retry_after_s,
+                max_connections=io_workers + 2, socket_read_size=_SOCKET_READ_SIZE,
+            )
         # Raises only on a malformed URL (a configuration error), never on an
-        # unreachable server: redis-py connects lazily.
+        # unreachable server: redis-py connects lazily. Unused on a cluster.
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=self.timeout_s,
@@ -164,7 +193,7 @@ class RedisTier(SecondaryTier):
             health_check_interval=0,
             max_connections=io_workers + 2,
         )
-        self._evict_script = self._client.register_script(_EVICT_LUA)
+        self._evict_script = self._client.register_script(_EVICT_LUA)  # one server only
 
         thread_ids = itertools.count()
 
@@ -187,8 +216,28 @@ class RedisTier(SecondaryTier):
     # ------------------------------------------------------------------ keys
 
     def redis_key(self, key: OffloadKey) -> bytes:
-        """The Redis key a block is stored under: ``namespace:`` + hex of ``key``."""
+        """The Redis key a block is stored under: ``namespace:`` + hex of ``key`` (on a
+        cluster ``namespace:{tag}`` + hex, the tag naming the key's bucket)."""
+        if self._cluster is not None:
+            return rc.bucket_prefix(self._prefix, rc.bucket_of(key)) + key.hex().encode()
         return self._prefix + key.hex().encode()
+
+    def _lru_groups(self, keys: Sequence[OffloadKey]) -> dict[bytes, tuple[bytes, list[OffloadKey]]]:
+        """``{LRU set: (key prefix of its blocks, keys)}``: the namespace's one set, or on a
+        cluster one set per bucket (in the bucket's slot, with its blocks)."""
+        if self._cluster is None:
+            return {self._lru_key: (self._prefix, list(keys))}
+        groups: dict[bytes, tuple[bytes, list[OffloadKey]]] = {}
+        for key in keys:
+            prefix = rc.bucket_prefix(self._prefix, rc.bucket_of(key))
+            groups.setdefault(prefix + b"__lru__", (prefix, []))[1].append(key)
+        return groups
+
+    def _pipeline(self) -> redis.client.Pipeline | rc.ShardPipeline:
+        """One server's pipeline, or one pipeline per shard on a cluster."""
+        if self._cluster is not None:
+            return self._cluster.pipeline()
+        return self._client.pipeline(transaction=False)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -225,6 +274,8 @@ class RedisTier(SecondaryTier):
             self._complete(state, False, "tier shut down")
         # Wakes workers blocked on a socket (shutdown(SHUT_RDWR) on every connection).
         try:
+            if self._cluster is not None:
+                self._cluster.close()
             self._client.connection_pool.disconnect()
         except Exception as exc:  # pragma: no cover - best effort
             self._log.warning("disconnect_failed", error=repr(exc))
@@ -251,6 +302,8 @@ class RedisTier(SecondaryTier):
             return [LookupResult.MISS] * n
         if self._backing_off():
             return [self._down_answer] * n
+        if self._cluster is not None:
+            return self._lookup_shards(keys, ctx)
         try:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
@@ -263,6 +316,35 @@ class RedisTier(SecondaryTier):
         self._mark_up()
         return [LookupResult.HIT if r else LookupResult.MISS for r in replies]
 
+    def _lookup_shards(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
+        """``lookup`` on a cluster: one pipeline per shard; a shard that fails answers for its
+        keys only (``RETRY`` for a timeout or a slot that is moving, else ``MISS``)."""
+        assert self._cluster is not None
+        try:
+            pipe = self._cluster.pipeline()
+            for key in keys:
+                pipe.exists(self.redis_key(key))
+            replies = pipe.execute()
+        except Exception as exc:  # no node of the cluster answers
+            answer = self._failed(exc)
+            self._log.warning("lookup_failed", req_id=ctx.req_id, keys=len(keys), error=_describe(exc))
+            return [answer] * len(keys)
+        self._mark_up()
+        out: list[LookupResult] = []
+        first_error: Exception | None = None
+        failed = 0
+        for reply in replies:
+            if isinstance(reply, Exception):
+                failed += 1
+                first_error = first_error or reply
+                transient = isinstance(reply, (redis.TimeoutError, *rc.TRANSIENT))
+                out.append(LookupResult.RETRY if transient else LookupResult.MISS)
+            else:
+                out.append(LookupResult.HIT if reply else LookupResult.MISS)
+        if first_error is not None:
+            self._log.warning("lookup_failed", req_id=ctx.req_id, keys=failed, error=_describe(first_error))
+        return out
+
     # ---------------------------------------------------------------- touch
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
@@ -270,26 +352,27 @@ class RedisTier(SecondaryTier):
         set) on an I/O thread. Best effort: never raises, failures are logged at debug."""
         if not keys or self._closed or self._backing_off():
             return
-        rkeys = [self.redis_key(k) for k in keys]
         with self._lock:
             self._busy += 1
         try:
-            self._executor.submit(self._run_touch, rkeys)
+            self._executor.submit(self._run_touch, list(keys))
         except Exception:
             self._done_busy()
 
-    def _run_touch(self, rkeys: list[bytes]) -> None:
+    def _run_touch(self, keys: list[OffloadKey]) -> None:
         try:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.touch(*rkeys)
-            if self.capacity_bytes is not None:
-                now = time.time()
-                pipe.zadd(self._lru_key, {k[len(self._prefix):]: now for k in rkeys}, xx=True)
-            pipe.execute()
+            pipe = self._pipeline()
+            now = time.time()
+            # TOUCH takes keys of one slot on a cluster: one TOUCH per bucket there.
+            for lru_key, (_, members) in self._lru_groups(keys).items():
+                pipe.touch(*[self.redis_key(k) for k in members])
+                if self.capacity_bytes is not None:
+                    pipe.zadd(lru_key, {k.hex(): now for k in members}, xx=True)
+            pipe.execute()  # on a cluster, a shard's failure is its own: nothing raised
             self._mark_up()
         except Exception as exc:
             self._failed(exc)
-            self._log.debug("touch_failed", keys=len(rkeys), error=_describe(exc))
+            self._log.debug("touch_failed", keys=len(keys), error=_describe(exc))
         finally:
             self._done_busy()
 
@@ -367,15 +450,17 @@ class RedisTier(SecondaryTier):
             for key, row in zip(job.keys, job.block_ids, strict=True):
                 payload = pool[row].numpy().data  # zero-copy memoryview of the row
                 records.append(b"".join((codec.encode_header(key, payload), payload)))
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self._pipeline()
         for key, record in zip(job.keys, records, strict=True):
             pipe.set(self.redis_key(key), record)
         capacity = self.capacity_bytes
-        if capacity is not None:
-            now = time.time()
-            pipe.zadd(self._lru_key, {key.hex(): now for key in job.keys})
-            pipe.zcard(self._lru_key)
-        # Per command: one SET refused (OOM, a read-only replica) fails that key only.
+        groups = self._lru_groups(job.keys) if capacity is not None else {}
+        now = time.time()
+        for lru_key, (_, members) in groups.items():
+            pipe.zadd(lru_key, {key.hex(): now for key in members})
+            pipe.zcard(lru_key)
+        # Per command: one SET refused (OOM, a read-only replica) fails that key only;
+        # on a cluster, so does a shard that cannot be reached.
         replies = pipe.execute(raise_on_error=False)
         self._mark_up()
         failed: dict[OffloadKey, str] = {}
@@ -385,59 +470,78 @@ class RedisTier(SecondaryTier):
         stored = tuple(key for key in dict.fromkeys(job.keys) if key not in failed)
         events = [OffloadingEvent(keys=stored, tier=self.name, removed=False)] if stored else []
         if capacity is not None and stored:
-            count = replies[-1]
-            if isinstance(count, Exception):
-                self._log.warning("evict_failed", job_id=job.job_id, error=_describe(count))
-            else:
-                limit = max(1, capacity // len(records[0]))
-                excess = int(count) - limit
-                if excess > 0:
-                    evicted = self._evict(excess, job.job_id)
-                    if evicted:
-                        events.append(OffloadingEvent(keys=tuple(evicted), tier=self.name, removed=True))
+            # Each LRU set bounds its share of the capacity (the whole of it on one server).
+            limit = max(1, capacity // len(records[0]) // self._lru_sets)
+            counts = replies[len(records) + 1 :: 2]  # after the SETs: ZADD, ZCARD per set
+            over: list[tuple[bytes, bytes, int]] = []
+            for (lru_key, (prefix, _)), count in zip(groups.items(), counts, strict=True):
+                if isinstance(count, Exception):
+                    self._log.warning("evict_failed", job_id=job.job_id, error=_describe(count))
+                elif int(count) > limit:
+                    over.append((lru_key, prefix, int(count) - limit))
+            evicted = self._evict(over, job.job_id) if over else []
+            if evicted:
+                events.append(OffloadingEvent(keys=tuple(evicted), tier=self.name, removed=True))
         if not failed:
             self._complete(state, True, None, events)
             return
         error = f"{len(failed)} of {len(set(job.keys))} blocks not stored ({next(iter(failed.values()))})"
         self._complete(state, False, error, events, successful_keys=stored)
 
-    def _evict(self, count: int, job_id: int) -> list[OffloadKey]:
-        """Remove the ``count`` least recently used blocks of the namespace. A failure
-        here does not fail the store that triggered it."""
+    def _evict(self, over: list[tuple[bytes, bytes, int]], job_id: int) -> list[OffloadKey]:
+        """For each ``(LRU set, key prefix, count)``, remove the ``count`` least recently used
+        blocks of that set (the namespace's; on a cluster a bucket's, all of them in one
+        round trip per shard). A failure here does not fail the store that triggered it."""
         try:
-            members = self._evict_script(keys=[self._lru_key], args=[count, self._prefix])
+            if self._cluster is None:
+                ((lru_key, prefix, count),) = over
+                replies = [self._evict_script(keys=[lru_key], args=[count, prefix])]
+            else:
+                pipe = self._cluster.pipeline()
+                for lru_key, prefix, count in over:
+                    pipe.eval(_EVICT_LUA, lru_key, count, prefix)
+                replies = pipe.execute()
         except Exception as exc:
             self._failed(exc)
             self._log.warning("evict_failed", job_id=job_id, error=_describe(exc))
             return []
         evicted: list[OffloadKey] = []
-        for member in members:
-            try:
-                evicted.append(bytes.fromhex(member.decode()))
-            except ValueError:  # not one of ours: ignore
+        for members in replies:
+            if isinstance(members, Exception):  # that shard's failure: not the tier's
+                self._log.warning("evict_failed", job_id=job_id, error=_describe(members))
                 continue
+            for member in members:
+                try:
+                    evicted.append(bytes.fromhex(member.decode()))
+                except ValueError:  # not one of ours: ignore
+                    continue
         return evicted
 
     def _do_load(self, state: _JobState) -> None:
         job = state.job
         pool = self.pool
         assert pool is not None
-        rkeys = [self.redis_key(key) for key in job.keys]
-        pipe = self._client.pipeline(transaction=False)
-        for rkey in rkeys:
-            pipe.get(rkey)
+        pipe = self._pipeline()
+        for key in job.keys:
+            pipe.get(self.redis_key(key))
         if self.capacity_bytes is not None:
-            pipe.zadd(self._lru_key, {key.hex(): time.time() for key in job.keys}, xx=True)
-        # Per command: a key holding another Redis type (WRONGTYPE) fails that key only.
+            now = time.time()
+            for lru_key, (_, members) in self._lru_groups(job.keys).items():
+                pipe.zadd(lru_key, {key.hex(): now for key in members}, xx=True)
+        # Per command: a key holding another Redis type (WRONGTYPE) fails that key only;
+        # on a cluster, so does a shard that cannot be reached or a slot that is moving.
         replies = pipe.execute(raise_on_error=False)
         self._mark_up()
         block_bytes = int(pool.shape[1])
         good: list[tuple[int, memoryview]] = []
         missing: list[OffloadKey] = []
         bad: dict[OffloadKey, str] = {}  # cannot be read: deleted, so that a later lookup misses
+        unavailable: dict[OffloadKey, str] = {}  # its shard failed or its slot moved: kept
         for key, row, record in zip(job.keys, job.block_ids, replies, strict=False):
             if record is None:
                 missing.append(key)
+            elif isinstance(record, _SHARD_FAILURES):
+                unavailable.setdefault(key, _describe(record))
             elif isinstance(record, Exception):
                 bad.setdefault(key, f"unreadable: {_describe(record)}")
             elif not isinstance(record, bytes):
@@ -447,17 +551,19 @@ class RedisTier(SecondaryTier):
                     good.append((row, codec.decode(record, key, block_bytes)))
                 except codec.CorruptRecordError as exc:
                     bad.setdefault(key, f"corrupt: {exc}")
-        if not missing and not bad:
+        if not missing and not bad and not unavailable:
             self._complete(state, True, None, None, self._copier(good))
             return
-        removed = self._forget(missing, list(bad), job.job_id)
-        failed = set(missing) | set(bad)
+        removed = self._forget(missing, list(bad), job.job_id) if missing or bad else []
+        failed = set(missing) | set(bad) | set(unavailable)
         ok = tuple(key for key in dict.fromkeys(job.keys) if key not in failed)
         parts = []
         if missing:
             parts.append(f"missing: {len(set(missing))} of {len(set(job.keys))} blocks")
         if bad:
             parts.append(f"unreadable or corrupt: {len(bad)} blocks ({next(iter(bad.values()))})")
+        if unavailable:
+            parts.append(f"unavailable: {len(unavailable)} blocks ({next(iter(unavailable.values()))})")
         events = [OffloadingEvent(keys=tuple(removed), tier=self.name, removed=True)] if removed else []
         self._complete(state, False, "; ".join(parts), events, self._copier(good), successful_keys=ok)
 
@@ -477,17 +583,22 @@ class RedisTier(SecondaryTier):
         if not corrupt and (not missing or self.capacity_bytes is None):
             return []
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._pipeline()
             for key in corrupt:
                 pipe.unlink(self.redis_key(key))
             if self.capacity_bytes is not None:
-                pipe.zrem(self._lru_key, *[k.hex() for k in (*missing, *corrupt)])
-            pipe.execute()
+                for lru_key, (_, members) in self._lru_groups([*missing, *corrupt]).items():
+                    pipe.zrem(lru_key, *[k.hex() for k in members])
+            replies = pipe.execute()
         except Exception as exc:
             self._failed(exc)
             self._log.warning("forget_failed", job_id=job_id, error=_describe(exc))
             return []
-        return list(corrupt)
+        # One server raises on any failure; a cluster answers per command (per shard).
+        deleted = [key for key, reply in zip(corrupt, replies, strict=False) if not isinstance(reply, Exception)]
+        if len(deleted) < len(corrupt) or any(isinstance(r, Exception) for r in replies):
+            self._log.warning("forget_failed", job_id=job_id, error="a shard did not answer")
+        return deleted
 
     # ----------------------------------------------------------- completion
 
@@ -565,6 +676,22 @@ class RedisTier(SecondaryTier):
         if self._degraded:
             self._degraded = False
             self._log.info("tier_recovered", url=_redact(self.url))
+
+
+# A key's value cannot be reached now (its shard is down, or its slot moves): a failed
+# key, not an unreadable value; deleting it would be wrong.
+_SHARD_FAILURES = (redis.ConnectionError, redis.TimeoutError, *rc.TRANSIENT)
+
+
+def _check_cluster_url(url: str) -> None:
+    """``ValueError`` for a URL a cluster client cannot use (a configuration error)."""
+    if not url.startswith(("redis://", "rediss://")):
+        raise ValueError(f"cluster=True needs a redis:// or rediss:// URL naming a node, got {_redact(url)!r}")
+    options = redis.connection.parse_url(url)
+    if "host" not in options:
+        raise ValueError(f"cluster=True needs a host in the URL, got {_redact(url)!r}")
+    if options.get("db", 0) not in (0, None):
+        raise ValueError(f"a Redis Cluster has only database 0, got {_redact(url)!r}")
 
 
 def _describe(exc: BaseException) -> str:
