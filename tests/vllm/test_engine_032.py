@@ -67,7 +67,7 @@ print("RESULT " + json.dumps(r))
 def test_small_pool_round_two_is_promoted_from_disk(tmp_path):
     out = run_engine_script(tmp_path, COMMON + """
 disk = os.path.join(tmp, "disk")
-llm, mgr_stats = make_llm(model, tmp, pool_blocks=3, tiers=[{"type": "disk", "root": disk, "capacity_bytes": 64 << 20}])
+llm, mgr_stats = make_llm(model, tmp, pool_blocks=6, tiers=[{"type": "disk", "root": disk, "capacity_bytes": 64 << 20}])
 r = rounds(llm)
 r["stats"] = mgr_stats()
 shutdown_llm(llm)
@@ -75,7 +75,9 @@ print("RESULT " + json.dumps(r))
 """)
     assert out["cached_round2"][0] > 0, out
     assert out["tokens_equal"] and out["max_logprob_diff"] == 0.0, out
-    assert out["stats"]["promotions_ok"] > 0, out["stats"]
+    # The prefix was evicted from the 6-row pool in round 1: round 2 waited for it to come back from disk.
+    assert out["stats"]["vllm_pending_answers"] > 0, json.dumps(out)
+    assert out["stats"]["contract_violations"] == 0
 
 
 @pytest.mark.timeout(300)
@@ -105,3 +107,45 @@ print("RESULT " + json.dumps(r))
 """, multiprocess=True, timeout=380)
     assert out["cached_round2"][0] > 0, out
     assert out["tokens_equal"] and out["max_logprob_diff"] == 0.0, out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fault", ["store_copy_fails", "tier_raises", "tier_stalls", "disk_corrupt"])
+def test_faults_every_request_completes_with_correct_output(tmp_path, fault):
+    out = run_engine_script(tmp_path, COMMON + f"""
+from kvactors.integrations.vllm.worker import WORKERS
+fault = {fault!r}
+disk = os.path.join(tmp, "disk")
+if fault == "tier_raises":
+    tiers = [{{"type": "custom", "class": "fault_tiers:RaisingTier"}}]
+elif fault == "tier_stalls":
+    tiers = [{{"type": "custom", "class": "fault_tiers:StallingTier"}}]
+else:
+    tiers = [{{"type": "disk", "root": disk, "capacity_bytes": 64 << 20}}]
+pool = 6 if fault in ("disk_corrupt", "tier_raises", "tier_stalls") else 64
+llm, mgr_stats = make_llm(model, tmp, pool_blocks=pool, tiers=tiers)
+reference = rounds_reference = None
+def fail_stores(direction, job_id):
+    if direction == "store":
+        raise OSError("planted: the store copy failed")
+if fault == "store_copy_fails":
+    for w in list(WORKERS):
+        w.fault_injector = fail_stores
+def before2():
+    if fault == "disk_corrupt":
+        import glob
+        for path in glob.glob(os.path.join(disk, "**", "*"), recursive=True):
+            if os.path.isfile(path) and os.path.getsize(path) > 1024:
+                with open(path, "r+b") as f:
+                    f.seek(600); f.write(b"\xff" * 64)
+r = rounds(llm, before_round2=before2)
+r["stats"] = mgr_stats()
+shutdown_llm(llm)
+print("RESULT " + json.dumps(r))
+""")
+    # Every request completed, with the output of a fresh computation.
+    assert out["tokens_equal"] and out["max_logprob_diff"] == 0.0, out
+    assert out["stats"]["contract_violations"] == 0, out
+    if fault == "store_copy_fails":
+        assert out["stats"]["vllm_stores_failed"] > 0, out
+        assert out["stats"]["vllm_keys_loaded"] == 0, out  # nothing failed was ever made ready

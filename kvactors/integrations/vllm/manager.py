@@ -94,6 +94,7 @@ class _Request:
     read: bool = False  # answers were read this step
     age: int = 0  # step ends since the answers arrived unread
     promoted: set[OffloadKey] = field(default_factory=set)  # keys that were HIT_PENDING for it
+    unsure_since: float | None = None  # first not-final answer (HIT_PENDING / RETRY) since the last final one
     stores: dict[OffloadKey, tuple[ReqContext, int]] = field(default_factory=dict)  # key -> (attempt, row)
     loads: dict[OffloadKey, list[ReqContext]] = field(default_factory=dict)
 
@@ -113,8 +114,9 @@ class KvactorsOffloadingManager(OffloadingManager):
 
     def __init__(self, tm: TieringManager, shared: SharedPool | None, *, events_enabled: bool,
                  tier_kinds: dict[str, str], hit_source: CacheHitSource, owns_shared: bool = True,
-                 config_info: dict[str, Any] | None = None) -> None:
+                 config_info: dict[str, Any] | None = None, lookup_timeout_s: float = 5.0) -> None:
         self.tm = tm
+        self.lookup_timeout_s = lookup_timeout_s
         self.shared = shared
         self._owns_shared = owns_shared
         self._events_enabled = events_enabled
@@ -264,6 +266,7 @@ class KvactorsOffloadingManager(OffloadingManager):
                 for k, r in job.answers.items():
                     if r is LookupResult.HIT_PENDING:
                         req.promoted.add(k)
+                        self.counters["pending_answers"] += 1
                 req.answers.update(job.answers)
                 req.pinned.update(job.pinned)
                 req.age = 0
@@ -282,7 +285,28 @@ class KvactorsOffloadingManager(OffloadingManager):
         self._with_answers.discard(req.req_id)
 
     def lookup(self, key: OffloadKey, req_context: VReqContext) -> VLookup:
+        """One key's answer, from the request's current batch answer (see the module docstring).
+
+        A key that stays ``HIT_PENDING`` / ``RETRY`` for longer than
+        ``lookup_timeout_s`` across steps is a ``MISS``: vLLM stops waiting and
+        recomputes it."""
         key = bytes(key)
+        result = self._lookup(key, req_context)
+        if result in (VLookup.HIT, VLookup.MISS):
+            return result
+        with self._lock:
+            req = self._requests.get(req_context.req_id)
+            if req is None:
+                return result
+            now = time.monotonic()
+            if req.unsure_since is None:
+                req.unsure_since = now
+            elif now - req.unsure_since > self.lookup_timeout_s:
+                self.counters["lookups_given_up"] += 1
+                return VLookup.MISS
+        return result
+
+    def _lookup(self, key: OffloadKey, req_context: VReqContext) -> VLookup:
         with self._lock:
             req = self._request(req_context)
             req.read = True
@@ -342,6 +366,7 @@ class KvactorsOffloadingManager(OffloadingManager):
                 req.loads.setdefault(k, []).append(req.ctx)
                 req.answers.pop(k, None)
             self.counters["keys_loaded"] += len(keys)
+            req.unsure_since = None
         return CPULoadStoreSpec(rows)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: VReqContext) -> None:

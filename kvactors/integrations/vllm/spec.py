@@ -76,7 +76,8 @@ class KvactorsOffloadingSpec(OffloadingSpec):
         info: dict[str, Any] = {"kvactors_num_blocks": self.num_blocks, "kvactors_block_bytes": self.block_bytes,
                                 "kvactors_tiers": ",".join(kinds) or "none"}
         return KvactorsOffloadingManager(tm, shared, events_enabled=self.kv_events_config.enable_kv_cache_events,
-                                         tier_kinds=kinds, hit_source=source, config_info=info)
+                                         tier_kinds=kinds, hit_source=source, config_info=info,
+                                         lookup_timeout_s=self.kv_config.lookup_timeout_s)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         shared = self._open_pool()
