@@ -59,7 +59,7 @@ def kv_config(tmp: str, *, pool_blocks: int, tiers: list[dict[str, Any]], **extr
         "kv_connector_extra_config": {
             "spec_name": "KvactorsOffloadingSpec", "spec_module_path": "kvactors.integrations.vllm",
             "cpu_bytes_to_use": pool_blocks * BLOCK_BYTES, "tiers": tiers, "transfer_timeout_s": 20.0,
-            "lookup_timeout_s": 2.0, "event_log": os.path.join(tmp, "events.kvlog"), **extra,
+            "lookup_timeout_s": 10.0, "event_log": os.path.join(tmp, "events.kvlog"), **extra,
         },
     }
 
@@ -121,7 +121,8 @@ def rounds(llm: Any, before_round2: Callable[[], Any] | None = None) -> dict[str
     if before_round2 is not None:
         before_round2()
     t2, l2, c2 = summarize(generate(llm, batch))
-    diff = max(abs(a - b) for x, y in zip(l1, l2, strict=True) for a, b in zip(x, y, strict=True))
+    diffs = [abs(a - b) for x, y in zip(l1, l2, strict=True) for a, b in zip(x, y, strict=True)]
+    diff = max(math.inf if math.isnan(d) else d for d in diffs)
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
     return {"cached_round1": c1, "cached_round2": c2, "tokens_equal": t1 == t2, "max_logprob_diff": diff,
             "engine_id": str(engine_id)}

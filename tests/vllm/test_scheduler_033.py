@@ -30,7 +30,7 @@ def test_hundreds_of_requests_preemptions_aborts_reset(tmp_path):
 
     tiers = [{"type": "memory", "capacity_blocks": 40},
              {"type": "disk", "root": str(tmp_path / "disk"), "capacity_bytes": 8 << 20}]
-    h = Harness(str(tmp_path), extra(str(tmp_path), pool_blocks=24, tiers=tiers), num_gpu_blocks=64,
+    h = Harness(str(tmp_path), extra(str(tmp_path), pool_blocks=24, tiers=tiers), num_gpu_blocks=40,
                 max_num_seqs=8, max_batched=192)
     run = Run(h)
     rng = random.Random(5)
@@ -40,7 +40,7 @@ def test_hundreds_of_requests_preemptions_aborts_reset(tmp_path):
     while added < n_requests or h.scheduler.has_requests():
         while added < n_requests and len(h.scheduler.requests) < 16:
             tokens = rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 3 * BLOCK))]
-            run.add(f"r{added}", tokens, max_tokens=rng.randrange(2, 24))
+            run.add(f"r{added}", tokens, max_tokens=rng.randrange(8, 64))
             added += 1
         if rng.random() < 0.03 and h.scheduler.requests:
             victim = rng.choice(list(h.scheduler.requests))
