@@ -20,8 +20,8 @@ finish well under 3 minutes; prints a summary and, last, one JSON line.
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -187,13 +187,17 @@ def bandwidth(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
 def vllm_worker_check(device: torch.device) -> dict[str, Any]:
     """The vLLM worker's copy path (CUDA streams and events into the shared pool): store then load, byte-exact."""
     try:
-        from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor,
-                                             GPULoadStoreSpec)
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+            GPULoadStoreSpec,
+        )
         from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
         from kvactors.integrations.vllm.shm import SharedPool, pool_path
         from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
-    except Exception as exc:  # noqa: BLE001 - no vLLM in this venv
+    except Exception as exc:
         return {"skipped": True, "reason": f"vLLM not importable: {exc!r}"}
     page, blocks, layers = 4096, 64, 2
     tensors = [torch.randint(-128, 127, (blocks, page), dtype=torch.int8, device=device) for _ in range(layers)]
@@ -206,14 +210,14 @@ def vllm_worker_check(device: torch.device) -> dict[str, Any]:
         dev_ids, rows = list(range(8, 24)), list(range(4, 20))
         worker.submit_store(1, GPULoadStoreSpec(dev_ids, [len(dev_ids)], [0]), CPULoadStoreSpec(rows))
         worker.wait({1})
-        stored = all(torch.equal(shared.pool[r, l * page:(l + 1) * page].view(torch.int8), tensors[l][d].cpu())
-                     for d, r in zip(dev_ids, rows) for l in range(layers))
+        stored = all(torch.equal(shared.pool[r, li * page:(li + 1) * page].view(torch.int8), tensors[li][d].cpu())
+                     for d, r in zip(dev_ids, rows, strict=True) for li in range(layers))
         before = [t[dev_ids].clone() for t in tensors]
         for t in tensors:
             t[dev_ids] = 0
         worker.submit_load(2, CPULoadStoreSpec(rows), GPULoadStoreSpec(dev_ids, [len(dev_ids)], [0]))
         worker.wait({2})
-        loaded = all(torch.equal(t[dev_ids], b) for t, b in zip(tensors, before))
+        loaded = all(torch.equal(t[dev_ids], b) for t, b in zip(tensors, before, strict=True))
         results = {r.job_id: r.success for r in worker.get_finished()}
         ok = stored and loaded and results == {1: True, 2: True} and shared.stored_ok(rows[0])
     finally:

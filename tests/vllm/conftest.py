@@ -12,7 +12,7 @@ try:
     import vllm  # noqa: F401
 
     HAVE_VLLM = True
-except Exception:  # noqa: BLE001 - any import failure means: not this venv
+except Exception:
     HAVE_VLLM = False
 
 

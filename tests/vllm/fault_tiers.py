@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 from kvactors import JobResult, LookupResult, SecondaryTier
-
 from kvactors.tiers.memory import MemoryTier
 
 

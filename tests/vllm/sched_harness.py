@@ -26,8 +26,7 @@ def model_dir(tmp: str) -> str:
 class Harness:
     def __init__(self, tmp: str, extra: dict[str, Any], *, num_gpu_blocks: int = 96, max_num_seqs: int = 8,
                  max_batched: int = 256) -> None:
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                                 VllmConfig)
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler

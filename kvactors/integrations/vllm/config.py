@@ -154,7 +154,7 @@ def build_tiers(config: KvactorsConfig) -> list[SecondaryTier]:
         for tier in tiers:
             try:
                 tier.shutdown()
-            except Exception:  # noqa: BLE001 - best effort on the error path
+            except Exception:
                 pass
         raise
     return tiers
