@@ -21,7 +21,8 @@ HERE = os.path.dirname(__file__)
 def run_engine_script(tmp_path, body: str, *, multiprocess: bool = False, timeout: int = 240) -> dict:
     """Run an engine scenario in a fresh interpreter (vLLM keeps process globals) and return its JSON."""
     script = tmp_path / "scenario.py"
-    script.write_text(textwrap.dedent(body))
+    # vLLM starts its engine core by spawn, which re-imports the main module: guard the scenario.
+    script.write_text('if __name__ == "__main__":\n' + textwrap.indent(textwrap.dedent(body), "    "))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), HERE]))
     if multiprocess:
@@ -137,7 +138,7 @@ def before2():
         for path in glob.glob(os.path.join(disk, "**", "*"), recursive=True):
             if os.path.isfile(path) and os.path.getsize(path) > 1024:
                 with open(path, "r+b") as f:
-                    f.seek(600); f.write(b"\xff" * 64)
+                    f.seek(600); f.write(bytes([255]) * 64)
 r = rounds(llm, before_round2=before2)
 r["stats"] = mgr_stats()
 shutdown_llm(llm)
