@@ -9,6 +9,7 @@ in :data:`TOP_LEVEL_KEYS` belong to vLLM (``spec_name``, ``offload_prompt_only``
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from collections.abc import Mapping, Sequence
@@ -152,9 +153,7 @@ def build_tiers(config: KvactorsConfig) -> list[SecondaryTier]:
             tiers.append(tier)
     except BaseException:
         for tier in tiers:
-            try:
+            with contextlib.suppress(Exception):  # the first error is the one to report
                 tier.shutdown()
-            except Exception:
-                pass
         raise
     return tiers

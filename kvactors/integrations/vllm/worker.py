@@ -90,6 +90,9 @@ class KvactorsOffloadingWorker(OffloadingWorker):
         self.fault_injector: FaultInjector | None = None
         self.load_failures = 0
         self.store_failures = 0
+        # Bytes copied by jobs that succeeded, per direction (for operators and benchmarks).
+        self.bytes_stored = 0
+        self.bytes_loaded = 0
         # Per group: [(device tensor as uint8 rows, pool view (rows, bpc, page))].
         self._layout: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         tensors = [t.tensor for t in kv_caches.tensors]
@@ -153,10 +156,7 @@ class KvactorsOffloadingWorker(OffloadingWorker):
                     while done < n:
                         row, slot = divmod(f0 + done, self.bpc)
                         take = min(n - done, self.bpc - slot) if self.bpc > 1 else n - done
-                        if self.bpc == 1:
-                            pool_part = view[row:row + take, 0]
-                        else:
-                            pool_part = view[row, slot:slot + take]
+                        pool_part = view[row:row + take, 0] if self.bpc == 1 else view[row, slot:slot + take]
                         dev_part = dev[d0 + done:d0 + done + take]
                         copies.append(_Copy(dev_part, pool_part) if direction == STORE else _Copy(pool_part, dev_part))
                         nbytes += dev_part.numel()
@@ -255,6 +255,10 @@ class KvactorsOffloadingWorker(OffloadingWorker):
             else:
                 self.load_failures += 1
             log.warning("transfer_failed", job_id=job.job_id, kind=job.direction, error=repr(job.error))
+        elif job.direction == STORE:
+            self.bytes_stored += job.nbytes
+        else:
+            self.bytes_loaded += job.nbytes
         result = TransferResult(job.job_id, True, job.nbytes, time.monotonic() - job.submitted)
         with self._cond:
             self._open.discard(job.job_id)
