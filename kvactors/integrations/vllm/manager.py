@@ -7,10 +7,11 @@ chunk after chunk, every step. The manager
   ``ReqContext`` carries the positions of the request's offload keys) and
   answers the following keys from that answer for the rest of the step;
 * runs every kvactors call that may wait for a secondary tier (lookups,
-  ``take_events``) on a helper thread, and waits for a lookup at most
-  :attr:`KvactorsOffloadingManager.lookup_wait_s` (and
-  :attr:`~KvactorsOffloadingManager.step_wait_s` per step in all): a key not
-  answered by then is ``RETRY`` and vLLM asks again on a later step;
+  ``take_events``) on a helper thread; by default the scheduler thread does
+  not wait for it (:attr:`KvactorsOffloadingManager.lookup_wait_s` = 0, at
+  most :attr:`~KvactorsOffloadingManager.step_wait_s` per step in all when
+  set): a key not answered yet is ``RETRY`` and vLLM asks again on the next
+  step, which finds the answer (kept, unread, for one step end);
 * pins the leading ``HIT`` keys of an answer (``prepare_load``) before it
   answers ``HIT``, so that nothing (another request's store or promotion)
   can evict a block between vLLM's lookup and its ``prepare_load``; pins not
@@ -108,8 +109,10 @@ class KvactorsOffloadingManager(OffloadingManager):
     promoted from a secondary tier.
     """
 
-    # Longest wait for one lookup answer on the scheduler thread, and per step in all.
-    lookup_wait_s: float = 0.005
+    # Longest wait for one lookup answer on the scheduler thread, and per step in all. 0: never
+    # wait (scripts/bench_vllm.py: waiting 1-5 ms made a step's scheduler-side time p50 20x
+    # vLLM's own tiering and won no hits; the answer is there one step later).
+    lookup_wait_s: float = 0.0
     step_wait_s: float = 0.02
 
     def __init__(self, tm: TieringManager, shared: SharedPool | None, *, events_enabled: bool,
@@ -268,7 +271,12 @@ class KvactorsOffloadingManager(OffloadingManager):
                         req.promoted.add(k)
                         self.counters["pending_answers"] += 1
                 req.answers.update(job.answers)
-                req.pinned.update(job.pinned)
+                # A key pinned for the request already keeps that pin: the new one is released.
+                release = [k for k in job.pinned if k in req.pinned]
+                req.pinned.update((k, row) for k, row in job.pinned.items() if k not in req.pinned)
+                # Fresh answers are unread, even if vLLM asked (and got RETRY) earlier this step:
+                # otherwise this step's end would drop them and the request would ask again forever.
+                req.read = False
                 req.age = 0
                 self._with_answers.add(req.req_id)
         if release:

@@ -167,10 +167,10 @@ class KvactorsOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------ vLLM's calls
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec) -> bool:  # type: ignore[override]
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec) -> bool:  # type: ignore[override, unused-ignore]
         return self._submit(STORE, job_id, src_spec, dst_spec)
 
-    def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec,  # type: ignore[override]
+    def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec,  # type: ignore[override, unused-ignore]
                     expedited: bool = False) -> bool:
         return self._submit(LOAD, job_id, dst_spec, src_spec)
 
