@@ -137,6 +137,7 @@ class TieringManager:
         lookup_timeout_s: float = 5.0,
         event_log: str | os.PathLike[str] | None = None,
         runtime: Runtime | None = None,
+        pool: torch.Tensor | None = None,
     ) -> TieringManager:
         """Allocate the primary pool and start the actors.
 
@@ -148,6 +149,11 @@ class TieringManager:
         ``event_log``: a file to append the lifecycle events to, as JSON lines
         (default: the ``KVACTORS_EVENT_LOG`` environment variable, if set).
         ``runtime``: where the actors run (default: pykka threads).
+        ``pool``: a caller-provided primary pool (e.g. a view of shared memory
+        that another process copies into): a contiguous CPU ``uint8`` tensor of
+        shape ``(num_blocks, block_bytes)``, used as is (not zeroed, not
+        pinned); the caller keeps it alive and releases it after :meth:`stop`.
+        Default: a new zeroed tensor.
 
         Bad arguments raise ``ValueError`` (sizes are ints ``> 0``, not
         ``True``; timeouts finite numbers ``> 0``); a pool that cannot be
@@ -176,9 +182,18 @@ class TieringManager:
             names.append(tier.name)
         if len(set(map(id, tiers))) != len(tiers):
             raise ValueError("a tier instance is given twice")
+        if pool is not None and (
+            not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.device.type != "cpu"
+            or tuple(pool.shape) != (num_blocks, block_bytes) or not pool.is_contiguous()
+        ):
+            got = f"{pool.dtype} {tuple(pool.shape)} on {pool.device}" if isinstance(pool, torch.Tensor) \
+                else type(pool).__name__
+            raise ValueError(f"pool must be a contiguous CPU uint8 tensor of shape ({num_blocks}, {block_bytes}), "
+                             f"got {got}")
 
         manager_id = next(_manager_ids)
-        pool = _allocate_pool(num_blocks, block_bytes)
+        if pool is None:
+            pool = _allocate_pool(num_blocks, block_bytes)
         log, sink = make_event_logger(event_log, manager=manager_id, pid=os.getpid())
         work_ids = itertools.count(1)
 

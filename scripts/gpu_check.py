@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -183,6 +184,47 @@ def bandwidth(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
             "onboard_gbps": onboard, "plain_h2d_gbps": plain_on, "onboard_ratio": onboard / plain_on}
 
 
+def vllm_worker_check(device: torch.device) -> dict[str, Any]:
+    """The vLLM worker's copy path (CUDA streams and events into the shared pool): store then load, byte-exact."""
+    try:
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+            GPULoadStoreSpec,
+        )
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+        from kvactors.integrations.vllm.shm import SharedPool, pool_path
+        from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
+    except Exception as exc:
+        return {"skipped": True, "reason": f"vLLM not importable: {exc!r}"}
+    page, blocks, layers = 4096, 64, 2
+    tensors = [torch.randint(-128, 127, (blocks, page), dtype=torch.int8, device=device) for _ in range(layers)]
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page) for t in tensors],
+                           [[CanonicalKVCacheRef(i, page) for i in range(layers)]])
+    shared = SharedPool(pool_path(f"gpucheck-{os.getpid()}"), num_blocks=32, block_bytes=page * layers)
+    worker = KvactorsOffloadingWorker(kv, shared, rank=0, per_worker_bytes=page * layers, blocks_per_chunk=1,
+                                      transfer_timeout_s=30.0, owns_shared=True)
+    try:
+        dev_ids, rows = list(range(8, 24)), list(range(4, 20))
+        worker.submit_store(1, GPULoadStoreSpec(dev_ids, [len(dev_ids)], [0]), CPULoadStoreSpec(rows))
+        worker.wait({1})
+        stored = all(torch.equal(shared.pool[r, li * page:(li + 1) * page].view(torch.int8), tensors[li][d].cpu())
+                     for d, r in zip(dev_ids, rows, strict=True) for li in range(layers))
+        before = [t[dev_ids].clone() for t in tensors]
+        for t in tensors:
+            t[dev_ids] = 0
+        worker.submit_load(2, CPULoadStoreSpec(rows), GPULoadStoreSpec(dev_ids, [len(dev_ids)], [0]))
+        worker.wait({2})
+        loaded = all(torch.equal(t[dev_ids], b) for t, b in zip(tensors, before, strict=True))
+        results = {r.job_id: r.success for r in worker.get_finished()}
+        ok = stored and loaded and results == {1: True, 2: True} and shared.stored_ok(rows[0])
+    finally:
+        worker.shutdown()
+    return {"skipped": False, "ok": ok, "stored_exact": stored, "loaded_exact": loaded}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (to test this script)")
@@ -213,10 +255,13 @@ def main(argv: list[str] | None = None) -> int:
           f"(ratio {bw['offload_ratio']:.2f})")
     print(f"onboard: engine {bw['onboard_gbps']:.2f} GB/s vs plain non_blocking copy {bw['plain_h2d_gbps']:.2f} GB/s "
           f"(ratio {bw['onboard_ratio']:.2f})")
+    vw = vllm_worker_check(device)
+    print(f"vLLM worker copy path: {vw}")
+    ok = trip["ok"] and (vw.get("skipped") or vw.get("ok"))
     elapsed = time.perf_counter() - started
-    print(json.dumps({"skipped": False, "ok": trip["ok"], "device": name, "round_trip": trip, "bandwidth": bw,
-                      "elapsed_s": elapsed}))
-    return 0 if trip["ok"] else 1
+    print(json.dumps({"skipped": False, "ok": bool(ok), "device": name, "round_trip": trip, "bandwidth": bw,
+                      "vllm_worker": vw, "elapsed_s": elapsed}))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

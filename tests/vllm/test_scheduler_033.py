@@ -1,0 +1,74 @@
+"""vLLM 0.33: the real Scheduler with both OffloadingConnector roles in one process, made-up model outputs."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+if not vllm.__version__.startswith("0.33"):
+    pytest.skip("the scheduler suite runs on vllm 0.33", allow_module_level=True)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sched_harness import BLOCK, LAYERS, Harness, Run  # noqa: E402
+
+
+def extra(tmp, *, pool_blocks, tiers):
+    page_bytes = 2 * BLOCK * 8 * 2  # K and V, 1 head of 8, float16
+    return {"spec_name": "KvactorsOffloadingSpec", "spec_module_path": "kvactors.integrations.vllm",
+            "cpu_bytes_to_use": pool_blocks * page_bytes * LAYERS, "tiers": tiers, "transfer_timeout_s": 10.0,
+            "lookup_timeout_s": 2.0, "event_log": os.path.join(tmp, "events.kvlog")}
+
+
+@pytest.mark.timeout(300)
+def test_hundreds_of_requests_preemptions_aborts_reset(tmp_path):
+    from vllm.v1.request import RequestStatus
+
+    tiers = [{"type": "memory", "capacity_blocks": 40},
+             {"type": "disk", "root": str(tmp_path / "disk"), "capacity_bytes": 8 << 20}]
+    h = Harness(str(tmp_path), extra(str(tmp_path), pool_blocks=24, tiers=tiers), num_gpu_blocks=40,
+                max_num_seqs=8, max_batched=192)
+    run = Run(h)
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(3, 500) for _ in range(BLOCK * rng.choice((2, 4, 6)))] for _ in range(6)]
+    n_requests, added, aborted = 240, 0, 0
+
+    while added < n_requests or h.scheduler.has_requests():
+        while added < n_requests and len(h.scheduler.requests) < 16:
+            tokens = rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 3 * BLOCK))]
+            run.add(f"r{added}", tokens, max_tokens=rng.randrange(8, 64))
+            added += 1
+        if rng.random() < 0.03 and h.scheduler.requests:
+            victim = rng.choice(list(h.scheduler.requests))
+            h.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            aborted += 1
+        if added == n_requests // 2 and run.steps and not getattr(run, "did_reset", False):
+            run.did_reset = True
+            h.scheduler.reset_prefix_cache(reset_connector=True)
+        run.step()
+        assert run.steps < 20000, "the run does not end"
+    # Let the last completions arrive, then stop the connector (as the engine does at shutdown).
+    for _ in range(10):
+        run.step()
+    mgr = h.manager
+    assert mgr.tm.wait_idle(30.0)
+    stats = mgr.stats()
+    print("\nsteps", run.steps, "loaded blocks checked", run.checked_loaded, "aborted", aborted, "preemptions",
+          stats.get("vllm_preemptions", 0), "lookup calls", stats.get("vllm_lookup_calls"),
+          "lookup keys", stats.get("vllm_lookup_keys"), "retries", stats.get("vllm_lookup_retries", 0),
+          "stats", {k: v for k, v in stats.items() if k.startswith("blocks") or k.startswith("vllm")})
+    assert stats["contract_violations"] == 0
+    assert stats["blocks_pinned"] == 0 and stats["blocks_pending"] == 0 and stats["jobs_in_flight"] == 0, stats
+    assert run.checked_loaded > 0
+    assert stats["vllm_keys_loaded"] > 0
+    assert stats.get("vllm_preemptions", 0) > 0, "the run never preempted: make the device cache smaller"
+    h.connector.shutdown() if hasattr(h.connector, "shutdown") else mgr.shutdown()
+    h.worker.shutdown()
+    assert not os.path.exists(mgr.shared.path)
+    check = subprocess.run([sys.executable, "-m", "kvactors.cli", "check-log", str(tmp_path / "events.kvlog")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
