@@ -27,6 +27,7 @@ from typing import Any, TypeVar, cast
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import ActorStoppedError
+from kvactors.core.arguments import check_timeout
 from kvactors.core.errors import ManagerStoppedError
 from kvactors.manager import TieringManager
 from kvactors.types import (
@@ -187,16 +188,28 @@ class AsyncTieringManager:
             inbox = self._inbox = _Inbox(loop)
         return inbox
 
-    async def _await(self, reply: Reply[T], undo: Callable[[T], None] | None = None) -> T:
+    async def _await(self, reply: Reply[T], undo: Callable[[T], None] | None = None, *,
+                     call: str | None = None) -> T:
         """The answer of ``reply``, awaited on the running loop; ``undo(answer)`` runs
-        (on the loop's thread) if the awaiting task was cancelled before it got it."""
+        (on the loop's thread) if the awaiting task was cancelled before it got it.
+
+        With ``call``, bounded as the blocking manager's calls are: no answer long
+        past every deadline (a wedged primary thread) is a ``TimeoutError``, and an
+        answer that comes after it is undone as for a cancelled task."""
         if reply.done():
             return reply.result()
         inbox = self._inbox_of(asyncio.get_running_loop())
         future: asyncio.Future[T] = inbox.loop.create_future()
         reply.add_done_callback(lambda done: inbox.post(future, done, undo))
         try:
-            return await future
+            if call is None:
+                return await future
+            bound = self.manager._answer_bound_s
+            try:
+                return await asyncio.wait_for(future, bound)
+            except TimeoutError:
+                self.manager._log.error("call_unanswered", call=call, waited_s=bound)
+                raise TimeoutError(f"{call}: no answer from the primary tier's actor in {bound:.1f} s") from None
         except asyncio.CancelledError:
             # Cancelled after the answer was delivered but before this task resumed.
             if undo is not None and future.done() and not future.cancelled() and future.exception() is None:
@@ -212,13 +225,13 @@ class AsyncTieringManager:
     async def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """As :meth:`TieringManager.lookup`."""
         reply: Reply[list[LookupResult]] = self._view.lookup(keys, ctx)  # type: ignore[assignment]
-        return await self._await(reply)
+        return await self._await(reply, call="lookup")
 
     async def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         """As :meth:`TieringManager.prepare_load`; cancelled, its pins are released."""
         keys = _keys_once(keys)
         reply: Reply[LoadStoreSpec] = self._view.prepare_load(keys, ctx)  # type: ignore[assignment]
-        return await self._await(reply, lambda _: self._view.complete_load(keys, ctx))
+        return await self._await(reply, lambda _: self._view.complete_load(keys, ctx), call="prepare_load")
 
     async def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         """As :meth:`TieringManager.prepare_store`; cancelled, its rows are completed as failed."""
@@ -228,23 +241,24 @@ class AsyncTieringManager:
             if out is not None and out.keys_to_store:
                 self._view.complete_store(out.keys_to_store, ctx, success=False)
 
-        return await self._await(reply, undo)
+        return await self._await(reply, undo, call="prepare_store")
 
     async def reset_cache(self) -> None:
         """As :meth:`TieringManager.reset_cache` (a cancelled reset still happens)."""
         reply = cast(Reply[None], self._view.reset_cache())
-        await self._await(reply)
+        await self._await(reply, call="reset_cache")
 
     async def take_events(self) -> list[OffloadingEvent]:
         """As :meth:`TieringManager.take_events`; events taken by a cancelled call come first."""
         reply: Reply[list[OffloadingEvent]] = self._view.take_events()  # type: ignore[assignment]
-        events = await self._await(reply, self._orphan_events.extend)
+        events = await self._await(reply, self._orphan_events.extend, call="take_events")
         if self._orphan_events:
             events, self._orphan_events = [*self._orphan_events, *events], []
         return events
 
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """As :meth:`TieringManager.wait_idle`: False if ``timeout`` passed first."""
+        timeout = check_timeout(timeout, "timeout")
         reply: Reply[bool] = Reply()
         self._view._send(m.Barrier(reply))
         try:
@@ -255,7 +269,7 @@ class AsyncTieringManager:
     async def stats(self) -> dict[str, int | float]:
         """As :meth:`TieringManager.stats`."""
         reply: Reply[dict[str, int | float]] = self._view.stats()  # type: ignore[assignment]
-        return await self._await(reply)
+        return await self._await(reply, call="stats")
 
     async def stop(self, timeout: float | None = None) -> None:
         """As :meth:`TieringManager.stop`. Its last step joins the actors' threads (a

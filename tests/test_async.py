@@ -255,6 +255,8 @@ def test_the_same_errors_as_the_blocking_api():
             ("prepare_load", (keys(1), unknown)),
             ("prepare_store", (keys(1), unknown)),
             ("prepare_store", (keys(1), "not a ctx")),
+            ("wait_idle", (-1,)),
+            ("wait_idle", (float("nan"),)),
         ]
 
         async def main() -> None:

@@ -154,8 +154,8 @@ def _source_names() -> set[str]:
             if not (isinstance(node, ast.Call) and node.args):
                 continue
             func = node.func
-            is_log = (isinstance(func, ast.Attribute) and func.attr in ("debug", "info", "warning", "error",
-                                                                        "critical")
+            levels = ("debug", "info", "warning", "error", "exception", "critical")
+            is_log = (isinstance(func, ast.Attribute) and func.attr in levels
                       and "log" in ast.unparse(func.value).lower()) or (isinstance(func, ast.Name)
                                                                         and func.id == "log")
             if not is_log:

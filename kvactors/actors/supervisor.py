@@ -514,10 +514,11 @@ class LifecycleSupervisor(Actor):
         shutdown = self._shutdown
         if shutdown is not None and not shutdown.gathering and not shutdown.expired and now >= shutdown.deadline:
             # The stop's budget is spent: what is still in flight fails now, as at its own deadline,
-            # and promotions the primary has not allocated yet are not waited for.
-            shutdown.expired = True
+            # and promotions the primary has not allocated yet are not waited for. Every job is timed
+            # out before the stop may go on: its answer lets stop() close the mailbox these tells use.
             for job_id in [job_id for job_id, job in self._jobs.items() if job.submitted]:
                 self._time_out(self._jobs.pop(job_id))
+            shutdown.expired = True
             self._check_shutdown()
         self._arm_timer()
 
@@ -552,6 +553,8 @@ class LifecycleSupervisor(Actor):
                     self._resolve_lookup(pending)
         for ctx in self._drop_queued("tier_stuck", (tier,)):
             self._maybe_finalize_request(ctx)
+        self._check_barriers()
+        self._check_shutdown()
 
     def _heard_from(self, tier: str, probe: tuple[str, int]) -> None:
         """An answer from ``tier``'s actor: it is moving."""

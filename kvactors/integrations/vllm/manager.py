@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 from vllm.v1.kv_offload.base import (
     Locality,
     Medium,
@@ -59,10 +58,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.integrations.vllm import compat
 from kvactors.integrations.vllm.shm import SharedPool
+from kvactors.logs import component_logger
 from kvactors.manager import TieringManager
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey, ReqContext
-
-log = structlog.get_logger("kvactors.vllm")
 
 _TO_VLLM = {
     LookupResult.MISS: VLookup.MISS,
@@ -118,6 +116,7 @@ class KvactorsOffloadingManager(OffloadingManager):
     def __init__(self, tm: TieringManager, shared: SharedPool | None, *, events_enabled: bool,
                  tier_kinds: dict[str, str], hit_source: CacheHitSource, owns_shared: bool = True,
                  config_info: dict[str, Any] | None = None, lookup_timeout_s: float = 5.0) -> None:
+        self._log = component_logger("vllm")  # stdlib "kvactors.vllm"; events in kvactors.log_schema
         self.tm = tm
         self.lookup_timeout_s = lookup_timeout_s
         self.shared = shared
@@ -255,7 +254,7 @@ class KvactorsOffloadingManager(OffloadingManager):
                     answers[k] = LookupResult.RETRY
             job.answers = answers
         except Exception:
-            log.exception("lookup_failed", req_id=job.ctx.req_id, attempt=job.ctx.attempt)
+            self._log.exception("lookup_failed", req_id=job.ctx.req_id, attempt=job.ctx.attempt)
             job.answers = dict.fromkeys(job.keys, LookupResult.RETRY)
         with self._lock:
             self._jobs_in_flight -= 1
@@ -446,7 +445,7 @@ class KvactorsOffloadingManager(OffloadingManager):
         except ManagerStoppedError:
             events = []
         except Exception:
-            log.exception("take_events_failed")
+            self._log.exception("take_events_failed")
             events = []
         converted = [self._convert(e) for e in events] if self._events_enabled else []
         with self._lock:

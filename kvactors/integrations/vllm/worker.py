@@ -34,15 +34,13 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import structlog
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvactors.integrations.vllm.shm import STORE_FAILED, STORE_OK, SharedPool
+from kvactors.logs import component_logger
 from kvactors.transfer.runs import copy_runs
-
-log = structlog.get_logger("kvactors.vllm")
 
 STORE = "store"
 LOAD = "load"
@@ -81,6 +79,7 @@ class KvactorsOffloadingWorker(OffloadingWorker):
 
     def __init__(self, kv_caches: CanonicalKVCaches, shared: SharedPool, *, rank: int, per_worker_bytes: int,
                  blocks_per_chunk: int, transfer_timeout_s: float, owns_shared: bool = False) -> None:
+        self._log = component_logger("vllm")  # stdlib "kvactors.vllm"; events in kvactors.log_schema
         self.shared = shared
         self.pool = shared.pool
         self.rank = rank
@@ -178,7 +177,7 @@ class KvactorsOffloadingWorker(OffloadingWorker):
         try:
             job = self._plan(direction, gpu, cpu, job_id)
         except Exception as exc:  # a spec we cannot map: fail the job, never the engine
-            log.error("transfer_plan_failed", job_id=job_id, kind=direction, error=repr(exc))
+            self._log.error("transfer_plan_failed", job_id=job_id, kind=direction, error=repr(exc))
             job = _Job(job_id, direction, [], tuple(int(r) for r in cpu.block_ids), 0, error=exc)
         with self._cond:
             self._open.add(job_id)
@@ -208,7 +207,7 @@ class KvactorsOffloadingWorker(OffloadingWorker):
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    log.error("transfer_wait_timed_out", jobs=len(left), timeout_s=self.transfer_timeout_s)
+                    self._log.error("transfer_wait_timed_out", jobs=len(left), timeout_s=self.transfer_timeout_s)
                     return
                 self._cond.wait(remaining)
 
@@ -254,7 +253,7 @@ class KvactorsOffloadingWorker(OffloadingWorker):
                 self.store_failures += 1
             else:
                 self.load_failures += 1
-            log.warning("transfer_failed", job_id=job.job_id, kind=job.direction, error=repr(job.error))
+            self._log.warning("transfer_failed", job_id=job.job_id, kind=job.direction, error=repr(job.error))
         elif job.direction == STORE:
             self.bytes_stored += job.nbytes
         else:
