@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -167,34 +166,29 @@ def test_observed_tier_delegates_and_records(tmp_path):
     assert observer.violations == 0
 
 
-def test_check_log_is_run_when_it_exists(monkeypatch):
-    import sys
-    import types
+def test_check_log_is_run_and_only_its_ok_verdict_is_ok(monkeypatch, tmp_path):
+    from kvactors.commands import check_log, simulate
 
-    from kvactors.commands import simulate
-
-    fake = types.ModuleType("kvactors.commands.check_log")
     seen: list[str] = []
     verdict = {"rc": 0, "line": "3 requests, 0 violations"}
 
-    def add_arguments(parser):
-        parser.add_argument("log")
-
     def run(args):
-        seen.append(args.log)
+        seen.append(args.file)
         print(verdict["line"])
         return verdict["rc"]
 
-    fake.add_arguments = add_arguments
-    fake.run = run
-    monkeypatch.setitem(sys.modules, "kvactors.commands.check_log", fake)
+    monkeypatch.setattr(check_log, "run", run)
     assert simulate._check_log("events.jsonl") == ("ok: 3 requests, 0 violations", True)
     assert seen == ["events.jsonl"]
-    verdict.update(rc=1, line="1 violation")
-    assert simulate._check_log("events.jsonl") == ("FAILED (exit 1): 1 violation", False)
-    monkeypatch.delitem(sys.modules, "kvactors.commands.check_log")
-    if importlib.util.find_spec("kvactors.commands.check_log") is None:
-        assert simulate._check_log("events.jsonl") == ("check-log not available", True)
+    for rc, line in ((1, "1 violation"), (3, "INCONCLUSIVE: the manager never stopped")):
+        verdict.update(rc=rc, line=line)
+        assert simulate._check_log("events.jsonl") == (f"FAILED (exit {rc}): {line}", False)
+    monkeypatch.undo()
+    # The real checker: an empty log proves nothing, so the run's check fails.
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result, ok = simulate._check_log(str(empty))
+    assert not ok and result.startswith("FAILED (exit 3)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

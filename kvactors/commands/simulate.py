@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import io
 import json
 import os
@@ -180,20 +179,15 @@ def plan(args: argparse.Namespace) -> Plan:
 
 
 def _check_log(path: str) -> tuple[str, bool]:
-    """Run ``kvactors check-log`` on ``path`` if that command exists: (a one-line result, ok)."""
-    name = "kvactors.commands.check_log"
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return "check-log not available", True
+    """Run ``kvactors check-log`` on ``path``: (a one-line result, ok). Only an OK verdict is ok."""
+    from kvactors.commands import check_log
+
     parser = argparse.ArgumentParser(prog="kvactors check-log")
-    module.add_arguments(parser)
+    check_log.add_arguments(parser)
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            rc = int(module.run(parser.parse_args([path])))
+            rc = int(check_log.run(parser.parse_args([path])))
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else 1
     lines = [line for line in out.getvalue().splitlines() if line.strip()]
