@@ -377,7 +377,9 @@ class TieringManager:
         """True once every call made before it, every job those calls started and
         every tier hook they caused has been processed and reported. Stores
         prepared but not completed by the caller do not hold it. ``timeout``:
-        ``None`` or finite seconds ``>= 0`` (else ``ValueError``)."""
+        ``None`` or finite seconds ``>= 0`` (else ``ValueError``). A tier stuck in a
+        call holds it until the tier moves again: with ``timeout=None`` that may be
+        for ever, so callers that must not wait unboundedly pass a timeout."""
         timeout = check_timeout(timeout, "timeout")
         reply: Reply[bool] = Reply()
         self._send(m.Barrier(reply))
