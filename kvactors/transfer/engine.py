@@ -280,6 +280,14 @@ class TransferEngine:
         keys_t = check_keys(keys)
         if isinstance(device_block_ids, bytes | bytearray | str):
             raise ValueError("device_block_ids must be a sequence of ints")
+        if type(device_block_ids) is list or type(device_block_ids) is tuple:
+            # Fast path (every request pays for it): plain ints in range, checked at C speed.
+            # Anything else (bools, numpy ints, a bad id) takes the full checks below.
+            ids = list(device_block_ids)
+            if (len(ids) == len(keys_t) and all(type(i) is int for i in ids)
+                    and (not ids or (min(ids) >= 0 and max(ids) < self._num_device_blocks))
+                    and (not unique_ids or len(set(ids)) == len(ids))):
+                return keys_t, ids
         try:
             raw = list(device_block_ids)
             ids = [operator.index(i) for i in raw]
