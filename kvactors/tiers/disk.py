@@ -51,7 +51,7 @@ TMP_PREFIX = ".tmp-"
 MAX_NAME_CHARS = 200
 """Longest file name used; longer hex names are replaced by a hash (the record keeps the key)."""
 
-_MIN_CHUNK_BYTES = 1 << 20
+_MIN_CHUNK_BYTES = 4 << 20
 """A job is split across workers in chunks of at least this many record bytes:
 below it, the per-chunk overhead costs more than the parallelism wins."""
 
