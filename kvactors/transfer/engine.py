@@ -52,7 +52,9 @@ class TransferEngine:
     Copies run off the caller's thread:
 
     * CPU device cache: ``copy_workers`` copy threads (a fixed, small pool; never
-      a thread per request) take jobs from one FIFO queue. One is the default:
+      a thread per request) take jobs from one FIFO queue, and one completer
+      thread posts each finished job's completion and resolves its future (so
+      a copy thread never waits on the manager between two copies). One is the default:
       each coalesced ``copy_`` already runs on torch's intra-op threads, and a
       second worker mostly competes with the first for the same cores (measured
       on 2 cores: 0.61-0.72 of a plain copy with one worker, 0.57-0.64 with two).
