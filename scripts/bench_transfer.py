@@ -108,8 +108,8 @@ def engine_trial(manager: TieringManager, engine: TransferEngine, device: torch.
 
 
 def _settle_writeback() -> None:
-    """Flush dirty pages before a timed write phase (untimed): otherwise the kernel's
-    writeback throttling charges the bytes of one phase to the next one."""
+    """Flush dirty pages before a timed phase (untimed): otherwise the kernel's writeback
+    of one phase's files (throttling, flusher threads) is charged to the next phase."""
     if hasattr(os, "sync"):
         os.sync()
 
@@ -161,6 +161,7 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
             _settle_writeback()
             store_t.append(run_jobs(False, 1))
             pool[:total_blocks].zero_()
+            _settle_writeback()
             load_t.append(run_jobs(True, 1 + requests))
             failed = [r for r in results.values() if not r.success]
             if failed:
@@ -183,6 +184,7 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
                     f.write(memoryview(arr[b]))
             old_write_t.append(time.perf_counter() - start)
             pool[:total_blocks].zero_()
+            _settle_writeback()
             start = time.perf_counter()
             for b in range(total_blocks):
                 with open(os.path.join(plain, f"{b}.blk"), "rb", buffering=0) as f:
@@ -208,6 +210,7 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
                 finally:
                     os.close(fd)
             write_t.append(time.perf_counter() - start)
+            _settle_writeback()
             start = time.perf_counter()
             for name in names:
                 fd = os.open(name, os.O_RDONLY)
@@ -222,6 +225,7 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
             # For scale, not a ratio target: the same raw reads into the pool rows (where a
             # tier must put them: cold memory, not one cache-resident buffer), no checksum.
             pool[:total_blocks].zero_()
+            _settle_writeback()
             start = time.perf_counter()
             for b, name in enumerate(names):
                 fd = os.open(name, os.O_RDONLY)
@@ -288,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 offload_t.append(t_off)
                 onboard_t.append(t_on)
                 per_run.append(blocks_per_run)
-        disk = disk_bench(pool, min(disk_requests, requests), per_request, max(1, trials // 2))
+        disk = disk_bench(pool, min(disk_requests, requests), per_request, trials)
 
     offload = gbps(nbytes, statistics.median(offload_t))
     onboard = gbps(nbytes, statistics.median(onboard_t))
