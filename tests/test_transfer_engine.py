@@ -427,3 +427,34 @@ def test_cuda_failed_copy(manager: TieringManager) -> None:
             engine.offload(bad, make_keys("g", 2), [0, 1]).result(TIMEOUT)
     assert_quiet(manager)
     assert manager.lookup(make_keys("g", 2), bad) == [LookupResult.MISS] * 2
+
+
+def test_cpu_copy_thread_copies_on_while_a_completion_is_slow(manager: TieringManager,
+                                                              device_cache: torch.Tensor) -> None:
+    """The completion (manager call, future, its callbacks) runs off the copy thread: while one
+    job's completion is held up, the next job's copy still starts. On a copier that completes
+    on its copy thread, the second copy waits for the first completion."""
+    copying: dict[bytes, threading.Event] = {}
+
+    def note(direction: str, ctx: ReqContext, keys: Sequence[OffloadKey]) -> None:
+        copying.setdefault(keys[0], threading.Event()).set()
+
+    in_callback, release = threading.Event(), threading.Event()
+
+    def slow_callback(_future: object) -> None:
+        in_callback.set()
+        release.wait(TIMEOUT)  # bounded; the test releases it
+
+    with TransferEngine(manager, device_cache, fault_injector=note) as engine:
+        ctx = new_request(manager, "slow-completion")
+        first, second = make_keys("first", 2), make_keys("second", 2)
+        copying[second[0]] = threading.Event()
+        engine.offload(ctx, first, [0, 1]).add_done_callback(slow_callback)
+        try:
+            assert in_callback.wait(TIMEOUT)
+            done = engine.offload(ctx, second, [2, 3])
+            assert copying[second[0]].wait(2.0), "the second copy waited for the first job's completion"
+        finally:
+            release.set()
+        assert done.result(TIMEOUT) == second
+    assert_quiet(manager)

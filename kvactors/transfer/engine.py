@@ -52,7 +52,9 @@ class TransferEngine:
     Copies run off the caller's thread:
 
     * CPU device cache: ``copy_workers`` copy threads (a fixed, small pool; never
-      a thread per request) take jobs from one FIFO queue. One is the default:
+      a thread per request) take jobs from one FIFO queue, and one completer
+      thread posts each finished job's completion and resolves its future (so
+      a copy thread never waits on the manager between two copies). One is the default:
       each coalesced ``copy_`` already runs on torch's intra-op threads, and a
       second worker mostly competes with the first for the same cores (measured
       on 2 cores: 0.61-0.72 of a plain copy with one worker, 0.57-0.64 with two).
@@ -280,6 +282,14 @@ class TransferEngine:
         keys_t = check_keys(keys)
         if isinstance(device_block_ids, bytes | bytearray | str):
             raise ValueError("device_block_ids must be a sequence of ints")
+        if type(device_block_ids) is list or type(device_block_ids) is tuple:
+            # Fast path (every request pays for it): plain ints in range, checked at C speed.
+            # Anything else (bools, numpy ints, a bad id) takes the full checks below.
+            ids = list(device_block_ids)
+            if (len(ids) == len(keys_t) and all(type(i) is int for i in ids)
+                    and (not ids or (min(ids) >= 0 and max(ids) < self._num_device_blocks))
+                    and (not unique_ids or len(set(ids)) == len(ids))):
+                return keys_t, ids
         try:
             raw = list(device_block_ids)
             ids = [operator.index(i) for i in raw]

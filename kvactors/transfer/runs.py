@@ -34,6 +34,14 @@ def copy_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[Run]:
     runs: list[Run] = []
     if not src_ids:
         return runs
+    n = len(src_ids)
+    start_src, start_dst = src_ids[0], dst_ids[0]
+    # The common case, whole requests of ascending rows on both sides: one run, found
+    # with two C-speed comparisons instead of a Python loop over the pairs.
+    if (src_ids[-1] - start_src == n - 1 and dst_ids[-1] - start_dst == n - 1
+            and list(src_ids) == list(range(start_src, start_src + n))
+            and list(dst_ids) == list(range(start_dst, start_dst + n))):
+        return [(start_src, start_dst, n)]
     start_src = prev_src = src_ids[0]
     start_dst = prev_dst = dst_ids[0]
     length = 1
