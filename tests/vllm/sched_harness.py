@@ -112,6 +112,11 @@ class Run:
         s, w = self.h.scheduler, self.h.worker
         out = s.schedule()
         meta = out.kv_connector_metadata
+        # A preempted request lost its blocks: vLLM recomputes (or reloads) them, possibly into the same
+        # block ids another request wrote meanwhile, so none of them counts as written by it any more.
+        for req_id in out.preempted_req_ids or ():
+            self.written.pop(req_id, None)
+            self.blockmap.pop(req_id, None)
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
