@@ -291,6 +291,17 @@ class KvactorsOffloadingManager(OffloadingManager):
         req.age = 0
         self._with_answers.discard(req.req_id)
 
+    def _start_lookup(self, req: _Request, key: OffloadKey, req_context: VReqContext) -> _LookupJob:
+        """Ask kvactors, off the scheduler's thread, for ``key`` and the request's keys after it
+        (one round trip for the rest of the prefix). The caller holds ``self._lock``."""
+        job = _LookupJob(self._remaining_keys(key, req_context), req.ctx)
+        req.job = job
+        self._jobs_in_flight += 1
+        self.counters["lookup_calls"] += 1
+        self.counters["lookup_keys"] += len(job.keys)
+        self._lookups.submit(self._run_lookup, job)
+        return job
+
     def lookup(self, key: OffloadKey, req_context: VReqContext) -> VLookup:
         """One key's answer, from the request's current batch answer (see the module docstring).
 
@@ -320,14 +331,7 @@ class KvactorsOffloadingManager(OffloadingManager):
             answer = req.answers.get(key)
             if answer is not None:
                 return _TO_VLLM[answer]
-            job = req.job
-            if job is None:
-                job = _LookupJob(self._remaining_keys(key, req_context), req.ctx)
-                req.job = job
-                self._jobs_in_flight += 1
-                self.counters["lookup_calls"] += 1
-                self.counters["lookup_keys"] += len(job.keys)
-                self._lookups.submit(self._run_lookup, job)
+            job = req.job if req.job is not None else self._start_lookup(req, key, req_context)
             budget = min(self.lookup_wait_s, self.step_wait_s - self._step_waited)
         if budget > 0 and not job.done.is_set():
             started = time.monotonic()
@@ -340,12 +344,7 @@ class KvactorsOffloadingManager(OffloadingManager):
                 return _TO_VLLM[answer]
             if job.done.is_set() and req.job is None and not req.finished:
                 # Answered, but not for this key (another group, a partial tail): ask for it next.
-                job = _LookupJob(self._remaining_keys(key, req_context), req.ctx)
-                req.job = job
-                self._jobs_in_flight += 1
-                self.counters["lookup_calls"] += 1
-                self.counters["lookup_keys"] += len(job.keys)
-                self._lookups.submit(self._run_lookup, job)
+                self._start_lookup(req, key, req_context)
             self.counters["lookup_retries"] += 1
             return VLookup.RETRY
 
