@@ -69,8 +69,10 @@ def assert_correct(r: dict) -> None:
 @pytest.mark.timeout(450)
 def test_round_two_is_served_from_kvactors_with_identical_output(engine):
     r = result(engine, "round_two")
-    # Round 1: the first prompt computes the prefix (the others hit the engine's own cache).
-    assert r["cached_round1"][0] == 0, r
+    # Round 1: kvactors holds nothing yet, so some prompt computes the prefix and the others hit the
+    # engine's own cache. Which one depends on when each lookup is answered (lookup_wait_s = 0
+    # defers a request whose answer is not in yet): not on the prompt's position.
+    assert min(r["cached_round1"]) == 0, r
     # Round 2, engine cache dropped: every prompt, the first too, starts from kvactors' blocks.
     assert all(c >= 128 for c in r["cached_round2"]), r
     assert r["stats"]["vllm_keys_loaded"] >= 4, r["stats"]
@@ -111,7 +113,7 @@ def test_fault_store_copy_fails_is_never_made_ready(engine):
     assert r["stats"]["vllm_stores_failed"] > 0, r["stats"]
     # Nothing that failed was ever made ready: round 2 recomputed everything.
     assert r["stats"].get("vllm_keys_loaded", 0) == 0, r["stats"]
-    assert r["cached_round2"][0] == 0, r
+    assert min(r["cached_round2"]) == 0, r  # some prompt (not necessarily the first) recomputed it
     assert_idle(r)
 
 
