@@ -18,7 +18,7 @@ from typing import Any
 from kvactors.commands.options import Parser
 
 COMMANDS = {
-    "simulate": "kvactors.commands.simulate",
+    "simulate": "kvactors.commands.simulate.command",
     "stress": "kvactors.commands.stress",
     "check-log": "kvactors.commands.check_log",
 }

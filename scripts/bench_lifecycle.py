@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_lifecycle.py [--quick] [--json] [--plot docs/bench_lifecycle.png]
 
-Reference: :class:`kvactors.baseline.LockedManager` (BlockPool + LifecycleTable
+Reference: :class:`baseline.LockedManager` (scripts/baseline.py) (BlockPool + LifecycleTable
 behind one ``threading.RLock``, tier calls made synchronously inside it, as
 vLLM does). Candidate: :class:`kvactors.TieringManager` (pykka actors).
 
@@ -55,10 +55,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from baseline import LockedManager
 
 from kvactors import JobResult, LookupResult, ReqContext, SecondaryTier, TieringManager, TransferJob
 from kvactors.actors.runtime import ThreadRuntime
-from kvactors.baseline import LockedManager
 
 NUM_BLOCKS = 8192
 BLOCK_BYTES = 64

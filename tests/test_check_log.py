@@ -12,7 +12,7 @@ import pytest
 
 from kvactors.commands import check_log, stress
 from kvactors.commands.check_log import Event, Verdict, check_events
-from kvactors.sim.explore import explore_one
+from kvactors.testing.explore import explore_one
 
 Mutation = Callable[[list[Event]], list[Event] | None]
 

@@ -11,7 +11,7 @@ import pytest
 from kvactors import ReqContext, TieringManager
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ThreadActorRef, ThreadRuntime, handles
-from kvactors.sim import SimRuntime
+from kvactors.testing import SimRuntime
 from tests.support import keys
 
 

@@ -90,7 +90,7 @@ PLAIN = [
 
 DRIVER = textwrap.dedent('''
     import json, os, runpy, signal, sys, tempfile, traceback
-    import kvactors.cli, kvactors.commands.stress, kvactors.commands.simulate, redis  # imported once
+    import kvactors.cli, kvactors.commands.stress, kvactors.commands.simulate.command, redis  # imported once
     try:
         import matplotlib.backend_bases
     except ImportError:
@@ -278,8 +278,9 @@ def test_fault_spec_grammar() -> None:
 
 
 def test_an_existing_event_log_needs_append_log(tmp_path: Path) -> None:
-    from kvactors.commands import simulate, stress
+    from kvactors.commands import stress
     from kvactors.commands.options import OptionError
+    from kvactors.commands.simulate import command as simulate
 
     log = tmp_path / "events.jsonl"
     log.write_text("")
@@ -292,7 +293,7 @@ def test_an_existing_event_log_needs_append_log(tmp_path: Path) -> None:
 
 
 def test_simulate_redis_capacity_is_its_own_option(tmp_path: Path) -> None:
-    from kvactors.simulation.runner import SimConfig, Simulation
+    from kvactors.commands.simulate.runner import SimConfig, Simulation
 
     config = SimConfig(disk_dir=str(tmp_path), disk_bytes=1 << 20, redis_url="redis://127.0.0.1:1",
                        redis_bytes=3 << 20)
@@ -325,7 +326,7 @@ def test_stress_seconds_alone_runs_for_that_long() -> None:
 @pytest.mark.timeout(60)
 def test_a_crash_of_the_workload_is_not_reported_as_violations(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvactors.commands import stress
-    from kvactors.sim import workload
+    from kvactors.testing import workload
 
     calls = []
 
@@ -344,7 +345,7 @@ def test_a_crash_of_the_workload_is_not_reported_as_violations(monkeypatch: pyte
 
 
 def test_workload_config_refuses_a_shape_that_would_crash_it() -> None:
-    from kvactors.sim.workload import WorkloadConfig
+    from kvactors.testing.workload import WorkloadConfig
 
     for bad in ({"keys": 0}, {"clients": 0}, {"requests": -1}, {"store_outcomes": (0.8, 0.1, -1.9, 2.0)},
                 {"p_reset": 2.0}):

@@ -8,7 +8,7 @@ import pytest
 
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorStoppedError, ThreadRuntime, handles
-from kvactors.sim import SimRuntime
+from kvactors.testing import SimRuntime
 
 
 class Recorder(Actor):

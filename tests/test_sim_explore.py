@@ -14,9 +14,9 @@ import pytest
 from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.core import lifecycle
 from kvactors.core.pool import BlockPool, _LoadPins
-from kvactors.sim import explore as explore_module
-from kvactors.sim.explore import ExploreReport, explore, explore_one
-from kvactors.sim.workload import WorkloadConfig
+from kvactors.testing import explore as explore_module
+from kvactors.testing.explore import ExploreReport, explore, explore_one
+from kvactors.testing.workload import WorkloadConfig
 from kvactors.types import JobResult
 
 CLEAN_SEEDS = 3000

@@ -9,10 +9,10 @@ import torch
 
 from kvactors import DiskTier, LookupResult, ReqContext, TieringManager
 from kvactors.cli import main
-from kvactors.commands.simulate import parse_size
-from kvactors.simulation.instrument import ObservedTier, TierObserver
-from kvactors.simulation.metrics import percentile
-from kvactors.simulation.workload import BlockBytes, Workload
+from kvactors.commands.simulate.command import parse_size
+from kvactors.commands.simulate.instrument import ObservedTier, TierObserver
+from kvactors.commands.simulate.run_metrics import percentile
+from kvactors.commands.simulate.traffic import BlockBytes, Workload
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -167,7 +167,8 @@ def test_observed_tier_delegates_and_records(tmp_path):
 
 
 def test_check_log_is_run_and_only_its_ok_verdict_is_ok(monkeypatch, tmp_path):
-    from kvactors.commands import check_log, simulate
+    from kvactors.commands import check_log
+    from kvactors.commands.simulate import command as simulate
 
     seen: list[str] = []
     verdict = {"rc": 0, "line": "3 requests, 0 violations"}

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvactors import JobResult, LifecycleError, MemoryTier, ReqContext, TieringManager, TransferJob
-from kvactors.sim import SimRuntime
+from kvactors.testing import SimRuntime
 from tests.support import RecordingTier
 
 KEYS = [f"k{n}".encode() for n in range(8)]

@@ -37,8 +37,8 @@ from kvactors import (
 )
 from kvactors.core.outcomes import key_outcomes
 from kvactors.core.quarantine import PromotionQuarantine
-from kvactors.sim import SimRuntime
-from kvactors.sim.tiers import pattern
+from kvactors.testing import SimRuntime
+from kvactors.testing.tiers import pattern
 from kvactors.tiers import codec
 from kvactors.tiers.disk import file_name
 

@@ -7,7 +7,7 @@ runtimes implement that interface:
 
 * :class:`ThreadRuntime` (production): each actor on a pykka thread, its own
   or that of the actor it is colocated with;
-* :class:`kvactors.sim.SimRuntime` (tests, race hunting): every actor on the
+* :class:`kvactors.testing.SimRuntime` (tests, race hunting): every actor on the
   caller's thread, a seeded scheduler choosing what runs next.
 
 Besides ``tell``, a ref lets a caller *claim* an idle actor and run one

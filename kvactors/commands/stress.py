@@ -1,6 +1,6 @@
 """``kvactors stress``: the random workload on real threads, checked against the contract.
 
-N frontend threads each run the workload of :mod:`kvactors.sim.workload`
+N frontend threads each run the workload of :mod:`kvactors.testing.workload`
 (random call orders, preemption, resets, misuse, stores failed, late or never
 completed) against one :class:`~kvactors.TieringManager` on pykka threads,
 with tiers that fail, raise, stall and are slow. Every wait has a bound: a
@@ -196,7 +196,7 @@ class Watch:
 
 def _make_tiers(args: argparse.Namespace, plan: Plan, deferrer: Any, faults: Any, seed: int,
                 disk_root: str, namespace: str) -> list[Any]:
-    from kvactors.sim.tiers import FaultTier, RecordingTier
+    from kvactors.testing.tiers import FaultTier, RecordingTier
     from kvactors.tiers.base import INLINE_CALLS, SecondaryTier
     from kvactors.tiers.disk import DiskTier
     from kvactors.tiers.redis import RedisTier
@@ -277,9 +277,9 @@ def run_stress(args: argparse.Namespace, state: dict[str, Any] | None = None) ->
 def _run_stress(args: argparse.Namespace, plan: Plan, cleanup: contextlib.ExitStack,
                 state: dict[str, Any]) -> dict[str, Any]:
     from kvactors.manager import TieringManager
-    from kvactors.sim.explore import check_stats, check_tiers
-    from kvactors.sim.tiers import Faults, ThreadDeferrer
-    from kvactors.sim.workload import Env, Hang, WorkloadConfig, drive, make_clients
+    from kvactors.testing.explore import check_stats, check_tiers
+    from kvactors.testing.tiers import Faults, ThreadDeferrer
+    from kvactors.testing.workload import Env, Hang, WorkloadConfig, drive, make_clients
 
     created: list[str] = []
     cleanup.callback(opt.remove_created, created)  # only what is still empty: never the user's data

@@ -1,6 +1,6 @@
 """Event logs to test and measure the checker on: real runs, and big logs made from them.
 
-* :func:`sim_log`: the seed explorer's runs (:func:`kvactors.sim.explore.explore_one`);
+* :func:`sim_log`: the seed explorer's runs (:func:`kvactors.testing.explore.explore_one`);
 * :func:`thread_log`: a :class:`~kvactors.TieringManager` on real threads with a
   ``MemoryTier``, whose workload leaves some requests unfinished and some
   stores never completed at the stop (so the stop's roll call is exercised);
@@ -25,7 +25,7 @@ from kvactors.logcheck.model import Event
 
 def sim_log(path: str | Path, seeds: range = range(40)) -> Path:
     """Append the explorer's runs of ``seeds`` to ``path`` (each run is checked by the explorer too)."""
-    from kvactors.sim.explore import explore_one
+    from kvactors.testing.explore import explore_one
 
     for seed in seeds:
         result = explore_one(seed, event_log=str(path))

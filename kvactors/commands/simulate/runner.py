@@ -42,11 +42,11 @@ from typing import Any
 
 import torch
 
+from kvactors.commands.simulate.instrument import ObservedTier, TierObserver
+from kvactors.commands.simulate.run_metrics import CPU, CPU_IN_FLIGHT, Metrics, Sample, Sampler, percentile
+from kvactors.commands.simulate.traffic import BlockBytes, Turn, Workload, WorkloadShape
 from kvactors.core.errors import LifecycleError, TransferError
 from kvactors.manager import TieringManager
-from kvactors.simulation.instrument import ObservedTier, TierObserver
-from kvactors.simulation.metrics import CPU, CPU_IN_FLIGHT, Metrics, Sample, Sampler, percentile
-from kvactors.simulation.workload import BlockBytes, Turn, Workload, WorkloadShape
 from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.disk import DiskTier
 from kvactors.transfer import TransferEngine
@@ -481,7 +481,7 @@ class Simulation:
         return 0
 
     def _attribute(self, keys: list[OffloadKey], first: list[LookupResult]) -> None:
-        """Count each loaded key under the tier it came from (see ``kvactors.simulation.metrics``)."""
+        """Count each loaded key under the tier it came from (see ``kvactors.commands.simulate.run_metrics``)."""
         by: Counter[str] = Counter()
         for key, state in zip(keys, first, strict=False):
             if state == LookupResult.HIT:

@@ -6,13 +6,13 @@ A client is a generator standing for one frontend thread. It drives a
 :mod:`kvactors.actors.messages` with a :class:`~kvactors.actors.reply.Reply` and ``yield``\\ s that
 future where a blocking call would wait. The same generator therefore runs
 
-* on a :class:`~kvactors.sim.SimRuntime` (``runtime.spawn_client``), where the
+* on a :class:`~kvactors.testing.SimRuntime` (``runtime.spawn_client``), where the
   scheduler decides when it resumes, and
 * on a real thread (:func:`drive`), which waits for each future with a bound:
   a future that is not resolved in time is a *hang*.
 
 Copies between the "device" and the pool are work of other threads: a
-:class:`~kvactors.sim.tiers.Deferrer` runs them later. A store's copy writes
+:class:`~kvactors.testing.tiers.Deferrer` runs them later. A store's copy writes
 ``pattern(key)`` into its rows and completes the store (or fails it, or
 completes it after its deadline, or never); a load's copy checks that the
 pinned rows still hold ``pattern(key)`` and then unpins.
@@ -35,7 +35,7 @@ from typing import Any
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
-from kvactors.sim.tiers import Deferrer, pattern, rows_hold
+from kvactors.testing.tiers import Deferrer, pattern, rows_hold
 from kvactors.types import LookupResult, OffloadKey, PrepareStoreOutput, ReqContext
 
 Client = Generator["Reply[Any] | None", None, None]

@@ -6,7 +6,7 @@ through a real ``TieringManager`` (the CPU pool, a ``DiskTier``, a
 cache, or the CUDA device when one is present), check every onboarded block
 byte for byte, and report hit rates, throughput, finalize latency, and the
 three numbers that must be zero: contract violations, byte mismatches, leaked
-states. The workload is described in :mod:`kvactors.simulation.runner`.
+states. The workload is described in :mod:`kvactors.commands.simulate.runner`.
 
 Exit status: 0 for a clean run, 1 if a violation, mismatch, leak, frontend
 error or a failed ``check-log`` was found, 2 for bad options, 3 if no request
@@ -132,7 +132,7 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Check the combinations of options and the memory they need (raises ``OptionError``); nothing starts."""
-    from kvactors.simulation.workload import WorkloadShape
+    from kvactors.commands.simulate.traffic import WorkloadShape
 
     block_bytes = _pick(args, "block_bytes")
     cpu_blocks = _pick(args, "cpu_blocks")
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     from rich.console import Console
 
-    from kvactors.simulation.runner import SimConfig, Simulation
+    from kvactors.commands.simulate.runner import SimConfig, Simulation
 
     the_plan = plan(args)
     if args.metrics_port is not None:
@@ -260,7 +260,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         shutil.rmtree(disk_dir, ignore_errors=True)
     keep_log.append(True)
 
-    from kvactors.simulation.report import DEFINITIONS, notes, plot, summary_table
+    from kvactors.commands.simulate.report import DEFINITIONS, notes, plot, summary_table
 
     check, check_ok = _check_log(event_log)
     console = Console(highlight=False, file=sys.stderr if args.json else sys.stdout)

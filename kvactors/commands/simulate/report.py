@@ -6,8 +6,8 @@ import itertools
 
 from rich.table import Table
 
-from kvactors.simulation.metrics import CPU, CPU_IN_FLIGHT, percentile
-from kvactors.simulation.runner import SimResult
+from kvactors.commands.simulate.run_metrics import CPU, CPU_IN_FLIGHT, percentile
+from kvactors.commands.simulate.runner import SimResult
 
 HIT_RATE_NOTE = (
     "Hit rate: prompt blocks loaded from the pool / prompt blocks looked up, over every attempt. "

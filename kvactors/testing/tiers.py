@@ -2,7 +2,7 @@
 
 :class:`RecordingTier` is a :class:`~kvactors.tiers.base.SecondaryTier` whose
 job completions happen *later, elsewhere* (a :class:`Deferrer`): on a
-:class:`~kvactors.sim.SimRuntime` they are deferred tasks the scheduler runs at
+:class:`~kvactors.testing.SimRuntime` they are deferred tasks the scheduler runs at
 random steps; on threads a small fixed pool of worker threads runs them (never
 a thread per job). Faults are drawn per job from a seeded RNG: a job may fail,
 ``submit_*`` may raise, a job may stall (never reported: its deadline fires),
@@ -15,7 +15,7 @@ a job that does not exist). Every row of a key that must not become ready
 (failed, or under a report the runtime must reject) is filled with junk
 first, so serving it shows up as wrong bytes. With ``Faults.hang``, a call
 (any that is not inline) may leave the tier's actor *stuck in it* for ``hang_s``: on threads the call blocks; on a
-:class:`~kvactors.sim.SimRuntime` the actor handles nothing more until virtual
+:class:`~kvactors.testing.SimRuntime` the actor handles nothing more until virtual
 time reaches its thaw.
 
 It asserts, per request attempt, what a tier can see of the contract:
@@ -108,7 +108,7 @@ class _TaskActor(rt.Actor):
 
 
 class SimDeferrer:
-    """Deferred tasks of a :class:`~kvactors.sim.SimRuntime`; delays are virtual time."""
+    """Deferred tasks of a :class:`~kvactors.testing.SimRuntime`; delays are virtual time."""
 
     def __init__(self, runtime: object) -> None:
         self.runtime = runtime

@@ -21,7 +21,7 @@ runs many and returns the failures. The check after each run
 * in seeds where a tier may get stuck in a call (``Faults.hang``), a *poller*
   (a scheduler calling ``take_events``, ``stats`` and now and then
   ``reset_cache`` between steps) is answered by each call's deadline in virtual
-  time (:meth:`~kvactors.sim.SimRuntime.expect_by`), and every stuck tier has
+  time (:meth:`~kvactors.testing.SimRuntime.expect_by`), and every stuck tier has
   recovered once the run settled.
 """
 
@@ -37,9 +37,9 @@ from typing import Any
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.manager import TieringManager
-from kvactors.sim.runtime import Client, SimRuntime, SimulationStuck
-from kvactors.sim.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer, rows_hold
-from kvactors.sim.workload import Env, WorkloadConfig, make_clients
+from kvactors.testing.scheduler import Client, SimRuntime, SimulationStuck
+from kvactors.testing.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer, rows_hold
+from kvactors.testing.workload import Env, WorkloadConfig, make_clients
 from kvactors.tiers.base import INLINE_CALLS
 
 
