@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
+import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import redis
@@ -19,6 +18,8 @@ from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers import redis_cluster as rc
 from kvactors.tiers.base import ReportFn, SecondaryTier
+from kvactors.tiers.runner import JobRunner, Outcome, RunningJob
+from kvactors.tiers.runner import describe as _describe
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 # Bytes read per recv: blocks are large (hundreds of KiB), so fewer, larger reads.
@@ -38,20 +39,6 @@ for i = 1, #popped, 2 do
 end
 return out
 """
-
-
-class _JobState:
-    """One submitted job. ``lock`` guards ``done`` and every access to the job's pool rows
-    after submission, so that once the job is reported (by its worker, or as failed by
-    ``shutdown``) nothing touches those rows any more."""
-
-    __slots__ = ("done", "future", "job", "lock")
-
-    def __init__(self, job: TransferJob) -> None:
-        self.job = job
-        self.lock = threading.Lock()
-        self.done = False
-        self.future: Future[None] | None = None
 
 
 class RedisTier(SecondaryTier):
@@ -195,19 +182,10 @@ class RedisTier(SecondaryTier):
         )
         self._evict_script = self._client.register_script(_EVICT_LUA)  # one server only
 
-        thread_ids = itertools.count()
-
-        def _name_thread() -> None:
-            threading.current_thread().name = f"kvactors-redis-{name}-{next(thread_ids)}"
-
-        self._executor = ThreadPoolExecutor(max_workers=io_workers, initializer=_name_thread)
-
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._jobs: set[_JobState] = set()  # submitted, not reported
-        self._busy = 0  # jobs and touches submitted and not finished
         self._events: list[OffloadingEvent] = []
-        self._closed = False
+        self._runner = JobRunner(name=name, workers=io_workers, thread_name=f"kvactors-redis-{name}",
+                                 report=self.report, log=self._log, emit=self._record, on_error=self._failed)
         # Degraded mode: no server calls before _down_until (monotonic); answer _down_answer.
         self._down_until = 0.0
         self._down_answer = LookupResult.MISS
@@ -250,42 +228,27 @@ class RedisTier(SecondaryTier):
 
     def drain(self, timeout: float | None) -> None:
         """Wait until every submitted job (and touch) has finished, or ``timeout`` passed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._busy:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return
-                self._idle.wait(remaining)
+        self._runner.drain(timeout)
 
     def shutdown(self) -> None:
         """Drain briefly (``timeout_s``), report every job still unreported as failed
         (exactly once: queued jobs are cancelled), close the connections and join the
         I/O threads. Safe to call twice."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.drain(self.timeout_s)
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            leftover = list(self._jobs)
-        for state in leftover:
-            self._complete(state, False, "tier shut down")
-        # Wakes workers blocked on a socket (shutdown(SHUT_RDWR) on every connection).
-        try:
-            if self._cluster is not None:
-                self._cluster.close()
-            self._client.connection_pool.disconnect()
-        except Exception as exc:  # pragma: no cover - best effort
-            self._log.warning("disconnect_failed", error=repr(exc))
-        self._executor.shutdown(wait=True)
-        # Cancelled jobs and touches never ran their bookkeeping: nothing is busy now.
-        with self._idle:
-            self._busy = 0
-            self._idle.notify_all()
+        if self._runner.closed:
+            return
+        self._runner.shutdown(self.timeout_s, abandon="tier shut down", interrupt=self._disconnect)
         with contextlib.suppress(Exception):
             self._client.close()
+
+    def _disconnect(self) -> None:
+        """Wake workers blocked on a socket (shutdown(SHUT_RDWR) on every connection)."""
+        if self._cluster is not None:
+            self._cluster.close()
+        self._client.connection_pool.disconnect()
+
+    @property
+    def _closed(self) -> bool:
+        return self._runner.closed
 
     # ---------------------------------------------------------------- lookup
 
@@ -352,12 +315,7 @@ class RedisTier(SecondaryTier):
         set) on an I/O thread. Best effort: never raises, failures are logged at debug."""
         if not keys or self._closed or self._backing_off():
             return
-        with self._lock:
-            self._busy += 1
-        try:
-            self._executor.submit(self._run_touch, list(keys))
-        except Exception:
-            self._done_busy()
+        self._runner.spawn(functools.partial(self._run_touch, list(keys)))
 
     def _run_touch(self, keys: list[OffloadKey]) -> None:
         try:
@@ -373,8 +331,6 @@ class RedisTier(SecondaryTier):
         except Exception as exc:
             self._failed(exc)
             self._log.debug("touch_failed", keys=len(keys), error=_describe(exc))
-        finally:
-            self._done_busy()
 
     # ----------------------------------------------------------------- jobs
 
@@ -396,56 +352,33 @@ class RedisTier(SecondaryTier):
             events, self._events = self._events, []
         return events
 
-    def _submit(self, job: TransferJob, work: Callable[[_JobState], None]) -> None:
-        state = _JobState(job)
+    def _record(self, events: Sequence[OffloadingEvent]) -> None:
         with self._lock:
-            self._jobs.add(state)
-            self._busy += 1
+            self._events.extend(events)
+
+    def _submit(self, job: TransferJob, work: Callable[[RunningJob], Outcome]) -> None:
         if self.pool is None:
-            self._finish_inline(state, "tier is not attached")
+            self._runner.fail(job, "tier is not attached")
         elif self._closed:
-            self._finish_inline(state, "tier shut down")
+            self._runner.fail(job, "tier shut down")
         elif len(job.keys) != len(job.block_ids):
-            self._finish_inline(state, f"{len(job.keys)} keys for {len(job.block_ids)} rows")
+            self._runner.fail(job, f"{len(job.keys)} keys for {len(job.block_ids)} rows")
         elif not job.keys:  # nothing to move
-            self._complete(state, True, None)
-            self._done_busy()
+            self._runner.finish(JobResult(job.job_id, True, None), job)
         elif self._backing_off():
-            self._finish_inline(state, "unavailable: server unreachable, retrying later")
-        else:
-            try:
-                state.future = self._executor.submit(self._run, state, work)
-            except Exception as exc:  # executor shut down under us
-                self._finish_inline(state, f"not submitted: {exc!r}")
+            self._runner.fail(job, "unavailable: server unreachable, retrying later")
+        elif not self._runner.submit(job, lambda running, lo, hi: work(running)):
+            self._runner.fail(job, "tier shut down")
 
-    def _finish_inline(self, state: _JobState, error: str) -> None:
-        self._complete(state, False, error)
-        self._done_busy()
-
-    def _run(self, state: _JobState, work: Callable[[_JobState], None]) -> None:
-        """Worker entry: ``work`` completes the job; anything it raises fails it."""
-        try:
-            if not state.done:
-                work(state)
-        except BaseException as exc:
-            self._failed(exc)
-            self._complete(state, False, _describe(exc))
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            if not state.done:  # work returned without completing: a bug, still report once
-                self._complete(state, False, "internal error: job not completed")
-            self._done_busy()
-
-    def _do_store(self, state: _JobState) -> None:
+    def _do_store(self, state: RunningJob) -> Outcome:
         job = state.job
         pool = self.pool
         assert pool is not None
         # Copy the rows out (one memcpy per block, into the record) while holding the
         # job lock: once the job is reported, its rows may be reused.
         with state.lock:
-            if state.done:
-                return
+            if state.reported:
+                return Outcome()
             records = []
             for key, row in zip(job.keys, job.block_ids, strict=True):
                 payload = pool[row].numpy().data  # zero-copy memoryview of the row
@@ -483,10 +416,9 @@ class RedisTier(SecondaryTier):
             if evicted:
                 events.append(OffloadingEvent(keys=tuple(evicted), tier=self.name, removed=True))
         if not failed:
-            self._complete(state, True, None, events)
-            return
+            return Outcome(events=events)
         error = f"{len(failed)} of {len(set(job.keys))} blocks not stored ({next(iter(failed.values()))})"
-        self._complete(state, False, error, events, successful_keys=stored)
+        return Outcome(_positions(job.keys, failed), error, events)
 
     def _evict(self, over: list[tuple[bytes, bytes, int]], job_id: int) -> list[OffloadKey]:
         """For each ``(LRU set, key prefix, count)``, remove the ``count`` least recently used
@@ -517,7 +449,7 @@ class RedisTier(SecondaryTier):
                     continue
         return evicted
 
-    def _do_load(self, state: _JobState) -> None:
+    def _do_load(self, state: RunningJob) -> Outcome:
         job = state.job
         pool = self.pool
         assert pool is not None
@@ -552,11 +484,9 @@ class RedisTier(SecondaryTier):
                 except codec.CorruptRecordError as exc:
                     bad.setdefault(key, f"corrupt: {exc}")
         if not missing and not bad and not unavailable:
-            self._complete(state, True, None, None, self._copier(good))
-            return
+            return Outcome(commit=self._copier(good))
         removed = self._forget(missing, list(bad), job.job_id) if missing or bad else []
-        failed = set(missing) | set(bad) | set(unavailable)
-        ok = tuple(key for key in dict.fromkeys(job.keys) if key not in failed)
+        failed = dict.fromkeys(missing, "missing") | bad | unavailable
         parts = []
         if missing:
             parts.append(f"missing: {len(set(missing))} of {len(set(job.keys))} blocks")
@@ -565,7 +495,7 @@ class RedisTier(SecondaryTier):
         if unavailable:
             parts.append(f"unavailable: {len(unavailable)} blocks ({next(iter(unavailable.values()))})")
         events = [OffloadingEvent(keys=tuple(removed), tier=self.name, removed=True)] if removed else []
-        self._complete(state, False, "; ".join(parts), events, self._copier(good), successful_keys=ok)
+        return Outcome(_positions(job.keys, failed), "; ".join(parts), events, self._copier(good))
 
     def _copier(self, rows: list[tuple[int, memoryview]]) -> Callable[[], None]:
         pool = self.pool
@@ -599,57 +529,6 @@ class RedisTier(SecondaryTier):
         if len(deleted) < len(corrupt) or any(isinstance(r, Exception) for r in replies):
             self._log.warning("forget_failed", job_id=job_id, error="a shard did not answer")
         return deleted
-
-    # ----------------------------------------------------------- completion
-
-    def _complete(
-        self,
-        state: _JobState,
-        success: bool,
-        error: str | None,
-        events: list[OffloadingEvent] | None = None,
-        before: Callable[[], None] | None = None,
-        successful_keys: tuple[OffloadKey, ...] | None = None,
-    ) -> bool:
-        """Report ``state``'s job once. ``before`` (pool writes) and the events run only
-        if this call is the one that reports. Returns whether it reported."""
-        with state.lock:
-            if state.done:
-                return False
-            if before is not None:
-                try:
-                    before()
-                except Exception as exc:
-                    success, error, successful_keys = False, f"copy into pool failed: {exc!r}", None
-                    if state.job.is_promotion:
-                        events = [e for e in events or () if e.removed]
-            state.done = True
-        with self._lock:
-            self._jobs.discard(state)
-            if events:
-                self._events.extend(events)
-        job = state.job
-        if not success:
-            self._log.warning(
-                "job_failed",
-                job_id=job.job_id,
-                kind="load" if job.is_promotion else "store",
-                req_id=job.req_context.req_id,
-                keys=len(job.keys),
-                error=error,
-            )
-        try:
-            self.report(JobResult(job_id=job.job_id, success=success, error=error, successful_keys=successful_keys))
-        except Exception as exc:
-            self._log.warning("report_failed", job_id=job.job_id, error=repr(exc))
-        return True
-
-    def _done_busy(self) -> None:
-        with self._idle:
-            self._busy -= 1
-            if self._busy <= 0:
-                self._busy = 0
-                self._idle.notify_all()
 
     # ------------------------------------------------------- degraded mode
 
@@ -694,9 +573,9 @@ def _check_cluster_url(url: str) -> None:
         raise ValueError(f"a Redis Cluster has only database 0, got {_redact(url)!r}")
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+def _positions(keys: Sequence[OffloadKey], failed: Mapping[OffloadKey, str]) -> dict[int, str]:
+    """``{position in keys: why}`` for the keys that failed (every place of a repeated key)."""
+    return {i: failed[key] for i, key in enumerate(keys) if key in failed}
 
 
 def _redact(url: str) -> str:
