@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from kvactors.core.policies.base import EvictionPolicy
-from kvactors.core.policies.lru import LRUPolicy
+from kvactors.core.policies.row_lru import RowLRUPolicy
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
 
 Identity: TypeAlias = tuple[str, int]
@@ -136,11 +136,11 @@ class BlockPool:
         self.evicted_keys = 0  # a counter for metrics: ready keys evicted to make room
         # A policy that can order rows itself (LRU) does so through our index
         # instead of keeping its own map of keys; the hot paths then call it by row.
-        self._rows: LRUPolicy | None = None
+        self._rows: RowLRUPolicy | None = None
         bind_rows = getattr(policy, "bind_rows", None)
         if callable(bind_rows):
-            bind_rows(self._index.get, self._keys, num_blocks)
-            self._rows = policy  # type: ignore[assignment]
+            self._rows = bind_rows(self._index.get, self._keys, num_blocks)
+            self._policy = self._rows
 
     # ------------------------------------------------------------------ queries
 
