@@ -563,7 +563,7 @@ class BlockPool:
             self._events.append(OffloadingEvent(evicted, self.tier, True))
         # Ascending rows for consecutive keys: copies of a request's blocks then
         # coalesce into few large slice copies (rows freed by eviction come back
-        # in reverse order, and one-block copies run at half the speed of 16-block ones).
+        # in reverse order, and one-block copies are much slower than long runs).
         rows = tuple(sorted(self._free.pop() for _ in keys))
         for key, row in zip(keys, rows, strict=True):
             self._occupy(row, key, writer)

@@ -229,7 +229,7 @@ class DiskTier(SecondaryTier):
         super().attach(pool, report)
         block_bytes = self.block_bytes
         # One flat byte view of the pool, made once: a row's view is then a slice
-        # (``pool[row].numpy().data`` per block cost about a tenth of a load).
+        # (``pool[row].numpy().data`` per block is a measurable part of a load).
         self._flat = pool.numpy().data.cast("B")
         self._row_bytes = block_bytes
         with self._lock:

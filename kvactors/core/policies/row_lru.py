@@ -13,8 +13,8 @@ class RowLRUPolicy:
     Made by :meth:`LRUPolicy.bind_rows <kvactors.core.policies.lru.LRUPolicy.bind_rows>`
     for a pool that maps keys to rows itself: ``row_of(key)`` is the row a tracked key
     is at (it must stay so while the key is tracked: the pool discards a key before
-    unindexing it), ``key_of[row]`` the key at a row. Two lists of row links (17 bytes
-    per row instead of an ``OrderedDict`` entry of about 100); keys are found through
+    unindexing it), ``key_of[row]`` the key at a row. Two lists of row links (a few
+    bytes per row instead of an ``OrderedDict`` entry); keys are found through
     the pool's own index, and the pool's hot paths call the ``*_row`` methods directly.
     Evicts in the same order as :class:`~kvactors.core.policies.lru.LRUPolicy`.
     """
