@@ -120,19 +120,7 @@ class RedisTier(RedisJobs, SecondaryTier):
         cluster: bool = False,
     ) -> None:
         super().__init__(name=name)
-        if not isinstance(namespace, str) or not namespace:
-            raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
-        if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0 or None, got {capacity_bytes!r}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if io_workers < 1:
-            raise ValueError(f"io_workers must be >= 1, got {io_workers!r}")
-        if retry_after_s < 0:
-            raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s!r}")
-        if cluster and "{" in namespace:
-            # The bucket's hash tag must be the first "{...}" of every key.
-            raise ValueError(f"namespace must not contain '{{' with cluster=True, got {namespace!r}")
+        _check_options(namespace, capacity_bytes, timeout_s, io_workers, retry_after_s, cluster)
         self.url = url
         self.namespace = namespace
         self.capacity_bytes = capacity_bytes
@@ -378,6 +366,24 @@ class RedisTier(RedisJobs, SecondaryTier):
         if self._degraded:
             self._degraded = False
             self._log.info("tier_recovered", url=_redact(self.url))
+
+
+def _check_options(namespace: str, capacity_bytes: int | None, timeout_s: float, io_workers: int,
+                   retry_after_s: float, cluster: bool) -> None:
+    """``ValueError`` for a constructor argument out of range (a configuration error)."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
+    if capacity_bytes is not None and capacity_bytes <= 0:
+        raise ValueError(f"capacity_bytes must be > 0 or None, got {capacity_bytes!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if io_workers < 1:
+        raise ValueError(f"io_workers must be >= 1, got {io_workers!r}")
+    if retry_after_s < 0:
+        raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s!r}")
+    if cluster and "{" in namespace:
+        # The bucket's hash tag must be the first "{...}" of every key.
+        raise ValueError(f"namespace must not contain '{{' with cluster=True, got {namespace!r}")
 
 
 def _check_cluster_url(url: str) -> None:
