@@ -173,7 +173,7 @@ def fault(kind: str | None, backend: str) -> Iterator[None]:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     if backend == "kvactors":
-        import kvactors.tiers.disk as mod
+        import kvactors.tiers.disk_files as mod
 
         names = ["_write_all"]
     else:

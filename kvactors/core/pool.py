@@ -38,72 +38,15 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TypeAlias
 
+from kvactors.core import pool_check
+from kvactors.core.load_pins import LoadPins, _LoadPins
 from kvactors.core.policies.base import EvictionPolicy
-from kvactors.core.policies.lru import LRUPolicy
+from kvactors.core.policies.row_lru import RowLRUPolicy
+from kvactors.core.pool_types import Identity, PoolError, StoreOutcome, StorePlan, Writer
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
 
-Identity: TypeAlias = tuple[str, int]
-"""A request attempt: ``(req_id, attempt)``."""
-
-Writer: TypeAlias = Identity | int
-"""Who writes a row: a request's store (its identity) or a promotion (its job id)."""
-
-
-class PoolError(ValueError):
-    """An operation's input does not match the pool's state; nothing changed."""
-
-
-@dataclass(frozen=True, slots=True)
-class StorePlan:
-    """What :meth:`BlockPool.prepare_store` allocated."""
-
-    keys: tuple[OffloadKey, ...]
-    rows: tuple[int, ...]
-    evicted: tuple[OffloadKey, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StoreOutcome:
-    """What :meth:`BlockPool.complete_store` did.
-
-    ``live`` writes were still indexed (they counted as the request's pending
-    stores); ``stale`` ones had been detached by a deadline or a reset and only
-    freed their rows. ``stored`` are the keys that became ready.
-    """
-
-    live: int
-    stale: int
-    stored: tuple[OffloadKey, ...]
-    rows: tuple[int, ...]
-
-
-class _LoadPins:
-    """One request's load pins of one key: how many on each row, and releases owed.
-
-    ``rows`` counts the pins taken on each row. ``owed`` counts the releases
-    (``complete_load``) received but not yet applied to a row, because the
-    pins lie on more than one row and a release does not say which of the
-    copies ended (see :meth:`BlockPool.unpin_load`).
-    """
-
-    __slots__ = ("owed", "rows")
-
-    def __init__(self, row: int) -> None:
-        self.rows: dict[int, int] = {row: 1}
-        self.owed = 0
-
-    @property
-    def taken(self) -> int:
-        return sum(self.rows.values())
-
-    @property
-    def outstanding(self) -> int:
-        """Pins not yet released by the request."""
-        return self.taken - self.owed
-
+__all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "StorePlan", "Writer", "_LoadPins"]
 
 class BlockPool:
     """Block states, pins and eviction for ``num_blocks`` rows."""
@@ -136,11 +79,11 @@ class BlockPool:
         self.evicted_keys = 0  # a counter for metrics: ready keys evicted to make room
         # A policy that can order rows itself (LRU) does so through our index
         # instead of keeping its own map of keys; the hot paths then call it by row.
-        self._rows: LRUPolicy | None = None
+        self._rows: RowLRUPolicy | None = None
         bind_rows = getattr(policy, "bind_rows", None)
         if callable(bind_rows):
-            bind_rows(self._index.get, self._keys, num_blocks)
-            self._rows = policy  # type: ignore[assignment]
+            self._rows = bind_rows(self._index.get, self._keys, num_blocks)
+            self._policy = self._rows
 
     # ------------------------------------------------------------------ queries
 
@@ -339,15 +282,8 @@ class BlockPool:
                 raise PoolError(f"key {key.hex()[:16]} is not pinned by {owner}")
         for key, count in wanted.items():
             entry = self._load_pins[(owner, key)]
-            entry.owed += count
-            if len(entry.rows) == 1:
-                ((row, pins),) = entry.rows.items()
-                released = {row: entry.owed}
-                entry.rows[row] = pins - entry.owed
-                entry.owed = 0
-            elif entry.owed == entry.taken:
-                released, entry.rows, entry.owed = entry.rows, {}, 0
-            else:
+            released = entry.release(count)
+            if released is None:
                 continue  # pins on several rows: wait for the key's last release
             if not entry.outstanding:
                 del self._load_pins[(owner, key)]
@@ -476,56 +412,7 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Assert that every piece of state agrees with every other. O(rows); for tests."""
-        pins = Counter[int]()
-        for entry in self._load_pins.values():
-            # Every pin is counted on the row it was taken on; owed releases only
-            # while the pins lie on more than one row; no entry outlives its pins.
-            assert entry.rows and all(count > 0 for count in entry.rows.values())
-            assert 0 <= entry.owed < entry.taken and (entry.owed == 0 or len(entry.rows) > 1)
-            pins.update(entry.rows)
-        for rows in self._job_pins.values():
-            pins.update(rows)
-        holds = Counter[int]()
-        for rows in self._held_jobs.values():
-            holds.update(rows)
-        writers: dict[int, Writer] = {}
-        for (writer, key), row in self._pending_writes.items():
-            assert self._keys[row] == key and row not in writers
-            writers[row] = writer
-        for job_id, entries in self._promotions.items():
-            for key, row in entries:
-                assert self._keys[row] == key and row not in writers
-                writers[row] = job_id
-        free = set(self._free)
-        assert len(free) == len(self._free), "a row is free twice"
-        counts = Counter[str]()
-        for row in range(self.num_blocks):
-            assert self._pins[row] == pins[row], f"row {row}: pins {self._pins[row]} != {pins[row]}"
-            assert self._holds[row] == holds[row], f"row {row}: holds"
-            assert self._writer[row] == writers.get(row), f"row {row}: writer"
-            held_key = self._keys[row]
-            busy = self._busy(row)
-            if row in free:
-                assert held_key is None and not busy and not self._indexed[row], f"free row {row} in use"
-                continue
-            assert held_key is not None, f"row {row} is neither free nor holds a key"
-            key = held_key
-            if self._indexed[row]:
-                assert self._index[key] == row
-                assert bool(self._ready[row]) == (self._writer[row] is None), f"row {row}: ready vs writer"
-                counts["ready" if self._ready[row] else "pending"] += 1
-                evictable = self._ready[row] and not busy
-                assert (key in self._policy) == bool(evictable), f"row {row}: policy membership"
-            else:
-                assert busy, f"row {row} is unindexed and idle but not free"
-                assert row in self._detached
-                counts["detached"] += 1
-            counts["pinned"] += self._pins[row] > 0
-        assert len(self._index) == counts["ready"] + counts["pending"]
-        assert (self._n_ready, self._n_pending, self._n_pinned, len(self._detached)) == (
-            counts["ready"], counts["pending"], counts["pinned"], counts["detached"])
-        assert len(self._policy) == sum(
-            1 for row in self._index.values() if self._ready[row] and not self._busy(row))
+        pool_check.check_invariants(self)
 
     # ------------------------------------------------------------------ internals
 
@@ -563,7 +450,7 @@ class BlockPool:
             self._events.append(OffloadingEvent(evicted, self.tier, True))
         # Ascending rows for consecutive keys: copies of a request's blocks then
         # coalesce into few large slice copies (rows freed by eviction come back
-        # in reverse order, and one-block copies run at half the speed of 16-block ones).
+        # in reverse order, and one-block copies are much slower than long runs).
         rows = tuple(sorted(self._free.pop() for _ in keys))
         for key, row in zip(keys, rows, strict=True):
             self._occupy(row, key, writer)

@@ -21,23 +21,37 @@ ReportFn = Callable[[JobResult], None]
 class SecondaryTier(abc.ABC):
     """A storage tier below the primary (CPU) pool: local disk, Redis, ...
 
-    Threading: each tier instance is owned by one actor, and every method below
-    is called on that actor's thread, one call at a time, never concurrently.
-    The only exception is the ``report`` callable given to :meth:`attach`, which
-    the tier may call from any thread (its own I/O workers, typically), and
-    the methods named in :attr:`inline_calls`, which may also be called on
-    the thread that sends them (still one call at a time, in order).
+    Preconditions (the runtime guarantees):
 
-    Lifecycle contract: after ``on_request_finished(ctx)`` the tier receives no
-    ``submit_store``/``submit_load`` for ``ctx``; reports of jobs submitted
-    before it may still be made. ``on_request_finished`` does not mean that the
-    request's data is persisted.
+    * Each tier instance is owned by one actor. Every method is called on that
+      actor's thread, one call at a time, never concurrently, in the order sent;
+      except that the methods named in :attr:`inline_calls` may instead run on the
+      thread that sends them (the supervisor's, or a caller's that claimed it),
+      still one call at a time with every other method and after every call sent
+      before.
+    * :meth:`attach` comes first, once; :meth:`drain` then :meth:`shutdown` come
+      last, once.
+    * After ``on_request_finished(ctx)`` no ``submit_store``/``submit_load`` for
+      ``ctx`` follows.
+    * At most :attr:`max_inflight_jobs` jobs are submitted and not yet reported;
+      a job's pool rows are not reused before the job is reported (or, if its
+      deadline passed, before its late report).
 
-    Failure: an exception raised by any method is this tier's failure, not the
-    runtime's. The job it concerned is reported failed, the request lifecycle
-    still completes, and other tiers and requests are unaffected. A job must be
-    reported exactly once; a job reported twice, or after its deadline, is
-    logged and ignored.
+    The tier is responsible for:
+
+    * Reporting every submitted job exactly once, through :meth:`report`, which
+      may be called from any thread (its own I/O workers, typically); a job
+      reported twice, or after its deadline, is logged and ignored.
+    * Never touching a job's pool rows after reporting it.
+    * Its own threads, and their safety: anything they share with the methods
+      above is the tier's to lock. :meth:`take_events` may be called while the
+      tier's workers run.
+    * Failure: an exception raised by any method is this tier's failure, not the
+      runtime's. The job it concerned is reported failed, the request
+      lifecycle still completes, and other tiers and requests are unaffected.
+
+    ``on_request_finished`` does not mean that the request's data is persisted;
+    reports of jobs submitted before it may still be made.
     """
 
     max_inflight_jobs: ClassVar[int] = 16
@@ -62,10 +76,15 @@ class SecondaryTier(abc.ABC):
         self._report: ReportFn | None = None
 
     def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
-        """Called once, before anything else.
+        """Receive the primary pool and the report function.
 
-        ``pool`` is the primary pool, ``uint8`` rows ``(num_blocks, block_bytes)``;
-        ``report(JobResult)`` may be called from any thread.
+        Preconditions: called once, before any other method, on the actor's thread.
+        ``pool`` is the primary pool, ``uint8`` rows ``(num_blocks, block_bytes)``,
+        alive until after :meth:`shutdown`.
+
+        The tier is responsible for: keeping both (the base class does; call
+        ``super().attach``), and raising ``ValueError`` for a pool it cannot use.
+        ``report(JobResult)`` may then be called from any thread.
         """
         self.pool = pool
         self._report = report
@@ -78,7 +97,8 @@ class SecondaryTier(abc.ABC):
         return int(self.pool.shape[1])
 
     def report(self, result: JobResult) -> None:
-        """Report that a job ended; thread-safe."""
+        """Report that a job ended. Thread-safe: may be called from any thread,
+        once per job; ``RuntimeError`` before :meth:`attach`."""
         if self._report is None:
             raise RuntimeError(f"tier {self.name!r} is not attached")
         self._report(result)
@@ -86,20 +106,39 @@ class SecondaryTier(abc.ABC):
     @abc.abstractmethod
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """One result per key: ``HIT`` if the tier can load it, else ``MISS``
-        (or ``RETRY`` when it cannot tell now)."""
+        (or ``RETRY`` when it cannot tell now).
+
+        Preconditions: on the actor's thread (or the sender's, if inline); ``keys``
+        may repeat and may be empty.
+
+        The tier is responsible for: answering in order, one result per key, within
+        a bound;
+        a ``HIT`` that a later load cannot serve is a failed load, never bad bytes.
+        """
 
     @abc.abstractmethod
     def submit_store(self, job: TransferJob) -> None:
         """Copy ``pool[job.block_ids]`` into the tier under ``job.keys``; report when done.
 
-        The rows stay pinned (unchanged) until the job is reported.
+        Preconditions: the job's request has not finished (see the class); ``job.keys``
+        and ``job.block_ids`` have one row per key; the rows stay pinned (unchanged)
+        until the job is reported (or its deadline passed and its late report came).
+
+        The tier is responsible for: returning promptly if it names this method in
+        :attr:`inline_calls`; reporting exactly once (``successful_keys`` for a job
+        that ended per key: exactly those keys are stored); not reading the rows
+        after the report.
         """
 
     @abc.abstractmethod
     def submit_load(self, job: TransferJob) -> None:
         """Copy the tier's data for ``job.keys`` into ``pool[job.block_ids]``; report when done.
 
-        Report ``success=False`` if any key is missing or fails verification:
+        Preconditions: as :meth:`submit_store`; the rows are the tier's to write
+        until the report, and nobody reads them before it.
+
+        The tier is responsible for: reporting ``success=False`` if any key is
+        missing or fails verification:
         the rows are then discarded, never served. A job may end per key:
         ``JobResult(..., successful_keys=(...))`` makes only those keys' rows
         ready; the others are discarded. A tier should also forget a key it
@@ -108,26 +147,50 @@ class SecondaryTier(abc.ABC):
         """
 
     def on_new_request(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
-        """First sight of a request attempt."""
+        """First sight of a request attempt.
+
+        Preconditions: before any submit for ``ctx``.
+        The tier is responsible for: returning promptly (it may run inline)."""
 
     def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
-        """No submit for ``ctx`` follows; reports of earlier jobs still may."""
+        """No submit for ``ctx`` follows; reports of earlier jobs still may.
+
+        Preconditions: once per attempt, after its last submit.
+        The tier is responsible for: not taking it as "persisted"; returning promptly."""
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:  # noqa: B027
-        """Recency hint: ``keys`` were used."""
+        """Recency hint: ``keys`` were used (present or not). Best effort: the tier
+        is responsible for not raising and, as it may run inline, for not blocking."""
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Blocks stored or removed at this tier since the last call."""
+        """Blocks stored or removed at this tier since the last call, in order.
+
+        Preconditions: on the actor's thread, while the tier's workers may run.
+        The tier is responsible for: returning each event once (thread-safe against
+        its own workers)."""
         return []
 
     def drain(self, timeout: float | None) -> None:  # noqa: B027
         """Return when every submitted job has been reported, or ``timeout`` passed.
 
-        Jobs still queued may be reported as failed.
+        Preconditions: on the actor's thread, just before :meth:`shutdown`; no submit
+        follows. ``None`` means no bound (the runtime always passes one).
+
+        The tier is responsible for: returning within ``timeout``; jobs still queued
+        may be reported as failed.
         """
 
     def shutdown(self) -> None:  # noqa: B027
-        """Release resources. Called once, last."""
+        """Release resources: stop the tier's threads, close its connections.
+
+        Preconditions: called once, last, on the actor's thread, after :meth:`drain`
+        (whose timeout may have passed). No other method follows, but a second call is
+        possible from a user's cleanup.
+
+        The tier is responsible for: returning within a bound of its own; reporting
+        (failed) every job still unreported by the time it returns, exactly once;
+        being idempotent.
+        """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -6,9 +6,9 @@ A record is a fixed header followed by the key and the payload::
 
 The checksum covers the key too, so a record stored under the wrong name (or a
 payload swapped between blocks) is rejected like a corrupt one. XXH3 (the
-``xxhash`` package) runs at tens of GB/s, so verifying a block costs a small
-fraction of reading it; zlib's crc32 (about 3 GB/s here) halved a tier's
-throughput from the page cache. It detects corruption, not tampering.
+``xxhash`` package) is fast enough that verifying a block costs a small
+fraction of reading it, which zlib's crc32 was not (see
+``docs/performance.md``). It detects corruption, not tampering.
 """
 
 from __future__ import annotations

@@ -1,37 +1,31 @@
 """``DiskTier``: blocks as files in one local directory.
 
-Layout: one file per block, named after its key (``<key hex>.kvb``, or
-``h-<blake2b of key>.kvb`` when the hex name would be too long), holding one
-record of :mod:`kvactors.tiers.codec` (header, key, payload, XXH3-64 checksum). A file
-appears under its final name only once it is complete (temporary file plus
-``os.replace``), so a crash leaves either the whole record or a ``.tmp-*``
-file that the next tier opening the directory deletes.
+The file layout (one record of :mod:`kvactors.tiers.codec` per block, written
+under a temporary name and renamed once complete) is
+:mod:`kvactors.tiers.disk_files`. The index (key -> file, LRU order, bytes
+used) lives in memory; it is rebuilt from the directory when a tier is
+constructed, so blocks survive a restart of the process. Lookups never touch
+the disk.
 
-The index (key -> file, LRU order, bytes used) lives in memory; it is rebuilt
-from the directory when a tier is constructed, so blocks survive a restart of
-the process. Lookups never touch the disk.
-
-Threading: the tier's methods are called on its actor's thread, one at a time;
-the file I/O runs on a small ``ThreadPoolExecutor`` of its own, concurrently
-with those methods and with each other. One lock guards the index, the byte
-accounting, the pins and the event list; it is held for index updates and for
-the cheap metadata calls that must agree with the index (``os.replace`` of a
-finished file, ``os.unlink`` of an evicted one), never for reading or writing
-block data.
+Threading: the tier's methods are called on its actor's thread (or, for its
+``inline_calls``, on the thread that sends them), one at a time; the file I/O
+runs on the workers of a :class:`~kvactors.tiers.runner.JobRunner`,
+concurrently with those methods and with each other. One lock guards the
+index, the byte accounting, the pins and the event list; it is held for index
+updates and for the cheap metadata calls that must agree with the index
+(``os.replace`` of a finished file, ``os.unlink`` of an evicted one), never
+for reading or writing block data.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import errno
-import hashlib
 import itertools
 import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,74 +33,38 @@ import torch
 from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers.base import ReportFn, SecondaryTier
-from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
+from kvactors.tiers.disk_files import (
+    MAX_NAME_CHARS,
+    SUFFIX,
+    TMP_PREFIX,
+    DiskTierError,
+    describe,
+    file_name,
+    fsync_dir,
+    read_key,
+    read_record_into,
+    write_record,
+)
+from kvactors.tiers.runner import JobRunner, Outcome, RunningJob
+from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
-SUFFIX = ".kvb"
-"""Suffix of block files; files without it are not the tier's and are left alone."""
-TMP_PREFIX = ".tmp-"
-"""Prefix of files being written; leftovers are deleted when a tier opens the directory."""
-MAX_NAME_CHARS = 200
-"""Longest file name used; longer hex names are replaced by a hash (the record keeps the key)."""
+__all__ = ["MAX_NAME_CHARS", "SUFFIX", "TMP_PREFIX", "DiskTier", "DiskTierError", "file_name"]
 
 _MIN_CHUNK_BYTES = 4 << 20
 """A job is split across workers in chunks of at least this many record bytes:
 below it, the per-chunk overhead costs more than the parallelism wins."""
 
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-class DiskTierError(RuntimeError):
-    """A job of a :class:`DiskTier` could not be done (the message says why)."""
-
-
-def file_name(key: OffloadKey) -> str:
-    """The name of the file that holds ``key``: hex of the key, or a hash of it.
-
-    Only ``[0-9a-f]`` and ``h-`` appear, so no key can steer the path out of
-    the tier's directory.
-    """
-    name = key.hex() + SUFFIX
-    if len(name) > MAX_NAME_CHARS:
-        name = "h-" + hashlib.blake2b(key, digest_size=32).hexdigest() + SUFFIX
-    return name
-
-
-def _describe(exc: BaseException) -> str:
-    """A one-line error for a JobResult: the errno name and the file for OS errors."""
-    if isinstance(exc, OSError) and exc.errno is not None:
-        code = errno.errorcode.get(exc.errno, str(exc.errno))
-        where = f": {exc.filename}" if exc.filename else ""
-        return f"{type(exc).__name__} [{code}] {exc.strerror}{where}"
-    return f"{type(exc).__name__}: {exc}"
+_SHUTDOWN_DRAIN_S = 1.0
+"""How long :meth:`DiskTier.shutdown` lets running and queued jobs finish before cancelling."""
 
 
 @dataclass(slots=True)
 class _Entry:
     name: str
     size: int
-
-
-@dataclass(slots=True, eq=False)
-class _JobState:
-    job: TransferJob
-    remaining: int = 0
-    failed: dict[int, str] = field(default_factory=dict)  # position in the job -> why that key failed
-    pinned: list[OffloadKey] = field(default_factory=list)
-
-    def result(self) -> JobResult:
-        """The report: a success, or the keys that succeeded and the first error."""
-        keys = self.job.keys
-        if not self.failed:
-            return JobResult(self.job.job_id, True)
-        bad = {keys[i] for i in self.failed}
-        ok = tuple(key for key in dict.fromkeys(keys) if key not in bad)
-        first = self.failed[min(self.failed)]
-        error = f"{len(bad)} of {len(set(keys))} blocks failed: {first}"
-        return JobResult(self.job.job_id, False, error, successful_keys=ok)
 
 
 class DiskTier(SecondaryTier):
@@ -174,15 +132,12 @@ class DiskTier(SecondaryTier):
         self._log: FilteringBoundLogger = component_logger("tiers.disk", tier=name)
 
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         # LRU first. Guarded by _lock, like everything below.
         self._index: collections.OrderedDict[OffloadKey, _Entry] = collections.OrderedDict()
         self._used = 0  # bytes of indexed files
         self._reserved = 0  # bytes of files being written
         self._pins: collections.Counter[OffloadKey] = collections.Counter()  # keys being loaded
         self._events: list[tuple[bool, list[OffloadKey]]] = []
-        self._inflight: set[_JobState] = set()
-        self._closed = False
         self._flat = memoryview(b"")  # the pool's bytes, flat (set by attach)
         self._row_bytes = 0
         # Unique temp names without a syscall per file: a random tag per tier, then a counter.
@@ -192,14 +147,8 @@ class DiskTier(SecondaryTier):
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._scan()
         self._tls = threading.local()
-        thread_ids = itertools.count()
-
-        def name_worker() -> None:
-            threading.current_thread().name = f"kvactors-disk-{name}-{next(thread_ids)}"
-
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=io_workers, thread_name_prefix=f"kvactors-disk-{name}", initializer=name_worker
-        )
+        self._runner = JobRunner(name=name, workers=io_workers, thread_name=f"kvactors-disk-{name}",
+                                 report=self.report, log=self._log)
 
     # ------------------------------------------------------------------ info
 
@@ -237,7 +186,7 @@ class DiskTier(SecondaryTier):
                     continue
                 try:
                     st = dirent.stat(follow_symlinks=False)
-                    key = self._read_key(fname, st.st_size)
+                    key = read_key(self._path(fname), fname, st.st_size)
                 except (OSError, codec.CorruptRecordError):
                     key = None
                 if key is None:
@@ -260,28 +209,13 @@ class DiskTier(SecondaryTier):
             discarded=discarded, evicted=evicted,
         )
 
-    def _read_key(self, fname: str, size: int) -> OffloadKey | None:
-        """The key of a block file if its header, name and size agree, else None."""
-        fd = os.open(self._path(fname), os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
-        try:
-            head = os.pread(fd, codec.HEADER_SIZE, 0)
-            key_len, payload_len = codec.decode_header(head)
-            key = os.pread(fd, key_len, codec.HEADER_SIZE)
-        finally:
-            os.close(fd)
-        if len(key) != key_len or size != codec.HEADER_SIZE + key_len + payload_len:
-            return None
-        if file_name(key) != fname:
-            return None
-        return key
-
     def _unlink_quietly(self, fname: str) -> None:
         try:
             os.unlink(self._path(fname))
         except (FileNotFoundError, NotADirectoryError):
             pass
         except OSError as exc:
-            self._log.warning("unlink_failed", file=fname, error=_describe(exc))
+            self._log.warning("unlink_failed", file=fname, error=describe(exc))
 
     # ------------------------------------------------------------ tier API
 
@@ -295,7 +229,7 @@ class DiskTier(SecondaryTier):
         super().attach(pool, report)
         block_bytes = self.block_bytes
         # One flat byte view of the pool, made once: a row's view is then a slice
-        # (``pool[row].numpy().data`` per block cost about a tenth of a load).
+        # (``pool[row].numpy().data`` per block is a measurable part of a load).
         self._flat = pool.numpy().data.cast("B")
         self._row_bytes = block_bytes
         with self._lock:
@@ -351,136 +285,80 @@ class DiskTier(SecondaryTier):
 
     def drain(self, timeout: float | None) -> None:
         """Return once every submitted job has been reported, or after ``timeout`` seconds."""
-        with self._idle:
-            self._idle.wait_for(lambda: not self._inflight, timeout)
+        self._runner.drain(timeout)
 
-    def shutdown(self, timeout: float | None = 1.0) -> None:
-        """Drain for up to ``timeout`` seconds, then stop the workers.
+    def shutdown(self) -> None:
+        """Let submitted jobs finish for up to a second, then stop the workers.
 
-        Jobs still queued are reported failed (from this thread), jobs running
+        Jobs still queued then are reported failed (from this thread), jobs running
         finish and are reported; when this returns no worker runs and every job
         has been reported. A job submitted afterwards is reported failed at
         once. Idempotent.
         """
-        with self._lock:
-            if self._closed:
-                return
-        self.drain(timeout)
-        with self._lock:
-            self._closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._runner.shutdown(_SHUTDOWN_DRAIN_S)
 
     # ------------------------------------------------------------ job plumbing
 
     def _submit(self, job: TransferJob, do_one: Callable[[OffloadKey, int], bool]) -> None:
-        state = _JobState(job)
         n = len(job.keys)
         if n != len(job.block_ids):
-            self._finish_now(state, f"job has {n} keys but {len(job.block_ids)} block ids")
+            self._runner.fail(job, f"job has {n} keys but {len(job.block_ids)} block ids")
             return
         if self.pool is None or self._report is None:
             raise RuntimeError(f"tier {self.name!r} is not attached")
         record = codec.HEADER_SIZE + self.block_bytes
-        n_chunks = max(1, min(n, self._io_workers, (n * record) // _MIN_CHUNK_BYTES))
-        bounds = [(n * i) // n_chunks for i in range(n_chunks + 1)]
-        with self._lock:
-            if self._closed:
-                closed = True
-            else:
-                closed = False
-                state.remaining = n_chunks
-                self._inflight.add(state)
-                if job.is_promotion:
-                    state.pinned = list(job.keys)
-                    self._pins.update(state.pinned)
-        if closed:
-            self._finish_now(state, f"tier {self.name!r} is shut down")
+        chunks = max(1, min(n, self._io_workers, (n * record) // _MIN_CHUNK_BYTES))
+        pinned = list(job.keys) if job.is_promotion else []
+        if pinned:
+            with self._lock:
+                self._pins.update(pinned)
+
+        def work(running: RunningJob, lo: int, hi: int) -> Outcome:
+            return self._run_chunk(running.job, do_one, lo, hi)
+
+        def release(lo: int, hi: int) -> None:
+            self._unpin(pinned[lo:hi])
+
+        if not self._runner.submit(job, work, chunks=chunks, release=release if pinned else None):
+            self._unpin(pinned)
+            self._runner.fail(job, f"tier {self.name!r} is shut down")
+
+    def _unpin(self, keys: list[OffloadKey]) -> None:
+        if not keys:
             return
-        for lo, hi in itertools.pairwise(bounds):
-            try:
-                fut = self._executor.submit(self._run_chunk, state, do_one, lo, hi)
-            except RuntimeError as exc:  # executor shut down under us
-                self._cancel(state, lo, hi, f"tier {self.name!r} is shut down: {exc}")
-                continue
-            fut.add_done_callback(self._on_cancelled(state, lo, hi))
+        with self._lock:
+            self._pins.subtract(keys)
+            for key in keys:
+                if self._pins[key] <= 0:
+                    del self._pins[key]
 
-    def _on_cancelled(
-        self, state: _JobState, lo: int, hi: int
-    ) -> Callable[[concurrent.futures.Future[None]], None]:
-        def callback(fut: concurrent.futures.Future[None]) -> None:
-            # A cancelled chunk never ran, so _run_chunk will not report it.
-            if fut.cancelled():
-                self._cancel(state, lo, hi, f"cancelled: tier {self.name!r} shut down")
-
-        return callback
-
-    def _run_chunk(
-        self, state: _JobState, do_one: Callable[[OffloadKey, int], bool], lo: int, hi: int
-    ) -> None:
+    def _run_chunk(self, job: TransferJob, do_one: Callable[[OffloadKey, int], bool], lo: int, hi: int) -> Outcome:
         """Do keys ``lo:hi`` of the job, each on its own: one key's failure fails that key only."""
         failed: dict[int, str] = {}
         written: list[int] = []
+        keys, rows = job.keys, job.block_ids
         i = lo
         try:
-            keys, rows = state.job.keys, state.job.block_ids
             for i in range(lo, hi):
                 try:
                     if do_one(keys[i], rows[i]):
                         written.append(i)
                 except Exception as exc:
-                    failed[i] = _describe(exc)
+                    failed[i] = describe(exc)
             i = hi
-            if self.fsync and written:
-                try:
-                    self._fsync_dir()
-                except Exception as exc:
-                    # The new files may not survive a crash, as their store promised: not stored.
-                    reason = f"directory sync failed: {_describe(exc)}"
-                    for j in written:
-                        self._forget(keys[j])
-                        failed[j] = reason
         finally:
             for j in range(i, hi):  # a BaseException stopped the loop: the rest never ran
                 failed.setdefault(j, "worker interrupted")
-            self._chunk_done(state, lo, hi, failed)
-
-    def _cancel(self, state: _JobState, lo: int, hi: int, error: str) -> None:
-        self._chunk_done(state, lo, hi, dict.fromkeys(range(lo, hi), error))
-
-    def _finish_now(self, state: _JobState, error: str) -> None:
-        """Report a job that never reached the workers."""
-        self._log.warning("job_failed", job_id=state.job.job_id, error=error)
-        self._safe_report(JobResult(state.job.job_id, False, error))
-
-    def _chunk_done(self, state: _JobState, lo: int, hi: int, failed: dict[int, str]) -> None:
-        with self._lock:
-            state.failed.update(failed)
-            if state.pinned:
-                self._pins.subtract(state.pinned[lo:hi])
-                for key in state.pinned[lo:hi]:
-                    if self._pins[key] <= 0:
-                        del self._pins[key]
-            state.remaining -= 1
-            if state.remaining > 0:
-                return
-            result = state.result()
-        try:
-            if not result.success:
-                self._log.warning("job_failed", job_id=state.job.job_id, error=result.error,
-                                  promotion=state.job.is_promotion, keys=len(state.job.keys),
-                                  failed_keys=len(state.job.keys) - len(result.successful_keys or ()))
-            self._safe_report(result)
-        finally:
-            with self._lock:
-                self._inflight.discard(state)
-                if not self._inflight:
-                    self._idle.notify_all()
-
-    def _safe_report(self, result: JobResult) -> None:
-        try:
-            self.report(result)
-        except Exception as exc:
-            self._log.warning("report_failed", job_id=result.job_id, error=_describe(exc))
+        if self.fsync and written:
+            try:
+                fsync_dir(self.root)
+            except Exception as exc:
+                # The new files may not survive a crash, as their store promised: not stored.
+                reason = f"directory sync failed: {describe(exc)}"
+                for j in written:
+                    self._forget(keys[j])
+                    failed[j] = reason
+        return Outcome(failed)
 
     def _emit(self, keys: Iterable[OffloadKey], removed: bool) -> None:
         """Record an event; caller holds the lock. Adjacent events of one kind merge."""
@@ -522,20 +400,11 @@ class DiskTier(SecondaryTier):
                 self._index.move_to_end(key)
                 return False
             self._reserve(size)
-        assert self.pool is not None
         final = file_name(key)
         tmp = self._path(f"{TMP_PREFIX}{self._tmp_tag}-{next(self._tmp_seq)}")
         renamed = False
         try:
-            payload = self._row(row)  # zero-copy view of the pinned row
-            header = codec.encode_header(key, payload)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o600)
-            try:
-                _write_all(fd, header, payload)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_record(tmp, key, self._row(row), fsync=self.fsync)  # a zero-copy view of the pinned row
             with self._lock:
                 if key in self._index:  # another job stored it meanwhile
                     self._index.move_to_end(key)
@@ -553,13 +422,6 @@ class DiskTier(SecondaryTier):
                 with self._lock:
                     self._reserved -= size
         return renamed
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.root, os.O_RDONLY | _O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     # ---------------------------------------------------------------- load
 
@@ -579,12 +441,12 @@ class DiskTier(SecondaryTier):
             raise DiskTierError(f"block {key.hex()[:32]}: corrupt file {entry.name}: {exc}") from None
         except (FileNotFoundError, NotADirectoryError) as exc:
             self._drop(key, entry)
-            raise DiskTierError(f"block {key.hex()[:32]}: file is missing: {_describe(exc)}") from None
+            raise DiskTierError(f"block {key.hex()[:32]}: file is missing: {describe(exc)}") from None
         except Exception as exc:
             # EIO, a directory or a symlink in the file's place, EACCES, ...: this block cannot be
             # read, and asking again would fail again: it leaves the tier.
             self._drop(key, entry)
-            raise DiskTierError(f"block {key.hex()[:32]}: unreadable file {entry.name}: {_describe(exc)}") from None
+            raise DiskTierError(f"block {key.hex()[:32]}: unreadable file {entry.name}: {describe(exc)}") from None
         return False  # no file written
 
     def _row(self, row: int) -> memoryview:
@@ -593,23 +455,8 @@ class DiskTier(SecondaryTier):
         return self._flat[row * size : (row + 1) * size]
 
     def _read_into(self, key: OffloadKey, row: int, entry: _Entry) -> None:
-        block_bytes = self._row_bytes
-        expected = codec.HEADER_SIZE + len(key) + block_bytes
-        fd = os.open(self._path(entry.name), os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
-        try:
-            head_size = codec.HEADER_SIZE + len(key)
-            head = self._buffer(head_size + 1)
-            # Straight into the pool row, checked there: no bounce buffer, and a
-            # failed check fails the job, whose rows the runtime then discards.
-            # One spare byte after the row tells a long file without an fstat.
-            row_view = self._row(row)
-            got = _read_full(fd, [head[:head_size], row_view, head[head_size:]], expected)
-            if got != expected:
-                raise codec.CorruptRecordError(f"file is {got}{'+' if got > expected else ''} bytes, "
-                                               f"expected {expected}")
-            codec.verify_split(head[:head_size], row_view, key, block_bytes)
-        finally:
-            os.close(fd)
+        head = self._buffer(codec.HEADER_SIZE + len(key) + 1)
+        read_record_into(self._path(entry.name), key, head, self._row(row))
 
     def _buffer(self, size: int) -> memoryview:
         """This worker's header buffer, reused across reads: no allocation per block."""
@@ -637,39 +484,3 @@ class DiskTier(SecondaryTier):
             self._emit((key,), removed=True)
 
 
-def _write_all(fd: int, header: bytes, payload: memoryview) -> None:
-    total = len(header) + payload.nbytes
-    done = os.writev(fd, [header, payload])
-    if done == total:
-        return
-    # Short write (rare on regular files): finish with plain writes.
-    rest = memoryview(header + bytes(payload))[done:]
-    while rest:
-        n = os.write(fd, rest)
-        if n <= 0:
-            raise OSError(f"write returned {n}")
-        rest = rest[n:]
-
-
-def _read_full(fd: int, bufs: list[memoryview], need: int) -> int:
-    """Read ``fd`` into ``bufs`` until at least ``need`` bytes came or the file ends; the bytes read.
-
-    One ``readv`` when the file holds ``need`` bytes: a spare buffer beyond
-    ``need`` catches a longer file without a second call to find the end.
-    """
-    got = os.readv(fd, bufs)
-    while got < need:
-        # Short read: go on from where it stopped, one buffer at a time.
-        skip = got
-        rest: list[memoryview] = []
-        for b in bufs:
-            if skip >= b.nbytes:
-                skip -= b.nbytes
-            else:
-                rest.append(b[skip:])
-                skip = 0
-        n = os.readv(fd, rest)
-        if n == 0:
-            break
-        got += n
-    return got

@@ -3,58 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvactors.logs import component_logger
-from kvactors.tiers import codec
 from kvactors.tiers import redis_cluster as rc
 from kvactors.tiers.base import ReportFn, SecondaryTier
+from kvactors.tiers.redis_jobs import EVICT_LUA, RedisJobs
+from kvactors.tiers.runner import JobRunner, Outcome, RunningJob
+from kvactors.tiers.runner import describe as _describe
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 # Bytes read per recv: blocks are large (hundreds of KiB), so fewer, larger reads.
 _SOCKET_READ_SIZE = 1 << 20
 
-# Evicts the ``ARGV[1]`` least recently used members of an LRU sorted set
-# (``KEYS[1]``) and unlinks their blocks (``ARGV[2]`` is the key prefix).
-# Atomic, so concurrent writers never evict one member twice. The block keys
-# are built inside the script: on a cluster, prefix and set share a hash tag,
-# so they are in the set's slot.
-_EVICT_LUA = """
-local popped = redis.call('ZPOPMIN', KEYS[1], ARGV[1])
-local out = {}
-for i = 1, #popped, 2 do
-  redis.call('UNLINK', ARGV[2] .. popped[i])
-  out[#out + 1] = popped[i]
-end
-return out
-"""
-
-
-class _JobState:
-    """One submitted job. ``lock`` guards ``done`` and every access to the job's pool rows
-    after submission, so that once the job is reported (by its worker, or as failed by
-    ``shutdown``) nothing touches those rows any more."""
-
-    __slots__ = ("done", "future", "job", "lock")
-
-    def __init__(self, job: TransferJob) -> None:
-        self.job = job
-        self.lock = threading.Lock()
-        self.done = False
-        self.future: Future[None] | None = None
-
-
-class RedisTier(SecondaryTier):
+class RedisTier(RedisJobs, SecondaryTier):
     """A tier on a Redis server, shared by any number of processes and machines.
 
     Connection
@@ -150,19 +120,7 @@ class RedisTier(SecondaryTier):
         cluster: bool = False,
     ) -> None:
         super().__init__(name=name)
-        if not isinstance(namespace, str) or not namespace:
-            raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
-        if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0 or None, got {capacity_bytes!r}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if io_workers < 1:
-            raise ValueError(f"io_workers must be >= 1, got {io_workers!r}")
-        if retry_after_s < 0:
-            raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s!r}")
-        if cluster and "{" in namespace:
-            # The bucket's hash tag must be the first "{...}" of every key.
-            raise ValueError(f"namespace must not contain '{{' with cluster=True, got {namespace!r}")
+        _check_options(namespace, capacity_bytes, timeout_s, io_workers, retry_after_s, cluster)
         self.url = url
         self.namespace = namespace
         self.capacity_bytes = capacity_bytes
@@ -193,21 +151,12 @@ class RedisTier(SecondaryTier):
             health_check_interval=0,
             max_connections=io_workers + 2,
         )
-        self._evict_script = self._client.register_script(_EVICT_LUA)  # one server only
-
-        thread_ids = itertools.count()
-
-        def _name_thread() -> None:
-            threading.current_thread().name = f"kvactors-redis-{name}-{next(thread_ids)}"
-
-        self._executor = ThreadPoolExecutor(max_workers=io_workers, initializer=_name_thread)
+        self._evict_script = self._client.register_script(EVICT_LUA)  # one server only
 
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._jobs: set[_JobState] = set()  # submitted, not reported
-        self._busy = 0  # jobs and touches submitted and not finished
         self._events: list[OffloadingEvent] = []
-        self._closed = False
+        self._runner = JobRunner(name=name, workers=io_workers, thread_name=f"kvactors-redis-{name}",
+                                 report=self.report, log=self._log, emit=self._record, on_error=self._failed)
         # Degraded mode: no server calls before _down_until (monotonic); answer _down_answer.
         self._down_until = 0.0
         self._down_answer = LookupResult.MISS
@@ -250,42 +199,27 @@ class RedisTier(SecondaryTier):
 
     def drain(self, timeout: float | None) -> None:
         """Wait until every submitted job (and touch) has finished, or ``timeout`` passed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._busy:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return
-                self._idle.wait(remaining)
+        self._runner.drain(timeout)
 
     def shutdown(self) -> None:
         """Drain briefly (``timeout_s``), report every job still unreported as failed
         (exactly once: queued jobs are cancelled), close the connections and join the
         I/O threads. Safe to call twice."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.drain(self.timeout_s)
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            leftover = list(self._jobs)
-        for state in leftover:
-            self._complete(state, False, "tier shut down")
-        # Wakes workers blocked on a socket (shutdown(SHUT_RDWR) on every connection).
-        try:
-            if self._cluster is not None:
-                self._cluster.close()
-            self._client.connection_pool.disconnect()
-        except Exception as exc:  # pragma: no cover - best effort
-            self._log.warning("disconnect_failed", error=repr(exc))
-        self._executor.shutdown(wait=True)
-        # Cancelled jobs and touches never ran their bookkeeping: nothing is busy now.
-        with self._idle:
-            self._busy = 0
-            self._idle.notify_all()
+        if self._runner.closed:
+            return
+        self._runner.shutdown(self.timeout_s, abandon="tier shut down", interrupt=self._disconnect)
         with contextlib.suppress(Exception):
             self._client.close()
+
+    def _disconnect(self) -> None:
+        """Wake workers blocked on a socket (shutdown(SHUT_RDWR) on every connection)."""
+        if self._cluster is not None:
+            self._cluster.close()
+        self._client.connection_pool.disconnect()
+
+    @property
+    def _closed(self) -> bool:
+        return self._runner.closed
 
     # ---------------------------------------------------------------- lookup
 
@@ -352,12 +286,7 @@ class RedisTier(SecondaryTier):
         set) on an I/O thread. Best effort: never raises, failures are logged at debug."""
         if not keys or self._closed or self._backing_off():
             return
-        with self._lock:
-            self._busy += 1
-        try:
-            self._executor.submit(self._run_touch, list(keys))
-        except Exception:
-            self._done_busy()
+        self._runner.spawn(functools.partial(self._run_touch, list(keys)))
 
     def _run_touch(self, keys: list[OffloadKey]) -> None:
         try:
@@ -373,8 +302,6 @@ class RedisTier(SecondaryTier):
         except Exception as exc:
             self._failed(exc)
             self._log.debug("touch_failed", keys=len(keys), error=_describe(exc))
-        finally:
-            self._done_busy()
 
     # ----------------------------------------------------------------- jobs
 
@@ -396,260 +323,23 @@ class RedisTier(SecondaryTier):
             events, self._events = self._events, []
         return events
 
-    def _submit(self, job: TransferJob, work: Callable[[_JobState], None]) -> None:
-        state = _JobState(job)
+    def _record(self, events: Sequence[OffloadingEvent]) -> None:
         with self._lock:
-            self._jobs.add(state)
-            self._busy += 1
+            self._events.extend(events)
+
+    def _submit(self, job: TransferJob, work: Callable[[RunningJob], Outcome]) -> None:
         if self.pool is None:
-            self._finish_inline(state, "tier is not attached")
+            self._runner.fail(job, "tier is not attached")
         elif self._closed:
-            self._finish_inline(state, "tier shut down")
+            self._runner.fail(job, "tier shut down")
         elif len(job.keys) != len(job.block_ids):
-            self._finish_inline(state, f"{len(job.keys)} keys for {len(job.block_ids)} rows")
+            self._runner.fail(job, f"{len(job.keys)} keys for {len(job.block_ids)} rows")
         elif not job.keys:  # nothing to move
-            self._complete(state, True, None)
-            self._done_busy()
+            self._runner.finish(JobResult(job.job_id, True, None), job)
         elif self._backing_off():
-            self._finish_inline(state, "unavailable: server unreachable, retrying later")
-        else:
-            try:
-                state.future = self._executor.submit(self._run, state, work)
-            except Exception as exc:  # executor shut down under us
-                self._finish_inline(state, f"not submitted: {exc!r}")
-
-    def _finish_inline(self, state: _JobState, error: str) -> None:
-        self._complete(state, False, error)
-        self._done_busy()
-
-    def _run(self, state: _JobState, work: Callable[[_JobState], None]) -> None:
-        """Worker entry: ``work`` completes the job; anything it raises fails it."""
-        try:
-            if not state.done:
-                work(state)
-        except BaseException as exc:
-            self._failed(exc)
-            self._complete(state, False, _describe(exc))
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            if not state.done:  # work returned without completing: a bug, still report once
-                self._complete(state, False, "internal error: job not completed")
-            self._done_busy()
-
-    def _do_store(self, state: _JobState) -> None:
-        job = state.job
-        pool = self.pool
-        assert pool is not None
-        # Copy the rows out (one memcpy per block, into the record) while holding the
-        # job lock: once the job is reported, its rows may be reused.
-        with state.lock:
-            if state.done:
-                return
-            records = []
-            for key, row in zip(job.keys, job.block_ids, strict=True):
-                payload = pool[row].numpy().data  # zero-copy memoryview of the row
-                records.append(b"".join((codec.encode_header(key, payload), payload)))
-        pipe = self._pipeline()
-        for key, record in zip(job.keys, records, strict=True):
-            pipe.set(self.redis_key(key), record)
-        capacity = self.capacity_bytes
-        groups = self._lru_groups(job.keys) if capacity is not None else {}
-        now = time.time()
-        for lru_key, (_, members) in groups.items():
-            pipe.zadd(lru_key, {key.hex(): now for key in members})
-            pipe.zcard(lru_key)
-        # Per command: one SET refused (OOM, a read-only replica) fails that key only;
-        # on a cluster, so does a shard that cannot be reached.
-        replies = pipe.execute(raise_on_error=False)
-        self._mark_up()
-        failed: dict[OffloadKey, str] = {}
-        for key, reply in zip(job.keys, replies, strict=False):
-            if isinstance(reply, Exception):
-                failed.setdefault(key, _describe(reply))
-        stored = tuple(key for key in dict.fromkeys(job.keys) if key not in failed)
-        events = [OffloadingEvent(keys=stored, tier=self.name, removed=False)] if stored else []
-        if capacity is not None and stored:
-            # Each LRU set bounds its share of the capacity (the whole of it on one server).
-            limit = max(1, capacity // len(records[0]) // self._lru_sets)
-            counts = replies[len(records) + 1 :: 2]  # after the SETs: ZADD, ZCARD per set
-            over: list[tuple[bytes, bytes, int]] = []
-            for (lru_key, (prefix, _)), count in zip(groups.items(), counts, strict=True):
-                if isinstance(count, Exception):
-                    self._log.warning("evict_failed", job_id=job.job_id, error=_describe(count))
-                elif int(count) > limit:
-                    over.append((lru_key, prefix, int(count) - limit))
-            evicted = self._evict(over, job.job_id) if over else []
-            if evicted:
-                events.append(OffloadingEvent(keys=tuple(evicted), tier=self.name, removed=True))
-        if not failed:
-            self._complete(state, True, None, events)
-            return
-        error = f"{len(failed)} of {len(set(job.keys))} blocks not stored ({next(iter(failed.values()))})"
-        self._complete(state, False, error, events, successful_keys=stored)
-
-    def _evict(self, over: list[tuple[bytes, bytes, int]], job_id: int) -> list[OffloadKey]:
-        """For each ``(LRU set, key prefix, count)``, remove the ``count`` least recently used
-        blocks of that set (the namespace's; on a cluster a bucket's, all of them in one
-        round trip per shard). A failure here does not fail the store that triggered it."""
-        try:
-            if self._cluster is None:
-                ((lru_key, prefix, count),) = over
-                replies = [self._evict_script(keys=[lru_key], args=[count, prefix])]
-            else:
-                pipe = self._cluster.pipeline()
-                for lru_key, prefix, count in over:
-                    pipe.eval(_EVICT_LUA, lru_key, count, prefix)
-                replies = pipe.execute()
-        except Exception as exc:
-            self._failed(exc)
-            self._log.warning("evict_failed", job_id=job_id, error=_describe(exc))
-            return []
-        evicted: list[OffloadKey] = []
-        for members in replies:
-            if isinstance(members, Exception):  # that shard's failure: not the tier's
-                self._log.warning("evict_failed", job_id=job_id, error=_describe(members))
-                continue
-            for member in members:
-                try:
-                    evicted.append(bytes.fromhex(member.decode()))
-                except ValueError:  # not one of ours: ignore
-                    continue
-        return evicted
-
-    def _do_load(self, state: _JobState) -> None:
-        job = state.job
-        pool = self.pool
-        assert pool is not None
-        pipe = self._pipeline()
-        for key in job.keys:
-            pipe.get(self.redis_key(key))
-        if self.capacity_bytes is not None:
-            now = time.time()
-            for lru_key, (_, members) in self._lru_groups(job.keys).items():
-                pipe.zadd(lru_key, {key.hex(): now for key in members}, xx=True)
-        # Per command: a key holding another Redis type (WRONGTYPE) fails that key only;
-        # on a cluster, so does a shard that cannot be reached or a slot that is moving.
-        replies = pipe.execute(raise_on_error=False)
-        self._mark_up()
-        block_bytes = int(pool.shape[1])
-        good: list[tuple[int, memoryview]] = []
-        missing: list[OffloadKey] = []
-        bad: dict[OffloadKey, str] = {}  # cannot be read: deleted, so that a later lookup misses
-        unavailable: dict[OffloadKey, str] = {}  # its shard failed or its slot moved: kept
-        for key, row, record in zip(job.keys, job.block_ids, replies, strict=False):
-            if record is None:
-                missing.append(key)
-            elif isinstance(record, _SHARD_FAILURES):
-                unavailable.setdefault(key, _describe(record))
-            elif isinstance(record, Exception):
-                bad.setdefault(key, f"unreadable: {_describe(record)}")
-            elif not isinstance(record, bytes):
-                bad.setdefault(key, f"unreadable: a {type(record).__name__}")
-            else:
-                try:
-                    good.append((row, codec.decode(record, key, block_bytes)))
-                except codec.CorruptRecordError as exc:
-                    bad.setdefault(key, f"corrupt: {exc}")
-        if not missing and not bad and not unavailable:
-            self._complete(state, True, None, None, self._copier(good))
-            return
-        removed = self._forget(missing, list(bad), job.job_id) if missing or bad else []
-        failed = set(missing) | set(bad) | set(unavailable)
-        ok = tuple(key for key in dict.fromkeys(job.keys) if key not in failed)
-        parts = []
-        if missing:
-            parts.append(f"missing: {len(set(missing))} of {len(set(job.keys))} blocks")
-        if bad:
-            parts.append(f"unreadable or corrupt: {len(bad)} blocks ({next(iter(bad.values()))})")
-        if unavailable:
-            parts.append(f"unavailable: {len(unavailable)} blocks ({next(iter(unavailable.values()))})")
-        events = [OffloadingEvent(keys=tuple(removed), tier=self.name, removed=True)] if removed else []
-        self._complete(state, False, "; ".join(parts), events, self._copier(good), successful_keys=ok)
-
-    def _copier(self, rows: list[tuple[int, memoryview]]) -> Callable[[], None]:
-        pool = self.pool
-        assert pool is not None
-
-        def copy_rows() -> None:
-            for row, payload in rows:
-                pool[row].numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-
-        return copy_rows
-
-    def _forget(self, missing: list[OffloadKey], corrupt: list[OffloadKey], job_id: int) -> list[OffloadKey]:
-        """Delete the values that cannot be read (corrupt records, other Redis types) and drop
-        missing/corrupt keys from the LRU set (best effort). Returns the keys this tier deleted."""
-        if not corrupt and (not missing or self.capacity_bytes is None):
-            return []
-        try:
-            pipe = self._pipeline()
-            for key in corrupt:
-                pipe.unlink(self.redis_key(key))
-            if self.capacity_bytes is not None:
-                for lru_key, (_, members) in self._lru_groups([*missing, *corrupt]).items():
-                    pipe.zrem(lru_key, *[k.hex() for k in members])
-            replies = pipe.execute()
-        except Exception as exc:
-            self._failed(exc)
-            self._log.warning("forget_failed", job_id=job_id, error=_describe(exc))
-            return []
-        # One server raises on any failure; a cluster answers per command (per shard).
-        deleted = [key for key, reply in zip(corrupt, replies, strict=False) if not isinstance(reply, Exception)]
-        if len(deleted) < len(corrupt) or any(isinstance(r, Exception) for r in replies):
-            self._log.warning("forget_failed", job_id=job_id, error="a shard did not answer")
-        return deleted
-
-    # ----------------------------------------------------------- completion
-
-    def _complete(
-        self,
-        state: _JobState,
-        success: bool,
-        error: str | None,
-        events: list[OffloadingEvent] | None = None,
-        before: Callable[[], None] | None = None,
-        successful_keys: tuple[OffloadKey, ...] | None = None,
-    ) -> bool:
-        """Report ``state``'s job once. ``before`` (pool writes) and the events run only
-        if this call is the one that reports. Returns whether it reported."""
-        with state.lock:
-            if state.done:
-                return False
-            if before is not None:
-                try:
-                    before()
-                except Exception as exc:
-                    success, error, successful_keys = False, f"copy into pool failed: {exc!r}", None
-                    if state.job.is_promotion:
-                        events = [e for e in events or () if e.removed]
-            state.done = True
-        with self._lock:
-            self._jobs.discard(state)
-            if events:
-                self._events.extend(events)
-        job = state.job
-        if not success:
-            self._log.warning(
-                "job_failed",
-                job_id=job.job_id,
-                kind="load" if job.is_promotion else "store",
-                req_id=job.req_context.req_id,
-                keys=len(job.keys),
-                error=error,
-            )
-        try:
-            self.report(JobResult(job_id=job.job_id, success=success, error=error, successful_keys=successful_keys))
-        except Exception as exc:
-            self._log.warning("report_failed", job_id=job.job_id, error=repr(exc))
-        return True
-
-    def _done_busy(self) -> None:
-        with self._idle:
-            self._busy -= 1
-            if self._busy <= 0:
-                self._busy = 0
-                self._idle.notify_all()
+            self._runner.fail(job, "unavailable: server unreachable, retrying later")
+        elif not self._runner.submit(job, lambda running, lo, hi: work(running)):
+            self._runner.fail(job, "tier shut down")
 
     # ------------------------------------------------------- degraded mode
 
@@ -678,9 +368,22 @@ class RedisTier(SecondaryTier):
             self._log.info("tier_recovered", url=_redact(self.url))
 
 
-# A key's value cannot be reached now (its shard is down, or its slot moves): a failed
-# key, not an unreadable value; deleting it would be wrong.
-_SHARD_FAILURES = (redis.ConnectionError, redis.TimeoutError, *rc.TRANSIENT)
+def _check_options(namespace: str, capacity_bytes: int | None, timeout_s: float, io_workers: int,
+                   retry_after_s: float, cluster: bool) -> None:
+    """``ValueError`` for a constructor argument out of range (a configuration error)."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
+    if capacity_bytes is not None and capacity_bytes <= 0:
+        raise ValueError(f"capacity_bytes must be > 0 or None, got {capacity_bytes!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if io_workers < 1:
+        raise ValueError(f"io_workers must be >= 1, got {io_workers!r}")
+    if retry_after_s < 0:
+        raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s!r}")
+    if cluster and "{" in namespace:
+        # The bucket's hash tag must be the first "{...}" of every key.
+        raise ValueError(f"namespace must not contain '{{' with cluster=True, got {namespace!r}")
 
 
 def _check_cluster_url(url: str) -> None:
@@ -692,11 +395,6 @@ def _check_cluster_url(url: str) -> None:
         raise ValueError(f"cluster=True needs a host in the URL, got {_redact(url)!r}")
     if options.get("db", 0) not in (0, None):
         raise ValueError(f"a Redis Cluster has only database 0, got {_redact(url)!r}")
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _redact(url: str) -> str:

@@ -6,10 +6,9 @@ job, calls the fault injector, copies the job's coalesced runs with slice
 the frontend's Python work and with each other), and hands the job to one
 completer thread, which reports it (the engine then posts the completion to
 the manager and resolves the future). The workers never do that control work
-themselves: the next copy starts while the last one is being completed (on 2
-cores, completing a 16-block job on the copy thread cost about a sixth of its
-copy time). Jobs start in submission order; with several workers they may end
-out of order; the completer reports them in the order their copies ended.
+themselves: the next copy starts while the last one is being completed.
+Jobs start in submission order; with several workers they may end out of order;
+the completer reports them in the order their copies ended.
 
 A copy in progress is never abandoned: with a deadline, a job not started by
 its deadline fails without copying, one that passes it fails between two runs

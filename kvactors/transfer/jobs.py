@@ -48,17 +48,39 @@ class CopyJob:
 
 
 JobDone = Callable[[CopyJob, BaseException | None], None]
-"""The engine's completion callback: called exactly once per job, never raises."""
+"""The engine's completion callback: called exactly once per job, from a copier thread,
+with ``None`` (copied) or the error; it never raises."""
 
 
 class Copier(Protocol):
-    """Moves the bytes of submitted jobs and reports each exactly once to ``done``."""
+    """Moves the bytes of the jobs the :class:`~kvactors.transfer.engine.TransferEngine` submits.
+
+    Preconditions (the engine guarantees):
+
+    * ``submit`` is called from any thread (the caller's of ``offload``/``onboard``),
+      possibly from several at once, and never after ``shutdown``.
+    * A job's source and destination rows stay reserved (pinned in the pool, held
+      by the caller on the device) until the job is reported to ``done``.
+    * ``shutdown`` is called once, from the thread that closes the engine, only once
+      no job is in flight; ``owns_current_thread`` from any thread.
+
+    The copier is responsible for:
+
+    * Reporting every submitted job exactly once to the engine's ``done`` callback
+      (:data:`JobDone`), from one of its own threads, with ``None`` or the error
+      that failed it, and only once nothing touches the job's rows any more.
+    * Honouring ``job.deadline`` (:meth:`CopyJob.check_deadline`) before and between
+      runs, and calling the fault injector, if any, just before a copy.
+    * Never blocking ``submit`` on a copy, and never raising from it.
+    """
 
     def submit(self, job: CopyJob) -> None:
-        """Take the job; never raises (a failure is reported through ``done``)."""
+        """Take the job; never raises (a failure is reported through ``done``). Thread-safe."""
 
     def shutdown(self) -> None:
-        """Stop the copier's threads; only called once no job is in flight."""
+        """Stop the copier's threads (joining them, except the calling thread if it is one);
+        only called once, once no job is in flight."""
 
     def owns_current_thread(self) -> bool:
-        """Whether the calling thread is one of the copier's own threads."""
+        """Whether the calling thread is one of the copier's own threads (the engine then
+        never waits on itself). Thread-safe."""

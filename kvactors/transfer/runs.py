@@ -2,8 +2,8 @@
 
 A copy of ``n`` rows given as two lists of row ids can be done row by row, or
 with one indexed copy (``index_copy_``, ``index_select``), but both are slow
-on the CPU compared with one contiguous ``copy_`` (``architecture-notes.md``:
-about 14 GB/s and 1 GB/s against 17 GB/s for 256 KiB rows). Consecutive row
+on the CPU compared with one contiguous ``copy_`` (figures in
+``docs/performance.md``). Consecutive row
 ids on both sides form a *run* that one slice copy
 ``dst[d:d + n].copy_(src[s:s + n])`` moves at full speed.
 

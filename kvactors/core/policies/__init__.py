@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvactors.core.policies.arc import ARCPolicy
 from kvactors.core.policies.base import EvictionPolicy
 from kvactors.core.policies.lru import LRUPolicy
+from kvactors.core.policies.row_lru import RowLRUPolicy
 
 POLICIES = ("lru", "arc")
 
@@ -18,4 +19,4 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")
 
 
-__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "RowLRUPolicy", "make_policy"]

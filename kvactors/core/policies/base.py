@@ -11,12 +11,23 @@ from kvactors.types import OffloadKey
 class EvictionPolicy(Protocol):
     """Orders the *evictable* keys of a pool: resident, ready, and not in use.
 
-    The pool tells the policy when a key becomes evictable (:meth:`add`), when
-    it stops being so (:meth:`discard`: pinned, being written, removed), and when
-    it is used (:meth:`access`). :meth:`victim` picks the next key to evict and
-    forgets it. Every method is O(1), except that :meth:`victim` walks past the
-    keys it is told to spare (O(len(exclude)) at worst); no method is
-    thread-safe (a policy lives inside one actor).
+    Preconditions (the pool guarantees):
+
+    * Every call comes from the one thread that owns the pool (the primary tier's
+      actor), one at a time: no method needs to be thread-safe.
+    * :meth:`add` is called when a key becomes evictable, only for a key not
+      tracked already; :meth:`discard` when it stops being so (pinned, being
+      written, removed); :meth:`access` when it is used (tracked or not).
+    * :meth:`victim` is asked only when the pool needs room; the key it returns is
+      then evicted at once.
+
+    The policy is responsible for:
+
+    * Tracking exactly the keys added and not yet discarded or returned by
+      :meth:`victim` (the pool checks ``len`` and ``in`` against its own state).
+    * Every method O(1), except that :meth:`victim` may walk past the keys it is
+      told to spare (O(len(exclude)) at worst).
+    * Never raising for a key it does not track, except where a method says so.
     """
 
     def add(self, key: OffloadKey) -> None:

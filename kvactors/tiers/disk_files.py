@@ -1,0 +1,153 @@
+"""The file layout of :class:`~kvactors.tiers.disk.DiskTier`: names, records on disk, raw I/O.
+
+One file per block, named after its key (``<key hex>.kvb``, or
+``h-<blake2b of key>.kvb`` when the hex name would be too long), holding one
+record of :mod:`kvactors.tiers.codec` (header, key, payload, XXH3-64 checksum). A file
+appears under its final name only once it is complete (temporary file plus
+``os.replace``), so a crash leaves either the whole record or a ``.tmp-*``
+file that the next tier opening the directory deletes.
+
+Plain functions on file descriptors and paths: no state, no locks; thread-safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+
+from kvactors.tiers import codec
+from kvactors.types import OffloadKey
+
+SUFFIX = ".kvb"
+"""Suffix of block files; files without it are not the tier's and are left alone."""
+TMP_PREFIX = ".tmp-"
+"""Prefix of files being written; leftovers are deleted when a tier opens the directory."""
+MAX_NAME_CHARS = 200
+"""Longest file name used; longer hex names are replaced by a hash (the record keeps the key)."""
+
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class DiskTierError(RuntimeError):
+    """A job of a :class:`~kvactors.tiers.disk.DiskTier` could not be done (the message says why)."""
+
+
+def file_name(key: OffloadKey) -> str:
+    """The name of the file that holds ``key``: hex of the key, or a hash of it.
+
+    Only ``[0-9a-f]`` and ``h-`` appear, so no key can steer the path out of
+    the tier's directory.
+    """
+    name = key.hex() + SUFFIX
+    if len(name) > MAX_NAME_CHARS:
+        name = "h-" + hashlib.blake2b(key, digest_size=32).hexdigest() + SUFFIX
+    return name
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line error for a JobResult: the errno name and the file for OS errors."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        code = errno.errorcode.get(exc.errno, str(exc.errno))
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{type(exc).__name__} [{code}] {exc.strerror}{where}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def read_key(path: str, fname: str, size: int) -> OffloadKey | None:
+    """The key of the block file ``path`` (named ``fname``, ``size`` bytes) if its header,
+    name and size agree, else None. Raises ``OSError``/``CorruptRecordError`` if unreadable."""
+    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+    try:
+        head = os.pread(fd, codec.HEADER_SIZE, 0)
+        key_len, payload_len = codec.decode_header(head)
+        key = os.pread(fd, key_len, codec.HEADER_SIZE)
+    finally:
+        os.close(fd)
+    if len(key) != key_len or size != codec.HEADER_SIZE + key_len + payload_len:
+        return None
+    if file_name(key) != fname:
+        return None
+    return key
+
+
+def write_record(path: str, key: OffloadKey, payload: memoryview, *, fsync: bool) -> None:
+    """Create ``path`` (it must not exist, mode 0600) holding ``key``'s record of ``payload``."""
+    header = codec.encode_header(key, payload)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+    try:
+        _write_all(fd, header, payload)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_record_into(path: str, key: OffloadKey, head: memoryview, row: memoryview) -> None:
+    """Read ``key``'s record at ``path`` into ``row`` (the payload) and ``head`` (a scratch
+    buffer of ``HEADER_SIZE + len(key) + 1`` bytes), and verify it.
+
+    Straight into the pool row, checked there: no bounce buffer, and a failed check
+    fails the job, whose rows the runtime then discards. The spare byte of ``head``
+    tells a long file without an fstat. ``CorruptRecordError`` if the record is bad.
+    """
+    block_bytes = row.nbytes
+    head_size = codec.HEADER_SIZE + len(key)
+    expected = head_size + block_bytes
+    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+    try:
+        got = _read_full(fd, [head[:head_size], row, head[head_size:]], expected)
+        if got != expected:
+            raise codec.CorruptRecordError(f"file is {got}{'+' if got > expected else ''} bytes, "
+                                           f"expected {expected}")
+        codec.verify_split(head[:head_size], row, key, block_bytes)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(root: str) -> None:
+    """Make the directory's entries (new names) durable."""
+    fd = os.open(root, os.O_RDONLY | O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, header: bytes, payload: memoryview) -> None:
+    total = len(header) + payload.nbytes
+    done = os.writev(fd, [header, payload])
+    if done == total:
+        return
+    # Short write (rare on regular files): finish with plain writes.
+    rest = memoryview(header + bytes(payload))[done:]
+    while rest:
+        n = os.write(fd, rest)
+        if n <= 0:
+            raise OSError(f"write returned {n}")
+        rest = rest[n:]
+
+
+def _read_full(fd: int, bufs: list[memoryview], need: int) -> int:
+    """Read ``fd`` into ``bufs`` until at least ``need`` bytes came or the file ends; the bytes read.
+
+    One ``readv`` when the file holds ``need`` bytes: a spare buffer beyond
+    ``need`` catches a longer file without a second call to find the end.
+    """
+    got = os.readv(fd, bufs)
+    while got < need:
+        # Short read: go on from where it stopped, one buffer at a time.
+        skip = got
+        rest: list[memoryview] = []
+        for b in bufs:
+            if skip >= b.nbytes:
+                skip -= b.nbytes
+            else:
+                rest.append(b[skip:])
+                skip = 0
+        n = os.readv(fd, rest)
+        if n == 0:
+            break
+        got += n
+    return got
