@@ -117,7 +117,7 @@ _COMPONENT = tuple(
         ("tier_recovered", "info"), ("disconnect_failed", "warning"), ("lookup_failed", "warning error"),
         ("touch_failed", "debug"), ("evict_failed", "warning"), ("forget_failed", "warning"),
         ("engine_closed", "debug"), ("pool_not_pinned", "warning"), ("copy_failed", "warning"),
-        ("completion_failed", "warning"),
+        ("completion_failed", "warning"), ("interrupt_failed", "warning"),
         # the vLLM integration (stdlib logger kvactors.vllm)
         ("take_events_failed", "error"), ("transfer_failed", "warning"), ("transfer_plan_failed", "error"),
         ("transfer_wait_timed_out", "error"),
