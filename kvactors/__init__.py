@@ -1,5 +1,7 @@
 """kvactors: tiered KV-cache offloading for LLM serving, on Pykka actors."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from kvactors.aio import AsyncTieringManager
 from kvactors.core.errors import LifecycleError, ManagerStoppedError, TransferError
 from kvactors.manager import TieringManager
@@ -18,6 +20,12 @@ from kvactors.types import (
     ReqContext,
     TransferJob,
 )
+
+try:
+    # One source: pyproject.toml's [project] version, as installed (tests/test_docs.py checks both agree).
+    __version__: str = version("kvactors")
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AsyncTieringManager",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvactors on a fresh machine: a virtual environment in .venv with the
 # CPU build of torch (when no torch is there yet), the package and its test
-# dependencies, and redis-server and redis-cli for the Redis tests (Debian/Ubuntu).
+# dependencies and lint tools (ruff, mypy), and redis-server and redis-cli for the Redis tests (Debian/Ubuntu).
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +30,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   pip_install "torch==2.13.0"
 fi
 if ! .venv/bin/python -c "import kvactors, pytest, hypothesis, pytest_timeout, prometheus_client" >/dev/null 2>&1 \
+   || [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/mypy ] \
    || [ pyproject.toml -nt .venv/.kvactors-installed ]; then
   echo "setup: installing kvactors and its test dependencies" >&2
-  pip_install -e ".[test,plot,fast,metrics]"
+  pip_install -e ".[test,plot,fast,metrics,lint]"
   touch .venv/.kvactors-installed
 fi

