@@ -33,7 +33,6 @@ KNOWN_UNRESOLVED: dict[tuple[str, str], str] = {
     # (file, reference): what it should become. Docstrings (the integrator applies these).
     ("kvactors/manager.py", "docs/perf-actors-vs-lock.md"): "docs/performance.md",
     ("kvactors/testing/scheduler.py", "architecture-notes.md"): "docs/performance.md (or drop the figures)",
-    ("kvactors/transfer/runs.py", "architecture-notes.md"): "docs/performance.md (or drop the figures)",
     ("kvactors/types.py", "api.md"): "README.md (the public API)",
     ("kvactors/core/pool.py", "api.md"): "README.md (the public API)",
     ("kvactors/core/lifecycle.py", "lifecycle-contract.md"): "docs/contract.md",
@@ -42,7 +41,6 @@ KNOWN_UNRESOLVED: dict[tuple[str, str], str] = {
     ("docs/architecture.md", "kvactors/core/lookupbook.py"): "the lookup book's module",
     ("docs/architecture.md", "kvactors/actors/protocols.py"): "the runtime protocols' module",
     ("docs/architecture.md", "kvactors/actors/threads.py"): "the thread runtime's module",
-    ("docs/architecture.md", "kvactors/tiers/runner.py"): "the tiers' shared job runner",
 }
 
 _PATH = re.compile(r"(?<![\w./~-])((?:kvactors|tests|scripts|docs|\.ci)/[\w./-]*)")
