@@ -163,3 +163,21 @@ def test_the_shape_follows_the_inner_tier_and_keeps_the_wrappers_class() -> None
     assert type(hooked).on_new_request is RecordedTier.on_new_request
     with pytest.raises(TypeError, match="wraps a SecondaryTier"):
         DelegatingTier(object())  # type: ignore[arg-type]
+
+
+def test_the_explorers_stacks_keep_their_hooks() -> None:
+    """``RecordingTier`` announces starts (it overrides ``on_new_request``), ``HooklessRecordingTier`` does not:
+    the explorer's ``tier_hooks`` draw still chooses between the two paths."""
+    from kvactors.actors.secondary import SecondaryTierActor
+    from kvactors.testing.tiers import HooklessRecordingTier, RecordingTier
+
+    deferrer = ThreadDeferrer(1)
+    try:
+        hooked = RecordingTier(name="a", capacity_blocks=4, deferrer=deferrer)
+        plain = HooklessRecordingTier(name="b", capacity_blocks=4, deferrer=deferrer)
+        assert SecondaryTierActor(hooked).wants_new_request and not SecondaryTierActor(plain).wants_new_request
+        assert SecondaryTierActor(hooked).inline == SecondaryTierActor(hooked.memory).inline == frozenset()
+        assert [type(layer).__name__ for layer in plain.layers()] == ["HooklessRecordingTier", "FaultTier",
+                                                                       "HooklessDeferredMemoryTier"]
+    finally:
+        deferrer.close()
