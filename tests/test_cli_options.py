@@ -43,7 +43,9 @@ DIRS = ["/etc/passwd", "/etc/passwd/below", "", "/proc/kvactors-cannot-be-made"]
 FILES = ["{tmp}", "", "/etc/passwd/events.jsonl", "{tmp}/"]
 SEEDS = ["-1", str(2**64), "nan", "x", "", "1.5"]
 FAULTS = ["0.05", "fail=x", "fail=2", "fail=nan", "fail=-1", "nosuch=0.1", "", "fail=0.5,fail=0.1",
-          "fail=0.6,stall=0.6", "fail", ",", "fail=0.1,,slow=0.1", "=0.1"]
+          "fail=0.6,stall=0.6", "fail", ",", "fail=0.1,,slow=0.1", "=0.1",
+          "partial=2", "lie=x", "hang=-1", "hang=nan", "partial=0.6,lie=0.6", "fail=0.5,lie=0.6", "hang=0.1,hang=0.2",
+          "hang_s=1", "raise_=0.1"]
 TIER_LISTS = ["memory,memory", "", "nosuch", "memory,", ",", "MEMORY", "disk, disk"]
 REDIS = ["redis://127.0.0.1:1", "nonsense://x", "", "redis://127.0.0.1:notaport"]
 
@@ -275,6 +277,9 @@ def test_fault_spec_grammar() -> None:
     assert fault_spec(" fail=0.5 , raise=0.5,lookup_raise=1") == {"fail": 0.5, "raise": 0.5, "lookup_raise": 1.0}
     with pytest.raises(argparse.ArgumentTypeError, match="add up to"):
         fault_spec("fail=0.5,stall=0.3,slow=0.3")
+    assert fault_spec("partial=0.5,lie=0.5,hang=1") == {"partial": 0.5, "lie": 0.5, "hang": 1.0}
+    with pytest.raises(argparse.ArgumentTypeError, match="add up to"):
+        fault_spec("partial=0.5,lie=0.3,slow=0.3")
 
 
 def test_an_existing_event_log_needs_append_log(tmp_path: Path) -> None:

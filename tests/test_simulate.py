@@ -10,9 +10,10 @@ import torch
 from kvactors import DiskTier, LookupResult, ReqContext, TieringManager
 from kvactors.cli import main
 from kvactors.commands.simulate.command import parse_size
-from kvactors.commands.simulate.instrument import ObservedTier, TierObserver
+from kvactors.commands.simulate.instrument import observe
 from kvactors.commands.simulate.run_metrics import percentile
 from kvactors.commands.simulate.traffic import BlockBytes, Workload
+from kvactors.testing.recorder import TierRecord
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -144,8 +145,8 @@ def test_percentile():
 
 @pytest.mark.timeout(30)
 def test_observed_tier_delegates_and_records(tmp_path):
-    observer = TierObserver()
-    tier = ObservedTier(DiskTier(tmp_path, capacity_bytes=1 << 20), observer)
+    observer = TierRecord()
+    [tier] = observe([DiskTier(tmp_path, capacity_bytes=1 << 20)], observer)
     with TieringManager.start(num_blocks=8, block_bytes=256, secondary_tiers=[tier]) as manager:
         ctx = ReqContext("r")
         manager.on_new_request(ctx)
@@ -163,7 +164,7 @@ def test_observed_tier_delegates_and_records(tmp_path):
     assert observer.promotions == {"disk": 1} and observer.promotion_of(b"k")[0] == "disk"
     assert observer.finalized_time(ctx, ["disk"]) is not None
     assert observer.finalized_time(ctx2, ["disk"]) is not None
-    assert observer.violations == 0
+    assert observer.violations == []
 
 
 def test_check_log_is_run_and_only_its_ok_verdict_is_ok(monkeypatch, tmp_path):

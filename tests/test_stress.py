@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,3 +78,32 @@ def test_a_hang_is_reported_with_every_stack(monkeypatch: pytest.MonkeyPatch,
     assert summary["hangs"] >= 1
     err = capsys.readouterr().err
     assert "HANG: frontend" in err and "--- thread" in err and "stuck" in err
+
+
+@pytest.mark.timeout(120)
+def test_the_fault_options_reach_partial_lie_and_hang_on_real_tiers(monkeypatch: pytest.MonkeyPatch,
+                                                                    redis_server: Any) -> None:
+    """Over the disk and Redis tiers; a hang is drawn only in a call that is not inline (Redis's lookups)."""
+    from kvactors.testing import faults
+
+    drawn: list[str] = []
+    plan_report, maybe_hang = faults.plan_report, faults.FaultTier._maybe_hang
+
+    def noted_plan(job: object, mode: str, rng: object, *args: object) -> object:
+        drawn.append(mode)
+        return plan_report(job, mode, rng, *args)  # type: ignore[arg-type]
+
+    def noted_hang(self: faults.FaultTier, call: str) -> float:
+        stuck = maybe_hang(self, call)
+        if self.hangs > drawn.count("hang"):
+            drawn.append("hang")
+        return stuck
+
+    monkeypatch.setattr(faults, "plan_report", noted_plan)
+    monkeypatch.setattr(faults.FaultTier, "_maybe_hang", noted_hang)
+    summary = stress.run_stress(_args(threads=2, requests=30, seed=5, tiers=["disk", "redis"], hang_after=60.0,
+                                      redis=redis_server.url,
+                                      faults={"partial": 0.3, "lie": 0.3, "hang": 0.2}, transfer_timeout=0.2))
+    assert summary["violation_list"] == []
+    assert (summary["violations"], summary["leaks"], summary["pins"], summary["jobs"], summary["hangs"]) == (0,) * 5
+    assert {"partial", "lie", "hang"} <= set(drawn)

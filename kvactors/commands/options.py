@@ -32,10 +32,10 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb":
 
 SIZE_SYNTAX = "SIZE: bytes, or with a suffix: 16KiB, 1MiB, 2GiB (KB, MB, GB: powers of 1000)"
 
-FAULT_NAMES = ("fail", "raise", "stall", "slow", "lookup_raise")
-JOB_FAULTS = ("fail", "raise", "stall", "slow")
+FAULT_NAMES = ("fail", "raise", "stall", "slow", "partial", "lie", "lookup_raise", "hang")
+JOB_FAULTS = ("fail", "raise", "stall", "slow", "partial", "lie")
 FAULT_SYNTAX = ("SPEC: 'none' or NAME=P[,NAME=P...], NAME one of " + ", ".join(FAULT_NAMES)
-                + "; P a probability in [0, 1]; fail+raise+stall+slow <= 1 (each job draws one)")
+                + "; P a probability in [0, 1]; " + "+".join(JOB_FAULTS) + " <= 1 (each job draws one)")
 
 
 class OptionError(Exception):

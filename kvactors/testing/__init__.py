@@ -2,7 +2,8 @@
 
 :class:`SimRuntime` (``scheduler``) runs the same actors on one thread, a seed
 picking every step; ``explore`` draws a random workload per seed and checks the
-contract after it; ``tiers`` holds the recording and fault-injecting tiers;
+contract after it; ``recorder`` (what reached a tier, checked) and ``faults``
+(faults injected) wrap any tier, transparently; ``tiers`` holds the in-memory test tier and their stacks;
 ``workload`` the frontend clients that drive a :class:`~kvactors.TieringManager`.
 """
 

@@ -2,6 +2,8 @@
 
 ``command`` (the command line), ``traffic`` (conversations as prefix-hash
 chains, key-derived block bytes), ``runner`` (the frontend threads and the
-end-of-run checks), ``instrument`` (a delegating tier wrapper that watches the
-per-request hooks), ``run_metrics`` and ``report`` (the table and the plot).
+end-of-run checks), ``results`` (the run's configuration and findings),
+``instrument`` (each tier recorded by the toolkit's transparent
+``RecordedTier``, and the checks on the record), ``run_metrics`` and
+``report`` (the table and the plot).
 """

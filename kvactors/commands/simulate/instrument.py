@@ -1,111 +1,44 @@
-"""Watching the tiers from outside the runtime: a thin delegating tier wrapper.
+"""Watching the tiers from outside the runtime: each tier recorded, and the run's checks on the record.
 
-:class:`ObservedTier` wraps any :class:`~kvactors.SecondaryTier` and forwards
-every call to it unchanged, noting on the way (in a shared :class:`TierObserver`):
-
-* when each tier's ``on_request_finished(ctx)`` ran (the finalize latency),
-  and whether it ran more than once for a ctx (a contract violation);
-* every submit (``submit_store`` / ``submit_load``) that reaches a tier after
-  its ``on_request_finished`` for the job's ctx (a contract violation);
-* which tier promoted (``submit_load``) each key last, and when (the per-tier
-  hit attribution).
-
-The runtime is not changed: the wrapper is an ordinary tier plugin.
+Every tier of a run is wrapped in a :class:`~kvactors.testing.recorder.RecordedTier`
+sharing one :class:`~kvactors.testing.recorder.TierRecord`. The wrapper is
+transparent (the runtime takes the paths it takes with the bare tiers) and
+records, per tier and request attempt, when ``on_request_finished`` first ran
+(the finalize latency) and whether it ran twice, every submit after it (both
+contract violations), and which tier promoted each key last (the per-tier hit
+attribution). The runtime is not changed: the wrapper is an ordinary tier plugin.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
+from kvactors.testing.recorder import RecordedTier, TierRecord
 from kvactors.tiers.base import SecondaryTier
-from kvactors.tiers.wrapper import DelegatingTier
-from kvactors.types import OffloadKey, ReqContext, TransferJob
+from kvactors.types import ReqContext
 
 
-class TierObserver:
-    """What the wrapped tiers saw; thread-safe (tier actors call it concurrently)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.finished_at: dict[tuple[ReqContext, str], float] = {}
-        self.started: set[tuple[ReqContext, str]] = set()
-        self.duplicate_finishes = 0
-        self.submits_after_finish = 0
-        self.violation_notes: list[str] = []
-        self.promoted: dict[OffloadKey, tuple[str, float]] = {}
-        self.promotions: dict[str, int] = {}
-        self.cascaded_blocks: dict[str, int] = {}
-
-    def _violation(self, note: str) -> None:
-        if len(self.violation_notes) < 10:
-            self.violation_notes.append(note)
-
-    def new_request(self, tier: str, ctx: ReqContext) -> None:
-        with self._lock:
-            self.started.add((ctx, tier))
-
-    def finished(self, tier: str, ctx: ReqContext) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if (ctx, tier) in self.finished_at:
-                self.duplicate_finishes += 1
-                self._violation(f"{tier}: on_request_finished({ctx}) called twice")
-            else:
-                self.finished_at[(ctx, tier)] = now
-
-    def submitted(self, tier: str, job: TransferJob) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if (job.req_context, tier) in self.finished_at:
-                self.submits_after_finish += 1
-                kind = "submit_load" if job.is_promotion else "submit_store"
-                self._violation(f"{tier}: {kind} for {job.req_context} after its on_request_finished")
-            if job.is_promotion:
-                self.promotions[tier] = self.promotions.get(tier, 0) + len(job.keys)
-                for key in job.keys:
-                    self.promoted[key] = (tier, now)
-            else:
-                self.cascaded_blocks[tier] = self.cascaded_blocks.get(tier, 0) + len(job.keys)
-
-    def promotion_of(self, key: OffloadKey) -> tuple[str, float] | None:
-        with self._lock:
-            return self.promoted.get(key)
-
-    @property
-    def violations(self) -> int:
-        with self._lock:
-            return self.duplicate_finishes + self.submits_after_finish
-
-    def finalized_time(self, ctx: ReqContext, tiers: Sequence[str]) -> float | None:
-        """When the last of ``tiers`` was told ``ctx`` finished (None if one was not)."""
-        with self._lock:
-            times = [self.finished_at.get((ctx, tier)) for tier in tiers]
-        if any(t is None for t in times):
-            return None
-        return max(t for t in times if t is not None)
+def observe(tiers: Iterable[SecondaryTier], record: TierRecord) -> list[SecondaryTier]:
+    """``tiers``, each recorded into ``record``."""
+    return [RecordedTier(tier, record=record) for tier in tiers]
 
 
-class ObservedTier(DelegatingTier):
-    """Delegates every call to ``inner``; reports what it sees to ``observer``."""
+def unfinalized(record: TierRecord, frontend_done: Iterable[Any], tiers: Sequence[str]) -> int:
+    """(request attempt, tier) pairs never told ``on_request_finished``: every attempt the frontend
+    finished, at every tier, and every attempt a tier saw (in any call)."""
+    done = {ctx.identity for ctx in frontend_done if isinstance(ctx, ReqContext)}
+    missing = sum(1 for identity in done for tier in tiers if (tier, identity) not in record.finished_at)
+    return missing + sum(1 for pair in set(record.seen) if pair not in record.finished_at and pair[1] not in done)
 
-    def __init__(self, inner: SecondaryTier, observer: TierObserver) -> None:
-        super().__init__(inner)
-        self.observer = observer
 
-    def submit_store(self, job: TransferJob) -> None:
-        self.observer.submitted(self.name, job)
-        super().submit_store(job)
-
-    def submit_load(self, job: TransferJob) -> None:
-        self.observer.submitted(self.name, job)
-        super().submit_load(job)
-
-    def on_new_request(self, ctx: ReqContext) -> None:
-        self.observer.new_request(self.name, ctx)
-        super().on_new_request(ctx)
-
-    def on_request_finished(self, ctx: ReqContext) -> None:
-        self.observer.finished(self.name, ctx)
-        super().on_request_finished(ctx)
+def finalize_latencies(record: TierRecord, frontend_done: Mapping[Any, float],
+                       tiers: Sequence[str]) -> list[float]:
+    """Per finished attempt, ms from the frontend being done with it to its last tier's ``on_request_finished``."""
+    out = []
+    for ctx, done in frontend_done.items():
+        assert isinstance(ctx, ReqContext)
+        last = record.finalized_time(ctx, tiers)
+        if last is not None:
+            out.append(max(0.0, last - done) * 1000.0)
+    return out

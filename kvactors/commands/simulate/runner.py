@@ -33,20 +33,20 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from kvactors.commands.simulate.instrument import ObservedTier, TierObserver
-from kvactors.commands.simulate.run_metrics import CPU, CPU_IN_FLIGHT, Metrics, Sample, Sampler, percentile
-from kvactors.commands.simulate.traffic import BlockBytes, Turn, Workload, WorkloadShape
+from kvactors.commands.scratch import drop_redis_namespace, run_namespace
+from kvactors.commands.simulate.instrument import finalize_latencies, observe, unfinalized
+from kvactors.commands.simulate.results import SimConfig, SimResult
+from kvactors.commands.simulate.run_metrics import CPU, CPU_IN_FLIGHT, Metrics, Sampler
+from kvactors.commands.simulate.traffic import BlockBytes, Turn, Workload
 from kvactors.core.errors import LifecycleError, TransferError
 from kvactors.manager import TieringManager
+from kvactors.testing.recorder import TierRecord
 from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.disk import DiskTier
 from kvactors.transfer import TransferEngine
@@ -56,112 +56,7 @@ WAIT_S = 60.0
 """Longest wait for one future or for the runtime to become idle (a hang fails the run, it does not hang it)."""
 POLL_S = 0.002
 
-
-@dataclass
-class SimConfig:
-    threads: int = 4
-    requests: int | None = 2000
-    """Turns to serve (a preempted turn's retries count once); ``None``: until ``seconds``."""
-    seconds: float | None = None
-    """Stop starting turns after this long."""
-    seed: int = 0
-    block_bytes: int = 64 * 1024
-    cpu_blocks: int = 256
-    disk_dir: str = ""
-    disk_bytes: int = 256 * 1024 * 1024
-    redis_url: str | None = None
-    redis_bytes: int | None = 256 * 1024 * 1024
-    """Capacity of the RedisTier's namespace (``None``: the server's ``maxmemory``)."""
-    event_log: str | None = None
-    device: str = "cpu"
-    preempt_p: float = 0.08
-    abort_p: float = 0.04
-    offload_chunk: int = 8
-    pending_wait_s: float = 2.0
-    transfer_timeout_s: float = 30.0
-    sample_interval_s: float = 0.5
-    shape: WorkloadShape = field(default_factory=WorkloadShape)
-
-
-@dataclass
-class SimResult:
-    config: SimConfig
-    tiers: list[str]
-    seconds: float
-    counts: Counter[str]
-    hits: Counter[str]
-    finalize_ms: list[float]
-    violations: int
-    violation_notes: list[str]
-    leaks: int
-    leak_notes: list[str]
-    stats: dict[str, int | float]
-    promotions: dict[str, int]
-    cascaded: dict[str, int]
-    samples: list[Sample]
-    errors: list[str]
-    mismatch_notes: list[str]
-    conversations: int
-    interrupted: bool = False
-
-    @property
-    def requests(self) -> int:
-        return self.counts["turns"]
-
-    @property
-    def mismatches(self) -> int:
-        return self.counts["mismatches"]
-
-    @property
-    def hit_rate(self) -> float:
-        looked = self.counts["keys_looked_up"]
-        return sum(self.hits.values()) / looked if looked else 0.0
-
-    def hit_rate_of(self, category: str) -> float:
-        looked = self.counts["keys_looked_up"]
-        return self.hits[category] / looked if looked else 0.0
-
-    def gbps(self, what: str) -> float:
-        return self.counts[f"bytes_{what}"] / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not (self.violations or self.mismatches or self.leaks or self.counts["frontend_errors"])
-
-    def to_json(self) -> dict[str, Any]:
-        c = self.counts
-        return {
-            "requests": c["turns"],
-            "completed": c["completed"],
-            "conversations": self.conversations,
-            "attempts": c["attempts"],
-            "preemptions": c["preemptions"],
-            "aborts": c["aborts"],
-            "seconds": round(self.seconds, 3),
-            "interrupted": self.interrupted,
-            "keys_looked_up": c["keys_looked_up"],
-            "hit_rate": round(self.hit_rate, 4),
-            "hit_rate_by_tier": {cat: round(self.hit_rate_of(cat), 4) for cat in self.hit_categories},
-            "bytes_offloaded": c["bytes_offloaded"],
-            "bytes_onboarded": c["bytes_onboarded"],
-            "offload_gbps": round(self.gbps("offloaded"), 4),
-            "onboard_gbps": round(self.gbps("onboarded"), 4),
-            "finalize_p50_ms": round(percentile(self.finalize_ms, 50), 3),
-            "finalize_p99_ms": round(percentile(self.finalize_ms, 99), 3),
-            "promotions": dict(self.promotions),
-            "cascaded": dict(self.cascaded),
-            "load_races": c["load_races"],
-            "pending_timeouts": c["pending_timeouts"],
-            "transfer_errors": c["transfer_errors"],
-            "frontend_errors": c["frontend_errors"],
-            "violations": self.violations,
-            "mismatches": self.mismatches,
-            "leaks": self.leaks,
-        }
-
-    @property
-    def hit_categories(self) -> list[str]:
-        return [CPU, CPU_IN_FLIGHT, *self.tiers]
+__all__ = ["POLL_S", "WAIT_S", "SimConfig", "SimResult", "Simulation"]
 
 
 class Simulation:
@@ -176,7 +71,7 @@ class Simulation:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.observer = TierObserver()
+        self.record = TierRecord()
         self.workload = Workload(seed=config.seed, block_bytes=config.block_bytes, shape=config.shape)
         self.blocks = BlockBytes(config.block_bytes, config.seed, config.device)
         self._stop = threading.Event()
@@ -186,7 +81,7 @@ class Simulation:
         self._computed_lock = threading.Lock()
         self._t0 = 0.0
         self.interrupted = False
-        self.redis_namespace = f"kvactors-simulate-{uuid.uuid4().hex[:12]}"
+        self.redis_namespace = run_namespace("simulate")
 
     # ------------------------------------------------------------ set-up
 
@@ -209,7 +104,7 @@ class Simulation:
     def run(self, tick: Callable[[Simulation], None] | None = None) -> SimResult:
         cfg = self.config
         inner = self._tiers()
-        tiers = [ObservedTier(t, self.observer) for t in inner]
+        tiers = observe(inner, self.record)
         tier_names = [t.name for t in tiers]
         rows = cfg.shape.max_request_blocks
         device_cache = torch.zeros((cfg.threads * rows, cfg.block_bytes), dtype=torch.uint8, device=cfg.device)
@@ -246,30 +141,19 @@ class Simulation:
         finally:
             manager.stop(WAIT_S)
             if cfg.redis_url:
-                self._drop_redis_namespace()
-        violations = int(stats["contract_violations"]) + int(stats["internal_errors"]) + self.observer.violations
+                drop_redis_namespace(cfg.redis_url, self.redis_namespace)
+        found = self.record.violations
+        violations = int(stats["contract_violations"]) + int(stats["internal_errors"]) + len(found)
         leaks, leak_notes = self._leaks(stats, tier_names, idle)
-        finalize_ms = self._finalize_latencies(tier_names)
+        finalize_ms = finalize_latencies(self.record, self.metrics.frontend_done, tier_names)
         return SimResult(
             config=cfg, tiers=tier_names, seconds=seconds, counts=self.metrics.counts, hits=self.metrics.hits,
-            finalize_ms=finalize_ms, violations=violations, violation_notes=list(self.observer.violation_notes),
-            leaks=leaks, leak_notes=leak_notes, stats=stats, promotions=dict(self.observer.promotions),
-            cascaded=dict(self.observer.cascaded_blocks),
+            finalize_ms=finalize_ms, violations=violations, violation_notes=found[:10],
+            leaks=leaks, leak_notes=leak_notes, stats=stats, promotions=dict(self.record.promotions),
+            cascaded=dict(self.record.cascaded_blocks),
             samples=sampler.samples, errors=self.metrics.errors, mismatch_notes=self.metrics.mismatch_notes,
             conversations=self.workload.conversations_started, interrupted=self.interrupted,
         )
-
-    def _drop_redis_namespace(self) -> None:
-        try:
-            import redis
-
-            client = redis.Redis.from_url(self.config.redis_url or "", socket_timeout=2.0)
-            batch = list(client.scan_iter(match=f"{self.redis_namespace}:*", count=1000))
-            for i in range(0, len(batch), 1000):
-                client.delete(*batch[i:i + 1000])
-            client.close()
-        except Exception:  # best effort: the keys are under a namespace of this run only
-            pass
 
     # ------------------------------------------------------------ checks
 
@@ -284,27 +168,11 @@ class Simulation:
             if value:
                 leaks += value
                 notes.append(f"{name} = {value}")
-        unfinalized = 0
-        for ctx in list(self.metrics.frontend_done):
-            for tier in tiers:
-                if (ctx, tier) not in self.observer.finished_at:
-                    unfinalized += 1
-        # Every attempt a tier saw start must have been finalized there too.
-        unfinalized += sum(1 for pair in self.observer.started if pair not in self.observer.finished_at
-                           and pair[0] not in self.metrics.frontend_done)
-        if unfinalized:
-            leaks += unfinalized
-            notes.append(f"{unfinalized} (request, tier) pairs never got on_request_finished")
+        missing = unfinalized(self.record, list(self.metrics.frontend_done), tiers)
+        if missing:
+            leaks += missing
+            notes.append(f"{missing} (request, tier) pairs never got on_request_finished")
         return leaks, notes
-
-    def _finalize_latencies(self, tiers: list[str]) -> list[float]:
-        out = []
-        for ctx, done in self.metrics.frontend_done.items():
-            assert isinstance(ctx, ReqContext)
-            last = self.observer.finalized_time(ctx, tiers)
-            if last is not None:
-                out.append(max(0.0, last - done) * 1000.0)
-        return out
 
     # ------------------------------------------------------------ the frontend
 
@@ -487,7 +355,7 @@ class Simulation:
             if state == LookupResult.HIT:
                 by[CPU] += 1
                 continue
-            promo = self.observer.promotion_of(key)
+            promo = self.record.promotion_of(key)
             with self._computed_lock:
                 computed = self._computed.get(key, -1.0)
             by[promo[0] if promo is not None and promo[1] > computed else CPU_IN_FLIGHT] += 1
