@@ -42,7 +42,7 @@ from kvactors.tiers.base import ReportFn, SecondaryTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 if TYPE_CHECKING:
-    from structlog.typing import FilteringBoundLogger
+    from kvactors.logs import EventLogger
 
 SUFFIX = ".kvb"
 """Suffix of block files; files without it are not the tier's and are left alone."""
@@ -171,7 +171,7 @@ class DiskTier(SecondaryTier):
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self._io_workers = io_workers
-        self._log: FilteringBoundLogger = component_logger("tiers.disk", tier=name)
+        self._log: EventLogger = component_logger("tiers.disk", tier=name)
 
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
