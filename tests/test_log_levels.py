@@ -108,7 +108,7 @@ def test_a_level_set_after_a_component_was_built_counts(kvlog: tuple[logging.Log
 
 
 def test_a_call_below_the_level_runs_no_processor(kvlog: tuple[logging.Logger, _Records]) -> None:
-    logger, records = kvlog
+    logger, _records = kvlog
 
     def boom(*_: object) -> object:
         raise AssertionError("a processor ran for an event below the level")
@@ -131,16 +131,16 @@ def test_a_call_below_the_level_runs_no_processor(kvlog: tuple[logging.Logger, _
 
 def test_an_event_log_keeps_every_event_whatever_the_level(tmp_path: Path,
                                                            kvlog: tuple[logging.Logger, _Records]) -> None:
-    logger, records = kvlog
+    _logger, records = kvlog
     path = tmp_path / "events.jsonl"
-    before = datetime.datetime.now(datetime.timezone.utc)
+    before = datetime.datetime.now(datetime.UTC)
     with TieringManager.start(num_blocks=4, block_bytes=8, event_log=str(path)) as manager:
         ctx = ReqContext("r")
         manager.on_new_request(ctx)
         manager.complete_store(keys(1), ctx)  # misuse, never prepared: a WARNING, for stdlib too
         manager.on_request_finished(ctx)
         settled(manager)
-    after = datetime.datetime.now(datetime.timezone.utc)
+    after = datetime.datetime.now(datetime.UTC)
     events = [json.loads(line) for line in path.read_text().splitlines()]
     names = [e["event"] for e in events]
     assert "request_started" in names and "request_started" not in records.events()
@@ -189,7 +189,7 @@ def test_records_render_with_processor_formatter(kvlog: tuple[logging.Logger, _R
 
 
 def test_plain_formatters_print_the_event_and_the_traceback(kvlog: tuple[logging.Logger, _Records]) -> None:
-    logger, records = kvlog
+    _logger, records = kvlog
     comp = component_logger("vllm")
     try:
         raise RuntimeError("boom")
