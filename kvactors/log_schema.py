@@ -5,8 +5,10 @@ Two kinds of events exist:
 * **lifecycle** events, written by a manager's event logger
   (:func:`kvactors.logs.make_event_logger`) to the stdlib logger ``kvactors`` and
   to the JSON-lines event log that ``kvactors check-log`` replays. The checker
-  handles exactly these names (a test asserts that the names the runtime emits,
-  the names in the source and the names the checker handles are this set);
+  handles exactly these names (``tests/test_log_schema.py`` scans the package's
+  source: every log call's name is a literal of this module, or a lookup into
+  :data:`JOB_SUBMITTED`/:data:`JOB_COMPLETED`, at a level listed here; every
+  name here is emitted somewhere; the checker's handlers are the lifecycle names);
 * **component** events of a tier or the transfer engine
   (:func:`kvactors.logs.component_logger`), which go to stdlib only and are
   never in an event log.
