@@ -5,8 +5,10 @@ Two kinds of events exist:
 * **lifecycle** events, written by a manager's event logger
   (:func:`kvactors.logs.make_event_logger`) to the stdlib logger ``kvactors`` and
   to the JSON-lines event log that ``kvactors check-log`` replays. The checker
-  handles exactly these names (a test asserts that the names the runtime emits,
-  the names in the source and the names the checker handles are this set);
+  handles exactly these names (``tests/test_log_schema.py`` scans the package's
+  source: every log call's name is a literal of this module, or a lookup into
+  :data:`JOB_SUBMITTED`/:data:`JOB_COMPLETED`, at a level listed here; every
+  name here is emitted somewhere; the checker's handlers are the lifecycle names);
 * **component** events of a tier or the transfer engine
   (:func:`kvactors.logs.component_logger`), which go to stdlib only and are
   never in an event log.
@@ -23,13 +25,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
-#: Fields every lifecycle event carries, stamped by the logger itself.
-STAMPED = frozenset({"event", "level", "ts", "thread", "seq", "manager", "pid"})
+#: Fields every lifecycle event carries, stamped by the logger itself (``timestamp``: wall-clock UTC, ISO 8601;
+#: logs written before it have ``ts``, monotonic seconds, instead: no rule reads either).
+STAMPED = frozenset({"event", "level", "timestamp", "thread", "seq", "manager", "pid"})
 
-#: The job kinds whose events are named ``<kind>_submitted`` / ``<kind>_completed``.
-JOB_KINDS = ("cascade", "promotion")
+#: The event a job of each kind logs when it is sent to its tier, and when its tier reported it: emitters look
+#: their name up here (``JOB_SUBMITTED[kind]``), so every name in the source is a literal of this module.
+JOB_SUBMITTED: Mapping[str, str] = MappingProxyType({"cascade": "cascade_submitted",
+                                                     "promotion": "promotion_submitted"})
+JOB_COMPLETED: Mapping[str, str] = MappingProxyType({"cascade": "cascade_completed",
+                                                     "promotion": "promotion_completed"})
+#: The job kinds.
+JOB_KINDS = tuple(JOB_SUBMITTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +85,10 @@ _LIFECYCLE = (
     # the supervisor
     _spec("request_finish_seen", "debug", _REQ, "the supervisor learned of the finish"),
     _spec("job_queued", "debug", _REQ + " kind job_id tier", "a job waits for a slot at its tier"),
-    *(_spec(f"{kind}_submitted", "debug", _REQ + " job_id tier", f"a {kind} job sent to its tier")
-      for kind in JOB_KINDS),
-    *(_spec(f"{kind}_completed", "debug warning", _REQ + " job_id tier success", f"a {kind} job reported")
-      for kind in JOB_KINDS),
+    _spec("cascade_submitted", "debug", _REQ + " job_id tier", "a cascade job sent to its tier"),
+    _spec("promotion_submitted", "debug", _REQ + " job_id tier", "a promotion job sent to its tier"),
+    _spec("cascade_completed", "debug warning", _REQ + " job_id tier success", "a cascade job reported"),
+    _spec("promotion_completed", "debug warning", _REQ + " job_id tier success", "a promotion job reported"),
     _spec("job_dropped", "info", _REQ + " kind job_id tier reason", "a job ended before reaching its tier"),
     _spec("job_timed_out", "warning", _REQ + " kind tier", "a store (kind=store, keys) or a job (job_id) expired"),
     _spec("late_report_ignored", "warning", "job_id tier", "a timed-out job's report: its rows are released"),

@@ -1,12 +1,17 @@
-"""Structured lifecycle logs: structlog over the stdlib logger ``kvactors``.
+"""Structured lifecycle logs: structlog's stdlib integration over the stdlib logger ``kvactors``.
 
 kvactors is a library, so importing it configures nothing: the stdlib logger
 ``kvactors`` gets a ``NullHandler`` and structlog's global configuration is
-never touched. Each manager builds its own bound logger with
-:func:`make_event_logger`; events go to
+never read or touched (every logger here is built with its own processors).
+Each manager builds its own bound logger with :func:`make_event_logger`;
+events go to
 
 * the stdlib logger ``kvactors`` (route them with ``logging`` as for any
-  library; lifecycle transitions are ``DEBUG``, anomalies ``WARNING``), and
+  library; lifecycle transitions are ``DEBUG``, anomalies ``WARNING``). A
+  record's ``msg`` is the event dict (a ``dict`` that prints as ``event k=v
+  ...``), also in ``record.kvactors_event``, and the record carries what
+  :class:`structlog.stdlib.ProcessorFormatter` reads, so a handler with that
+  formatter renders kvactors' events as structured events, and
 * optionally a JSON-lines file (``TieringManager.start(event_log=PATH)`` or the
   ``KVACTORS_EVENT_LOG`` environment variable), one object per event, which
   ``kvactors check-log`` replays to verify the lifecycle contract.
@@ -19,14 +24,23 @@ required fields, is defined once in :mod:`kvactors.log_schema`; with
 suite sets it), logging a name not there, at another level or without a
 required field raises :class:`~kvactors.log_schema.UnknownEventError`.
 
-Cost: the level is fixed when the logger is built (structlog's filtering bound
-logger), so a filtered-out event is a no-op method call, well under a
-microsecond. Call sites on hot paths pass plain ints and strings only.
+Stamped fields: ``level``; ``timestamp``, wall-clock time in UTC, ISO 8601
+(``2025-01-31T12:00:00.123456Z``); ``thread``, the emitting thread's name; and,
+for lifecycle events, ``seq`` (below). Nothing in the checker reads a time:
+order comes from ``seq``.
 
-Threading: the file sink serializes writes with a lock and stamps each event
-with a sequence number ``seq``; events of one actor appear in the order that
-actor emitted them, and an event emitted after another (in real time, across
-threads) never gets a smaller ``seq``.
+The level is the stdlib logger's, asked at each call: a level set at any time
+(``logging.getLogger("kvactors").setLevel(logging.DEBUG)``, a parent's level,
+``logging.disable``) counts from the next event, on every thread. A call below
+the level returns before any processor runs (one ``Logger.isEnabledFor``, a
+cached dict lookup). A manager with an event log keeps every event (``DEBUG``
+and up) for the file whatever the level, and hands stdlib those at its level.
+
+Threading: every logger here may be used from any thread. The file sink
+serializes writes with a lock and stamps each event with a sequence number
+``seq``; events of one actor appear in the order that actor emitted them, and an
+event emitted after another (in real time, across threads) never gets a smaller
+``seq``.
 """
 
 from __future__ import annotations
@@ -35,12 +49,13 @@ import itertools
 import json
 import logging
 import os
+import sys
 import threading
-import time
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import structlog
-from structlog.typing import EventDict, FilteringBoundLogger, Processor, WrappedLogger
+from structlog.stdlib import BoundLogger, ProcessorFormatter, add_log_level
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 from kvactors.log_schema import UnknownEventError, problem
 
@@ -55,18 +70,79 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR, "critical": logging.CRITICAL}
 
 
+class EventLogger(Protocol):
+    """What kvactors calls on its loggers (:class:`structlog.stdlib.BoundLogger` and structlog's
+    filtering bound loggers have it)."""
+
+    def bind(self, **new_values: Any) -> Any: ...
+    def is_enabled_for(self, level: int) -> bool: ...
+    def debug(self, event: str, *args: Any, **kw: Any) -> Any: ...
+    def info(self, event: str, *args: Any, **kw: Any) -> Any: ...
+    def warning(self, event: str, *args: Any, **kw: Any) -> Any: ...
+    def error(self, event: str, *args: Any, **kw: Any) -> Any: ...
+    def exception(self, event: str, *args: Any, **kw: Any) -> Any: ...
+    def critical(self, event: str, *args: Any, **kw: Any) -> Any: ...
+
+
+class EventMessage(dict[str, Any]):
+    """A stdlib record's ``msg``: the event dict, which plain formatters print as ``event k=v ...``."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        rest = " ".join(f"{k}={v}" for k, v in self.items() if k not in ("event", "level", "exc_info"))
+        return f"{self.get('event', '')} {rest}"
+
+
+class _LevelLogger(BoundLogger):
+    """A :class:`structlog.stdlib.BoundLogger` that asks the stdlib logger's level at every call,
+    before building anything: a call below it costs one ``isEnabledFor``."""
+
+    def is_enabled_for(self, level: int) -> bool:
+        return bool(self._logger.isEnabledFor(level))
+
+    def debug(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        if self._logger.isEnabledFor(logging.DEBUG):
+            return self._proxy_to_logger("debug", event, *args, **kw)
+        return None
+
+    def info(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        if self._logger.isEnabledFor(logging.INFO):
+            return self._proxy_to_logger("info", event, *args, **kw)
+        return None
+
+    def warning(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        if self._logger.isEnabledFor(logging.WARNING):
+            return self._proxy_to_logger("warning", event, *args, **kw)
+        return None
+
+    def error(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        if self._logger.isEnabledFor(logging.ERROR):
+            return self._proxy_to_logger("error", event, *args, **kw)
+        return None
+
+    def critical(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        if self._logger.isEnabledFor(logging.CRITICAL):
+            return self._proxy_to_logger("critical", event, *args, **kw)
+        return None
+
+
+class _RecordingLogger(BoundLogger):
+    """A manager's logger with an event log: every event is built (for the file), at any level."""
+
+    def is_enabled_for(self, level: int) -> bool:
+        return True
+
+
 class EventSink:
-    """The final structlog "logger": writes JSON lines and forwards to stdlib.
+    """The processor that stamps ``seq`` and writes the JSON line (when there is a file).
 
     Thread-safe. ``close()`` flushes and closes the file; events after it go to
     stdlib only.
     """
 
-    def __init__(
-        self, json_path: str | os.PathLike[str] | None, stdlib_logger: logging.Logger | None = None
-    ) -> None:
+    def __init__(self, json_path: str | os.PathLike[str] | None) -> None:
         self._lock = threading.Lock()
-        self._stdlib = stdlib_logger if stdlib_logger is not None else _stdlib_logger
         self._seq = itertools.count()
         self._file: IO[str] | None = None
         self.path = os.fspath(json_path) if json_path is not None else None
@@ -74,16 +150,12 @@ class EventSink:
             # Line-buffered append: a crash loses at most the line being written.
             self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
 
-    def _emit(self, level: str, event_dict: EventDict) -> None:
-        numeric = _LEVELS.get(level, logging.INFO)
-        with self._lock:
+    def __call__(self, _: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
+        with self._lock:  # seq and the line under one lock: the file is in seq order
             event_dict["seq"] = next(self._seq)
             if self._file is not None:
                 self._file.write(json.dumps(event_dict, default=str, separators=(",", ":")) + "\n")
-        if self._stdlib.isEnabledFor(numeric):
-            event = event_dict.get("event", "")
-            rest = " ".join(f"{k}={v}" for k, v in event_dict.items() if k not in ("event", "level"))
-            self._stdlib.log(numeric, "%s %s", event, rest, extra={"kvactors_event": dict(event_dict)})
+        return event_dict
 
     def close(self) -> None:
         with self._lock:
@@ -91,31 +163,13 @@ class EventSink:
                 self._file.close()
                 self._file = None
 
-    # structlog calls the method named after the level with our processor's output.
-    def debug(self, event_dict: EventDict) -> None:
-        self._emit("debug", event_dict)
 
-    def info(self, event_dict: EventDict) -> None:
-        self._emit("info", event_dict)
-
-    def warning(self, event_dict: EventDict) -> None:
-        self._emit("warning", event_dict)
-
-    def error(self, event_dict: EventDict) -> None:
-        self._emit("error", event_dict)
-
-    def critical(self, event_dict: EventDict) -> None:
-        self._emit("critical", event_dict)
-
-    msg = info
-    exception = error
-
-
-def _stamp(_: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
-    event_dict["level"] = "warning" if method_name == "warn" else method_name
-    event_dict["ts"] = time.monotonic()
+def _add_thread(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
     event_dict["thread"] = threading.current_thread().name
     return event_dict
+
+
+_add_timestamp = structlog.processors.TimeStamper(fmt="iso", utc=True, key="timestamp")
 
 
 def _check_lifecycle(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
@@ -132,61 +186,73 @@ def _check_component(_: WrappedLogger, __: str, event_dict: EventDict) -> EventD
     return event_dict
 
 
-def _processors(check: Processor) -> list[Processor]:
-    """The chain: stamp, then (strict mode, read when the logger is built) the schema check."""
-    strict = os.environ.get(ENV_STRICT_EVENTS, "") not in ("", "0")
-    return [_stamp, check, _hand_to_sink] if strict else [_stamp, _hand_to_sink]
+def _to_stdlib(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> tuple[tuple[Any, ...],
+                                                                                       dict[str, Any]]:
+    """The last processor: the stdlib call's arguments (``ProcessorFormatter.wrap_for_formatter``'s, plus
+    ``kvactors_event`` and a real ``exc_info``), or nothing when the stdlib logger drops that level."""
+    if not logger.isEnabledFor(_LEVELS.get(event_dict["level"], logging.INFO)):
+        raise structlog.DropEvent  # only a recording logger gets here below the level
+    message = EventMessage(event_dict)
+    args, wrapped = ProcessorFormatter.wrap_for_formatter(logger, method_name, message)
+    kw: dict[str, Any] = {"extra": {**wrapped["extra"], "kvactors_event": message}}
+    exc_info = message.get("exc_info")
+    if exc_info:  # ``exception()``: the record gets the traceback, as from ``Logger.exception``
+        exc_info = sys.exc_info() if exc_info is True else exc_info
+        message["exc_info"] = kw["exc_info"] = exc_info
+    return args, kw
 
 
-def _hand_to_sink(_: WrappedLogger, __: str, event_dict: EventDict) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (event_dict,), {}
+def _strict() -> bool:
+    return os.environ.get(ENV_STRICT_EVENTS, "") not in ("", "0")
+
+
+def _processors(check: Processor, sink: EventSink | None) -> list[Processor]:
+    """The chain: stamp, then (strict mode, read when the logger is built) the schema check, then the file."""
+    chain: list[Processor] = [add_log_level, _add_timestamp, _add_thread]
+    if _strict():
+        chain.append(check)
+    if sink is not None:
+        chain.append(sink)
+    chain.append(_to_stdlib)
+    return chain
 
 
 def make_event_logger(
     json_path: str | os.PathLike[str] | None = None, **context: Any
-) -> tuple[FilteringBoundLogger, EventSink]:
+) -> tuple[EventLogger, EventSink]:
     """Build one manager's lifecycle logger and its sink.
 
-    Without ``json_path`` (and without ``KVACTORS_EVENT_LOG``) the level is the
-    effective level of the stdlib logger ``kvactors`` at this moment; with a
-    file, every event (``DEBUG`` and up) is recorded.
+    Without ``json_path`` (and without ``KVACTORS_EVENT_LOG``) an event is built
+    only if the stdlib logger ``kvactors`` is enabled for its level when it is
+    logged; with a file, every event (``DEBUG`` and up) is recorded there, and
+    those at the stdlib logger's level go to it too.
     """
     if json_path is None:
         json_path = os.environ.get(ENV_EVENT_LOG) or None
     sink = EventSink(json_path)
-    level = logging.DEBUG if sink.path is not None else _stdlib_logger.getEffectiveLevel()
-    logger = structlog.wrap_logger(
-        sink,
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        processors=_processors(_check_lifecycle),
-    )
-    # bind() turns structlog's lazy proxy into the filtering logger itself: no proxy hop per call.
-    return logger.bind(**context), sink
+    cls = _RecordingLogger if sink.path is not None else _LevelLogger
+    logger = cls(_stdlib_logger, _processors(_check_lifecycle, sink), context)
+    return logger, sink
 
 
-def null_logger() -> FilteringBoundLogger:
+def null_logger() -> EventLogger:
     """A logger that drops all but ``critical`` (kvactors emits none) for actors used without a manager."""
-    return structlog.wrap_logger(
-        EventSink(None),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
-        processors=[_hand_to_sink],
-    ).bind()
+    logger: EventLogger = structlog.wrap_logger(
+        _stdlib_logger, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
+        processors=[add_log_level, _add_timestamp, _add_thread, _to_stdlib], context_class=dict,
+    ).bind()  # bind(): the filtering logger itself, not structlog's lazy proxy
+    return logger
 
 
-def component_logger(component: str, **context: Any) -> FilteringBoundLogger:
+def component_logger(component: str, **context: Any) -> EventLogger:
     """A structured logger for one component's own events (a tier, the transfer engine).
 
     Events go to the stdlib logger ``kvactors.<component>`` (a child of
     ``kvactors``, so routed like every other kvactors log; each record carries
-    the event dict as ``record.kvactors_event``); there is no JSON file. As with
-    :func:`make_event_logger`, the level is the stdlib logger's effective level
-    when this is called, so build it when the component is built.
-    Thread-safe: any thread may log through it.
+    the event dict as ``record.kvactors_event``); there is no JSON file and no
+    ``seq``. As for :func:`make_event_logger`, the level is the stdlib logger's
+    effective level when an event is logged. Thread-safe: any thread may log
+    through it.
     """
     stdlib = logging.getLogger(f"{LOGGER_NAME}.{component}")
-    logger = structlog.wrap_logger(
-        EventSink(None, stdlib),
-        wrapper_class=structlog.make_filtering_bound_logger(stdlib.getEffectiveLevel()),
-        processors=_processors(_check_component),
-    )
-    return logger.bind(**context)
+    return _LevelLogger(stdlib, _processors(_check_component, None), context)

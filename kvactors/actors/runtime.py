@@ -60,10 +60,9 @@ from concurrent.futures import Future
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import pykka
-from structlog.typing import FilteringBoundLogger
 
 from kvactors.actors.reply import Reply
-from kvactors.logs import null_logger
+from kvactors.logs import EventLogger, null_logger
 
 M = TypeVar("M")
 
@@ -150,19 +149,22 @@ class Actor:
     ref: ActorRef
     runtime: Runtime
     internal_errors: int = 0
-    _log: FilteringBoundLogger = null_logger()
-    tracing: bool = False
-    """Whether ``DEBUG`` events are kept: hot paths skip building the ones that are not."""
+    _log: EventLogger = null_logger()
 
     @property
-    def log(self) -> FilteringBoundLogger:
-        """The lifecycle logger; setting it also sets :attr:`tracing`."""
+    def tracing(self) -> bool:
+        """Whether ``DEBUG`` events are kept now (asked at each use: a level set later counts at once); hot
+        paths skip building the ones that are not."""
+        return self._log.is_enabled_for(logging.DEBUG)
+
+    @property
+    def log(self) -> EventLogger:
+        """The lifecycle logger."""
         return self._log
 
     @log.setter
-    def log(self, logger: FilteringBoundLogger) -> None:
+    def log(self, logger: EventLogger) -> None:
         self._log = logger
-        self.tracing = logger.is_enabled_for(logging.DEBUG)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -83,6 +83,7 @@ from kvactors.core.lookups import resolve_lookup
 from kvactors.core.outcomes import key_outcomes
 from kvactors.core.quarantine import PromotionQuarantine
 from kvactors.core.tierwatch import TierWatch
+from kvactors.log_schema import JOB_COMPLETED, JOB_SUBMITTED
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 
@@ -358,7 +359,7 @@ class LifecycleSupervisor(Actor):
         self._job_deadlines.add(job.job.job_id, deadline)
         self._arm_timer()
         if self.tracing:
-            self.log.debug(f"{job.kind}_submitted", job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
+            self.log.debug(JOB_SUBMITTED[job.kind], job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
                            req_id=ctx.req_id, attempt=ctx.attempt)
         self.tiers[job.tier].send(m.TierSubmit(job.job), "submit_load" if job.job.is_promotion else "submit_store")
 
@@ -441,7 +442,7 @@ class LifecycleSupervisor(Actor):
         self.counters["job_keys_failed"] += len(outcomes.failed)
         if not success or self.tracing:
             log = self.log.debug if success else self.log.warning
-            log(f"{job.kind}_completed", job_id=result.job_id, tier=job.tier, success=success,
+            log(JOB_COMPLETED[job.kind], job_id=result.job_id, tier=job.tier, success=success,
                 keys=len(job.job.keys), failed_keys=len(outcomes.failed), error=result.error,
                 req_id=ctx.req_id, attempt=ctx.attempt)
         ok_keys = None if success else frozenset(outcomes.ok)

@@ -1,7 +1,9 @@
 """``kvactors check-log``'s engine: the lifecycle contract, verified from an event log alone.
 
 * :mod:`~kvactors.logcheck.reader`: the JSON lines, streamed;
-* :mod:`~kvactors.logcheck.replay`: the rules, over one manager's events (a plain class);
+* :mod:`~kvactors.logcheck.replay`: the rules, over one manager's events (a plain class), made of
+  :mod:`~kvactors.logcheck.lifetimes` (a request's finishes), :mod:`~kvactors.logcheck.jobs` (stores, pins,
+  jobs) and :mod:`~kvactors.logcheck.state` (what is live);
 * :mod:`~kvactors.logcheck.check`: managers, ``seq`` order and the verdict;
 * :mod:`~kvactors.logcheck.model`: violations, the verdict, the result.
 

@@ -49,7 +49,7 @@ from kvactors.tiers.runner import JobRunner, Outcome, RunningJob
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 if TYPE_CHECKING:
-    from structlog.typing import FilteringBoundLogger
+    from kvactors.logs import EventLogger
 
 __all__ = ["MAX_NAME_CHARS", "SUFFIX", "TMP_PREFIX", "DiskTier", "DiskTierError", "file_name"]
 
@@ -129,7 +129,7 @@ class DiskTier(SecondaryTier):
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self._io_workers = io_workers
-        self._log: FilteringBoundLogger = component_logger("tiers.disk", tier=name)
+        self._log: EventLogger = component_logger("tiers.disk", tier=name)
 
         self._lock = threading.Lock()
         # LRU first. Guarded by _lock, like everything below.
