@@ -124,7 +124,7 @@ _COMPONENT = tuple(
     for name, levels in (
         ("tier_opened", "debug"), ("job_failed", "warning"), ("blocks_discarded", "warning"),
         ("unlink_failed", "warning"), ("report_failed", "warning"), ("tier_degraded", "warning"),
-        ("tier_recovered", "info"), ("disconnect_failed", "warning"), ("lookup_failed", "warning error"),
+        ("tier_recovered", "info"), ("lookup_failed", "warning error"),
         ("touch_failed", "debug"), ("evict_failed", "warning"), ("forget_failed", "warning"),
         ("engine_closed", "debug"), ("pool_not_pinned", "warning"), ("copy_failed", "warning"),
         ("completion_failed", "warning"), ("interrupt_failed", "warning"),

@@ -25,7 +25,8 @@ from kvactors.types import LookupResult, OffloadingEvent, OffloadKey
 if TYPE_CHECKING:
     import torch
     from redis.commands.core import Script
-    from structlog.typing import FilteringBoundLogger
+
+    from kvactors.logs import EventLogger
 
 # Evicts the ``ARGV[1]`` least recently used members of an LRU sorted set
 # (``KEYS[1]``) and unlinks their blocks (``ARGV[2]`` is the key prefix).
@@ -56,7 +57,7 @@ class RedisJobs:
         _lru_sets: int
         _cluster: rc.ClusterClient | None
         _evict_script: Script
-        _log: FilteringBoundLogger
+        _log: EventLogger
 
         def redis_key(self, key: OffloadKey) -> bytes: ...
         def _lru_groups(self, keys: Sequence[OffloadKey]) -> dict[bytes, tuple[bytes, list[OffloadKey]]]: ...

@@ -28,7 +28,7 @@ from kvactors.tiers.base import ReportFn
 from kvactors.types import JobResult, OffloadingEvent, TransferJob
 
 if TYPE_CHECKING:
-    from structlog.typing import FilteringBoundLogger
+    from kvactors.logs import EventLogger
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +107,7 @@ class JobRunner:
         workers: int,
         thread_name: str,
         report: ReportFn,
-        log: FilteringBoundLogger,
+        log: EventLogger,
         emit: Callable[[Sequence[OffloadingEvent]], None] | None = None,
         on_error: Callable[[BaseException], object] | None = None,
     ) -> None:
