@@ -34,7 +34,6 @@ KNOWN_UNRESOLVED: dict[tuple[str, str], str] = {
     ("kvactors/manager.py", "docs/perf-actors-vs-lock.md"): "docs/performance.md",
     ("kvactors/testing/scheduler.py", "architecture-notes.md"): "docs/performance.md (or drop the figures)",
     ("kvactors/types.py", "api.md"): "README.md (the public API)",
-    ("kvactors/core/pool.py", "api.md"): "README.md (the public API)",
     ("kvactors/core/lifecycle.py", "lifecycle-contract.md"): "docs/contract.md",
     # docs/architecture.md: module names planned by issue 15, not in this tree yet.
     ("docs/architecture.md", "kvactors/core/jobbook.py"): "the job book's module",

@@ -172,7 +172,7 @@ class BlockPool:
         never evicted to make room for the others: the caller is told they are
         cached. Returns ``None``, and changes nothing, when the free rows and
         the evictable rows of *other* keys are too few for every new key (all
-        or nothing, as ``api.md``'s "``None`` if there is no room": storing
+        or nothing, as ``TieringManager.prepare_store``: "``None`` if there is no room"; storing
         only some of the keys would leave holes in a request's prefix).
         """
         new: list[OffloadKey] = []

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from engine_support import make_llm, make_model, rounds, shutdown_llm
+from engine_support import make_llm, make_model, rounds, shutdown_llm, stores_settled
 
 Scenario = Callable[[str, str], dict[str, Any]]
 SCENARIOS: dict[str, Scenario] = {}
@@ -36,7 +36,7 @@ def _run(model: str, tmp: str, *, pool_blocks: int, tiers: list[dict[str, Any]],
     try:
         if setup is not None:
             setup()
-        r = rounds(llm, before_round2=before_round2)
+        r = rounds(llm, lambda: stores_settled(os.path.join(tmp, "events.kvlog")), before_round2=before_round2)
         r["stats"] = mgr_stats()
         workers = list(WORKERS)
         r["worker"] = {k: sum(getattr(w, k) for w in workers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -111,12 +112,43 @@ def summarize(outs: list[Any]) -> tuple[list[list[int]], list[list[float]], list
     return tokens, lps, cached
 
 
-def rounds(llm: Any, before_round2: Callable[[], Any] | None = None) -> dict[str, Any]:
+def stores_settled(event_log: str) -> bool:
+    """Whether every key kvactors' event log shows prepared for a store has been completed
+    (successfully or not). Every prepare of a batch is logged before its generate returns
+    (the scheduler's call waits for it); the log is line-buffered, so it can be read while
+    the engine runs. A batch that stored nothing (no room) is settled at once."""
+    prepared = completed = 0
+    try:
+        with open(event_log, encoding="utf-8") as f:
+            for line in f:
+                event = json.loads(line)
+                if event.get("event") == "store_prepared":
+                    prepared += int(event["keys"])
+                elif event.get("event") == "store_completed":
+                    completed += int(event["keys"])
+    except FileNotFoundError:
+        return False
+    return completed >= prepared
+
+
+def settle(llm: Any, settled: Callable[[], bool], bound_s: float = 60.0) -> None:
+    """Step the engine (a one-request batch at a time) until ``settled()``, at most ``bound_s``.
+
+    The worker's store copies end on its own threads; the scheduler learns of them only
+    during later steps. On a loaded machine one step is not always enough, and round 2
+    must not start before round 1's stores are in kvactors."""
+    deadline = time.monotonic() + bound_s
+    generate(llm, [[5] * 8])
+    while not settled():
+        assert time.monotonic() < deadline, f"round 1's stores did not complete within {bound_s} s"
+        generate(llm, [[5] * 8])
+
+
+def rounds(llm: Any, settled: Callable[[], bool], before_round2: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Round 1 stores the shared prefix; the engine's prefix cache is dropped; round 2 loads it back."""
     batch = prompts()
     t1, l1, c1 = summarize(generate(llm, batch))
-    # A few more steps so the last store completions reach the scheduler.
-    generate(llm, [[5] * 8])
+    settle(llm, settled)
     assert llm.reset_prefix_cache(), "the engine's prefix cache was not reset"
     if before_round2 is not None:
         before_round2()
