@@ -114,7 +114,18 @@ def _module_file(parts: list[str]) -> Path | None:
     return None
 
 
+@functools.cache
+def _logger_names() -> frozenset[str]:
+    """The stdlib loggers kvactors logs to: ``kvactors`` and each ``component_logger("x")``'s ``kvactors.x``."""
+    names = {"kvactors"}
+    for path in (ROOT / "kvactors").rglob("*.py"):
+        names.update(f"kvactors.{n}" for n in re.findall(r'component_logger\(\s*"([\w.]+)"', path.read_text()))
+    return frozenset(names)
+
+
 def _dotted_exists(ref: str) -> bool:
+    if ref in _logger_names():
+        return True
     parts = ref.split(".")
     for cut in range(len(parts), 0, -1):
         module = _module_file(parts[:cut])
