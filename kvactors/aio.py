@@ -27,7 +27,7 @@ from typing import Any, TypeVar, cast
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import ActorStoppedError
-from kvactors.core.arguments import check_timeout
+from kvactors.core.arguments import check_flag, check_timeout
 from kvactors.core.errors import ManagerStoppedError
 from kvactors.manager import TieringManager
 from kvactors.types import (
@@ -176,7 +176,7 @@ class AsyncTieringManager:
         if not isinstance(manager, TieringManager):
             raise ValueError(f"expected a TieringManager, got {type(manager).__name__}")
         self.manager = manager
-        self._view = _view(manager, claims)
+        self._view = _view(manager, check_flag(claims, "claims"))
         self._orphan_events: list[OffloadingEvent] = []
         self._inbox: _Inbox | None = None
 

@@ -18,8 +18,7 @@ from kvactors.actors.runtime import ActorRef, ActorStoppedError, Runtime, Thread
 from kvactors.actors.secondary import SecondaryTierActor
 from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.core.arguments import check_ctx as _check_ctx
-from kvactors.core.arguments import check_flag, check_int, check_timeout
-from kvactors.core.arguments import check_keys as _check_keys
+from kvactors.core.arguments import check_flag, check_int, check_request, check_timeout
 from kvactors.core.counters import MetricsSnapshot
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.core.policies import POLICIES
@@ -179,6 +178,7 @@ class TieringManager:
                 raise ValueError(f"secondary tiers must be SecondaryTier instances, got {type(tier).__name__}")
             if tier.name in names:
                 raise ValueError(f"tier name {tier.name!r} is used twice (or is the primary's)")
+            check_int(tier.max_inflight_jobs, f"tier {tier.name!r}: max_inflight_jobs")
             names.append(tier.name)
         if len(set(map(id, tiers))) != len(tiers):
             raise ValueError("a tier instance is given twice")
@@ -202,7 +202,7 @@ class TieringManager:
                               transfer_timeout_s=float(transfer_timeout_s), work_ids=work_ids,
                               announce_starts=any(actor.wants_new_request for actor in tier_actors))
         supervisor = LifecycleSupervisor(
-            tier_limits=[(tier.name, max(1, int(tier.max_inflight_jobs))) for tier in tiers],
+            tier_limits=[(tier.name, tier.max_inflight_jobs) for tier in tiers],
             transfer_timeout_s=float(transfer_timeout_s),
             lookup_timeout_s=float(lookup_timeout_s),
         )
@@ -308,7 +308,7 @@ class TieringManager:
         promotion (at most one per key, on behalf of ``ctx``) and answers
         ``HIT_PENDING``. ``LifecycleError`` if the request is unknown or finished."""
         reply: Reply[list[LookupResult]] = Reply()
-        return self._ask(m.Lookup(_check_keys(keys), _check_ctx(ctx), reply), reply)
+        return self._ask(m.Lookup(*check_request(keys, ctx), reply), reply)
 
     def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         """Pin the rows of ready ``keys`` until :meth:`complete_load`.
@@ -316,7 +316,7 @@ class TieringManager:
         ``LifecycleError`` (nothing pinned) if a key is not ready or the request
         is unknown or finished."""
         reply: Reply[LoadStoreSpec] = Reply()
-        return self._ask(m.PrepareLoad(_check_keys(keys), _check_ctx(ctx), reply), reply)
+        return self._ask(m.PrepareLoad(*check_request(keys, ctx), reply), reply)
 
     def complete_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """Unpin what :meth:`prepare_load` pinned: one pin per key given, each
@@ -328,11 +328,11 @@ class TieringManager:
         ``complete_load`` of that key, so no row is reused while a copy may
         still read it. A release with no pin left is a ``contract_violation``
         (counted, nothing changes)."""
-        self._send(m.CompleteLoad(_check_keys(keys), _check_ctx(ctx)))
+        self._send(m.CompleteLoad(*check_request(keys, ctx)))
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """Recency hint, passed on to every tier. Non-blocking."""
-        self._send(m.Touch(_check_keys(keys), _check_ctx(ctx)))
+        self._send(m.Touch(*check_request(keys, ctx)))
 
     def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         """Allocate not-ready rows for the keys not present (evicting if needed).
@@ -343,13 +343,13 @@ class TieringManager:
         :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
         ``LifecycleError`` if the request is unknown or finished."""
         reply: Reply[PrepareStoreOutput | None] = Reply()
-        return self._ask(m.PrepareStore(_check_keys(keys), _check_ctx(ctx), reply), reply)
+        return self._ask(m.PrepareStore(*check_request(keys, ctx), reply), reply)
 
     def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         """The copy into the prepared rows ended. Success makes the blocks ready
         and cascades them to every secondary tier; failure removes them. Either
         way the store is no longer pending. Non-blocking."""
-        self._send(m.CompleteStore(_check_keys(keys), _check_ctx(ctx), check_flag(success, "success")))
+        self._send(m.CompleteStore(*check_request(keys, ctx), check_flag(success, "success")))
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submit calls for this attempt. Idempotent. Non-blocking.

@@ -51,6 +51,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("kvactors.metrics needs prometheus-client: pip install 'kvactors[metrics]'") from exc
 
+from kvactors.core.arguments import check_int
 from kvactors.core.counters import MetricsSnapshot
 from kvactors.core.errors import ManagerStoppedError
 
@@ -188,6 +189,7 @@ def serve_metrics(manager: TieringManager, port: int, addr: str = "127.0.0.1"
     one daemon thread. Returns ``(server, thread, registry)``: ``server.server_port``
     is the port, ``server.shutdown()`` stops it.
     """
+    check_int(port, "port", minimum=0, maximum=65535)
     registry = CollectorRegistry()
     registry.register(KvactorsCollector(manager))
     server, thread = start_http_server(port, addr=addr, registry=registry)
