@@ -23,6 +23,7 @@ from kvactors.core.counters import MetricsSnapshot
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.core.policies import POLICIES
 from kvactors.logs import make_event_logger
+from kvactors.primary_pool import allocate_pool, check_pool
 from kvactors.tiers.base import SecondaryTier
 from kvactors.types import (
     PRIMARY_TIER_NAME,
@@ -47,33 +48,6 @@ ANSWER_SLACK_S = 10.0
 within its own deadline; a facade still waiting this long past the longest one
 raises instead of hanging (the primary's thread is wedged: a bug, or a tier's
 inline call that blocks)."""
-
-
-BOOKKEEPING_BYTES_PER_BLOCK = 256
-"""An upper bound of the primary's bookkeeping per pool row (measured: 182 B at 1M blocks)."""
-
-
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _allocate_pool(num_blocks: int, block_bytes: int) -> torch.Tensor:
-    """The pool tensor, or a ``MemoryError`` that names the sizes (never torch's allocator text)."""
-    need = num_blocks * (block_bytes + BOOKKEEPING_BYTES_PER_BLOCK)
-    sizes = f"num_blocks={num_blocks} x block_bytes={block_bytes}"
-    physical = _physical_memory()
-    if physical is not None and need > physical:
-        # Refused before trying: torch.zeros would touch every page (or the OOM killer would end it).
-        raise MemoryError(f"the primary pool of {sizes} needs about {need} bytes (with its bookkeeping), "
-                          f"more than this machine's {physical} bytes of memory")
-    try:
-        return torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    except (RuntimeError, MemoryError) as exc:
-        raise MemoryError(f"cannot allocate the primary pool of {sizes} = {num_blocks * block_bytes} bytes "
-                          f"({type(exc).__name__})") from None
 
 
 class TieringManager:
@@ -182,18 +156,12 @@ class TieringManager:
             names.append(tier.name)
         if len(set(map(id, tiers))) != len(tiers):
             raise ValueError("a tier instance is given twice")
-        if pool is not None and (
-            not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.device.type != "cpu"
-            or tuple(pool.shape) != (num_blocks, block_bytes) or not pool.is_contiguous()
-        ):
-            got = f"{pool.dtype} {tuple(pool.shape)} on {pool.device}" if isinstance(pool, torch.Tensor) \
-                else type(pool).__name__
-            raise ValueError(f"pool must be a contiguous CPU uint8 tensor of shape ({num_blocks}, {block_bytes}), "
-                             f"got {got}")
+        if pool is not None:
+            check_pool(pool, num_blocks, block_bytes)
 
         manager_id = next(_manager_ids)
         if pool is None:
-            pool = _allocate_pool(num_blocks, block_bytes)
+            pool = allocate_pool(num_blocks, block_bytes)
         log, sink = make_event_logger(event_log, manager=manager_id, pid=os.getpid())
         work_ids = itertools.count(1)
 
@@ -236,7 +204,7 @@ class TieringManager:
 
     # ------------------------------------------------------------ plumbing
 
-    def _send(self, message: object) -> None:
+    def _send(self, message: object, *, claim: bool = True) -> None:
         """Run ``message`` here if the primary is idle (a claim), or queue it to the primary's thread.
 
         Every frontend call claims: its handler then costs no thread hand-off
@@ -251,16 +219,16 @@ class TieringManager:
         # runs after the gate: the claim already orders it before anything
         # queued later, and the other callers need not wait for the handler.
         with self._gate:
-            claimed = self._put(message)
+            claimed = self._put(message, claim)
         if claimed:
             self._primary.run_claimed(message)
 
-    def _put(self, message: object) -> bool:
-        """Claim the idle primary (True: the caller must ``run_claimed``) or queue;
-        the caller holds the gate."""
+    def _put(self, message: object, claim: bool = True) -> bool:
+        """Claim the idle primary (True: the caller must ``run_claimed``) or queue (always, with
+        ``claim=False``); the caller holds the gate."""
         if self._closed:
             raise ManagerStoppedError("the TieringManager is stopped")
-        if self._primary.claim():
+        if claim and self._primary.claim():
             return True
         try:
             self._primary.tell(message)
@@ -292,13 +260,17 @@ class TieringManager:
         a round trip to the primary: every later call, from any thread, is
         queued behind it and sees it.
         """
+        self._register(ctx)
+
+    def _register(self, ctx: ReqContext, *, claim: bool = True) -> None:
+        """:meth:`on_new_request`, claiming the idle primary only with ``claim``."""
         ctx = _check_ctx(ctx)
         identity = ctx.identity
         with self._gate:
             if identity in self._live and not self._closed:
                 raise LifecycleError(f"on_new_request: request {ctx} is already active (or finishing)")
             message = m.NewRequest(ctx, None)
-            claimed = self._put(message)
+            claimed = self._put(message, claim)
             self._live.add(identity)
         if claimed:
             self._primary.run_claimed(message)
