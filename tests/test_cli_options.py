@@ -464,3 +464,20 @@ def test_a_bool_given_to_a_numeric_option_is_refused_at_parse_time(command, opti
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"kvactors {command}: error: argument {option}")
+
+
+def test_simulate_defaults_are_sim_configs():
+    """One source: the command's defaults (and its --help) are SimConfig's, its --quick overrides some."""
+    from kvactors.cli import build_parser
+    from kvactors.commands.simulate import command
+    from kvactors.commands.simulate.config import SimConfig
+
+    parser, _ = build_parser()
+    the_plan = command.plan(parser.parse_args(["simulate", "--device", "cpu"]))
+    config = SimConfig()
+    for name in ("threads", "requests", "block_bytes", "cpu_blocks", "disk_bytes", "redis_bytes"):
+        assert getattr(the_plan, name) == getattr(config, name), name
+    args = parser.parse_args(["simulate"])
+    assert (args.seed, args.transfer_timeout) == (config.seed, config.transfer_timeout_s)
+    quick = command.plan(parser.parse_args(["simulate", "--quick", "--device", "cpu"]))
+    assert quick.threads == config.threads and quick.requests == command.QUICK["requests"] != config.requests
