@@ -50,6 +50,37 @@ raises instead of hanging (the primary's thread is wedged: a bug, or a tier's
 inline call that blocks)."""
 
 
+def _check_start(num_blocks: int, block_bytes: int, secondary_tiers: Sequence[SecondaryTier], eviction: str,
+                 transfer_timeout_s: float, lookup_timeout_s: float, event_log: str | os.PathLike[str] | None,
+                 pool: torch.Tensor | None) -> list[SecondaryTier]:
+    """:meth:`TieringManager.start`'s arguments checked (``ValueError``, nothing built); the tiers as a list."""
+    check_int(num_blocks, "num_blocks")
+    check_int(block_bytes, "block_bytes")
+    if not isinstance(eviction, str) or eviction not in POLICIES:
+        raise ValueError(f"unknown eviction policy {eviction!r}; choose one of {POLICIES}")
+    check_timeout(transfer_timeout_s, "transfer_timeout_s", allow_none=False, allow_zero=False)
+    check_timeout(lookup_timeout_s, "lookup_timeout_s", allow_none=False, allow_zero=False)
+    if event_log is not None and (not isinstance(event_log, str | os.PathLike) or not os.fspath(event_log)):
+        raise ValueError(f"event_log must be a path or None, got {event_log!r}")
+    if isinstance(secondary_tiers, str | bytes) or not isinstance(secondary_tiers, Iterable):
+        raise ValueError(f"secondary_tiers must be a sequence of SecondaryTier, "
+                         f"got {type(secondary_tiers).__name__}")
+    tiers = list(secondary_tiers)
+    names = [PRIMARY_TIER_NAME]
+    for tier in tiers:
+        if not isinstance(tier, SecondaryTier):
+            raise ValueError(f"secondary tiers must be SecondaryTier instances, got {type(tier).__name__}")
+        if tier.name in names:
+            raise ValueError(f"tier name {tier.name!r} is used twice (or is the primary's)")
+        check_int(tier.max_inflight_jobs, f"tier {tier.name!r}: max_inflight_jobs")
+        names.append(tier.name)
+    if len(set(map(id, tiers))) != len(tiers):
+        raise ValueError("a tier instance is given twice")
+    if pool is not None:
+        check_pool(pool, num_blocks, block_bytes)
+    return tiers
+
+
 class TieringManager:
     """Tiered KV-cache offloading: a primary CPU pool and secondary tiers.
 
@@ -134,30 +165,9 @@ class TieringManager:
         allocator) raises ``MemoryError`` naming ``num_blocks`` and
         ``block_bytes``. Either way nothing is left running.
         """
-        check_int(num_blocks, "num_blocks")
-        check_int(block_bytes, "block_bytes")
-        if not isinstance(eviction, str) or eviction not in POLICIES:
-            raise ValueError(f"unknown eviction policy {eviction!r}; choose one of {POLICIES}")
-        check_timeout(transfer_timeout_s, "transfer_timeout_s", allow_none=False, allow_zero=False)
-        check_timeout(lookup_timeout_s, "lookup_timeout_s", allow_none=False, allow_zero=False)
-        if event_log is not None and (not isinstance(event_log, str | os.PathLike) or not os.fspath(event_log)):
-            raise ValueError(f"event_log must be a path or None, got {event_log!r}")
-        if isinstance(secondary_tiers, str | bytes) or not isinstance(secondary_tiers, Iterable):
-            raise ValueError(f"secondary_tiers must be a sequence of SecondaryTier, "
-                             f"got {type(secondary_tiers).__name__}")
-        tiers = list(secondary_tiers)
-        names = [PRIMARY_TIER_NAME]
-        for tier in tiers:
-            if not isinstance(tier, SecondaryTier):
-                raise ValueError(f"secondary tiers must be SecondaryTier instances, got {type(tier).__name__}")
-            if tier.name in names:
-                raise ValueError(f"tier name {tier.name!r} is used twice (or is the primary's)")
-            check_int(tier.max_inflight_jobs, f"tier {tier.name!r}: max_inflight_jobs")
-            names.append(tier.name)
-        if len(set(map(id, tiers))) != len(tiers):
-            raise ValueError("a tier instance is given twice")
-        if pool is not None:
-            check_pool(pool, num_blocks, block_bytes)
+        tiers = _check_start(num_blocks, block_bytes, secondary_tiers, eviction, transfer_timeout_s,
+                             lookup_timeout_s, event_log, pool)
+        names = [PRIMARY_TIER_NAME, *(tier.name for tier in tiers)]
 
         manager_id = next(_manager_ids)
         if pool is None:

@@ -103,6 +103,12 @@ class KvactorsCollector(Collector):
 
     def families(self, snap: MetricsSnapshot) -> Iterator[Metric]:
         """The metric families of ``snap``."""
+        yield from self._traffic_families(snap)
+        yield from self._job_families(snap)
+        yield from self._state_families(snap)
+
+    def _traffic_families(self, snap: MetricsSnapshot) -> Iterator[Metric]:
+        """Keys asked and found, bytes moved and keys evicted, per tier."""
         bb = self.block_bytes
 
         def per_tier(name: str, doc: str, values: dict[str, int], scale: int = 1) -> Metric:
@@ -120,6 +126,9 @@ class KvactorsCollector(Collector):
                        snap.loaded_blocks, bb)
         yield per_tier("kvactors_evicted_keys", "Keys evicted to make room.", snap.evicted_keys)
 
+    @staticmethod
+    def _job_families(snap: MetricsSnapshot) -> Iterator[Metric]:
+        """Transfers ended, started and dropped, and their durations."""
         jobs = CounterMetricFamily("kvactors_jobs", "Transfers ended, by tier, kind and outcome.",
                                    labels=["tier", "kind", "outcome"])
         for (tier, kind, outcome), value in snap.jobs.items():
@@ -141,6 +150,9 @@ class KvactorsCollector(Collector):
             durations.add_metric([tier, kind], hist.cumulative(), hist.sum_s)
         yield durations
 
+    @staticmethod
+    def _state_families(snap: MetricsSnapshot) -> Iterator[Metric]:
+        """Gauges of the moment (queues, pool rows, requests, stuck tiers) and the runtime's counters."""
         for name, doc, depths in (
             ("kvactors_tier_jobs_queued", "Jobs waiting for a slot of their tier (queue depth).", snap.jobs_queued),
             ("kvactors_tier_jobs_in_flight", "Jobs submitted to a tier and not reported yet.", snap.jobs_in_flight),
