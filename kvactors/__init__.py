@@ -1,31 +1,62 @@
-"""kvactors: tiered KV-cache offloading for LLM serving, on Pykka actors."""
+"""kvactors: tiered KV-cache offloading for LLM serving, on Pykka actors.
 
+The public names (``from kvactors import TieringManager, ...``) are imported on
+first use (PEP 562): ``import kvactors`` alone, or the ``kvactors`` command's
+``--help``, does not load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import PackageNotFoundError, version
-
-from kvactors.aio import AsyncTieringManager
-from kvactors.core.errors import LifecycleError, ManagerStoppedError, TransferError
-from kvactors.manager import TieringManager
-from kvactors.tiers.base import SecondaryTier
-from kvactors.tiers.disk import DiskTier
-from kvactors.tiers.memory import MemoryTier
-from kvactors.tiers.redis import RedisTier
-from kvactors.transfer import TransferEngine
-from kvactors.types import (
-    JobResult,
-    LoadStoreSpec,
-    LookupResult,
-    OffloadingEvent,
-    OffloadKey,
-    PrepareStoreOutput,
-    ReqContext,
-    TransferJob,
-)
+from typing import TYPE_CHECKING, Any
 
 try:
     # One source: pyproject.toml's [project] version, as installed (tests/test_docs.py checks both agree).
     __version__: str = version("kvactors")
 except PackageNotFoundError:  # a source tree on sys.path that was never installed
     __version__ = "0+unknown"
+
+if TYPE_CHECKING:
+    from kvactors.aio import AsyncTieringManager
+    from kvactors.core.errors import LifecycleError, ManagerStoppedError, TransferError
+    from kvactors.manager import TieringManager
+    from kvactors.tiers.base import SecondaryTier
+    from kvactors.tiers.disk import DiskTier
+    from kvactors.tiers.memory import MemoryTier
+    from kvactors.tiers.redis import RedisTier
+    from kvactors.transfer import TransferEngine
+    from kvactors.types import (
+        JobResult,
+        LoadStoreSpec,
+        LookupResult,
+        OffloadingEvent,
+        OffloadKey,
+        PrepareStoreOutput,
+        ReqContext,
+        TransferJob,
+    )
+
+_SOURCES = {
+    "AsyncTieringManager": "kvactors.aio",
+    "DiskTier": "kvactors.tiers.disk",
+    "JobResult": "kvactors.types",
+    "LifecycleError": "kvactors.core.errors",
+    "LoadStoreSpec": "kvactors.types",
+    "LookupResult": "kvactors.types",
+    "ManagerStoppedError": "kvactors.core.errors",
+    "MemoryTier": "kvactors.tiers.memory",
+    "OffloadKey": "kvactors.types",
+    "OffloadingEvent": "kvactors.types",
+    "PrepareStoreOutput": "kvactors.types",
+    "RedisTier": "kvactors.tiers.redis",
+    "ReqContext": "kvactors.types",
+    "SecondaryTier": "kvactors.tiers.base",
+    "TieringManager": "kvactors.manager",
+    "TransferEngine": "kvactors.transfer",
+    "TransferError": "kvactors.core.errors",
+    "TransferJob": "kvactors.types",
+}
 
 __all__ = [
     "AsyncTieringManager",
@@ -47,3 +78,17 @@ __all__ = [
     "TransferError",
     "TransferJob",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use and keep the name here (later uses cost nothing)."""
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module 'kvactors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(source), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

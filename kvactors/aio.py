@@ -8,11 +8,12 @@ called by the actor that sets the call's :class:`~kvactors.actors.reply.Reply`
 (:meth:`Reply.add_done_callback`). A call the primary answers on the spot
 (a claim that needed no other actor) returns without suspending.
 
-Every call runs the blocking manager's own argument checks and raises its
-errors (``ValueError``, ``LifecycleError``, ``ManagerStoppedError``): the
-coroutines drive the manager's methods through a view that shares its state
-(:class:`_Deferred`) and differs in one thing, ``_ask`` returns the reply
-instead of waiting for it.
+Every call runs the blocking manager's argument checks
+(:mod:`kvactors.core.arguments`) and raises its errors (``ValueError``,
+``LifecycleError``, ``ManagerStoppedError``): a coroutine builds the same
+message as the blocking method and sends it through the manager's own
+plumbing (``_send``, ``_register``), then awaits its reply instead of
+waiting for it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,11 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import ActorStoppedError
-from kvactors.core.arguments import check_timeout
-from kvactors.core.errors import ManagerStoppedError
+from kvactors.core.arguments import check_ctx, check_flag, check_request, check_timeout
 from kvactors.manager import TieringManager
 from kvactors.types import (
     LoadStoreSpec,
@@ -42,40 +41,6 @@ from kvactors.types import (
 T = TypeVar("T")
 
 __all__ = ["AsyncTieringManager"]
-
-
-class _Deferred(TieringManager):
-    """The manager's methods on the manager's state, whose blocking calls return their
-    :class:`Reply` instead of waiting for it. Built by :func:`_view`, never started."""
-
-    def _ask(self, message: object, reply: Reply[T]) -> Reply[T]:  # type: ignore[override]
-        self._send(message)
-        return reply
-
-
-class _DeferredQueued(_Deferred):
-    """As :class:`_Deferred`, but never claims the primary: every message goes to the
-    primary's thread, so no handler runs on the caller's (the loop's) thread."""
-
-    def _put(self, message: object) -> bool:
-        if self._closed:
-            raise ManagerStoppedError("the TieringManager is stopped")
-        try:
-            self._primary.tell(message)
-        except ActorStoppedError:
-            raise ManagerStoppedError("the TieringManager is stopped") from None
-        return False
-
-
-def _view(manager: TieringManager, claims: bool) -> _Deferred:
-    view = object.__new__(_Deferred if claims else _DeferredQueued)
-    view.__dict__ = manager.__dict__  # the same state, not a copy: one manager
-    return view
-
-
-def _keys_once(keys: Iterable[OffloadKey]) -> Iterable[OffloadKey]:
-    """``keys`` as given if it can be read twice (the checks may refuse it as given), else a list."""
-    return keys if isinstance(keys, list | tuple | bytes | bytearray | str) else list(keys)
 
 
 _Undo = Callable[[Any], None] | None
@@ -176,11 +141,19 @@ class AsyncTieringManager:
         if not isinstance(manager, TieringManager):
             raise ValueError(f"expected a TieringManager, got {type(manager).__name__}")
         self.manager = manager
-        self._view = _view(manager, claims)
+        self._claims = check_flag(claims, "claims")
         self._orphan_events: list[OffloadingEvent] = []
         self._inbox: _Inbox | None = None
 
     # ------------------------------------------------------------ the bridge
+
+    def _send(self, message: object) -> None:
+        """Put ``message`` as the blocking manager does (claiming the idle primary unless ``claims=False``)."""
+        self.manager._send(message, claim=self._claims)
+
+    def _ask(self, message: object, reply: Reply[T]) -> Reply[T]:
+        self._send(message)
+        return reply
 
     def _inbox_of(self, loop: asyncio.AbstractEventLoop) -> _Inbox:
         inbox = self._inbox
@@ -220,37 +193,40 @@ class AsyncTieringManager:
 
     async def on_new_request(self, ctx: ReqContext) -> None:
         """As :meth:`TieringManager.on_new_request` (never suspends: it returns once queued)."""
-        self._view.on_new_request(ctx)
+        self.manager._register(ctx, claim=self._claims)
 
     async def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """As :meth:`TieringManager.lookup`."""
-        reply: Reply[list[LookupResult]] = self._view.lookup(keys, ctx)  # type: ignore[assignment]
-        return await self._await(reply, call="lookup")
+        reply: Reply[list[LookupResult]] = Reply()
+        return await self._await(self._ask(m.Lookup(*check_request(keys, ctx), reply), reply), call="lookup")
 
     async def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         """As :meth:`TieringManager.prepare_load`; cancelled, its pins are released."""
-        keys = _keys_once(keys)
-        reply: Reply[LoadStoreSpec] = self._view.prepare_load(keys, ctx)  # type: ignore[assignment]
-        return await self._await(reply, lambda _: self._view.complete_load(keys, ctx), call="prepare_load")
+        keys_t, ctx = check_request(keys, ctx)
+        reply: Reply[LoadStoreSpec] = Reply()
+        self._ask(m.PrepareLoad(keys_t, ctx, reply), reply)
+        return await self._await(reply, lambda _: self.complete_load(keys_t, ctx), call="prepare_load")
 
     async def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         """As :meth:`TieringManager.prepare_store`; cancelled, its rows are completed as failed."""
-        reply: Reply[PrepareStoreOutput | None] = self._view.prepare_store(keys, ctx)  # type: ignore[assignment]
+        reply: Reply[PrepareStoreOutput | None] = Reply()
+        self._ask(m.PrepareStore(*check_request(keys, ctx), reply), reply)
 
         def undo(out: PrepareStoreOutput | None) -> None:
             if out is not None and out.keys_to_store:
-                self._view.complete_store(out.keys_to_store, ctx, success=False)
+                self.complete_store(out.keys_to_store, ctx, success=False)
 
         return await self._await(reply, undo, call="prepare_store")
 
     async def reset_cache(self) -> None:
         """As :meth:`TieringManager.reset_cache` (a cancelled reset still happens)."""
-        reply = cast(Reply[None], self._view.reset_cache())
-        await self._await(reply, call="reset_cache")
+        reply: Reply[None] = Reply()
+        await self._await(self._ask(m.ResetCache(reply), reply), call="reset_cache")
 
     async def take_events(self) -> list[OffloadingEvent]:
         """As :meth:`TieringManager.take_events`; events taken by a cancelled call come first."""
-        reply: Reply[list[OffloadingEvent]] = self._view.take_events()  # type: ignore[assignment]
+        reply: Reply[list[OffloadingEvent]] = Reply()
+        self._ask(m.TakeEvents(reply), reply)
         events = await self._await(reply, self._orphan_events.extend, call="take_events")
         if self._orphan_events:
             events, self._orphan_events = [*self._orphan_events, *events], []
@@ -260,7 +236,7 @@ class AsyncTieringManager:
         """As :meth:`TieringManager.wait_idle`: False if ``timeout`` passed first."""
         timeout = check_timeout(timeout, "timeout")
         reply: Reply[bool] = Reply()
-        self._view._send(m.Barrier(reply))
+        self._send(m.Barrier(reply))
         try:
             return await asyncio.wait_for(self._await(reply), timeout)
         except TimeoutError:
@@ -268,8 +244,8 @@ class AsyncTieringManager:
 
     async def stats(self) -> dict[str, int | float]:
         """As :meth:`TieringManager.stats`."""
-        reply: Reply[dict[str, int | float]] = self._view.stats()  # type: ignore[assignment]
-        return await self._await(reply, call="stats")
+        reply: Reply[dict[str, int | float]] = Reply()
+        return await self._await(self._ask(m.QueryStats(reply), reply), call="stats")
 
     async def stop(self, timeout: float | None = None) -> None:
         """As :meth:`TieringManager.stop`. Its last step joins the actors' threads (a
@@ -302,19 +278,19 @@ class AsyncTieringManager:
 
     def complete_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """As :meth:`TieringManager.complete_load`."""
-        self._view.complete_load(keys, ctx)
+        self._send(m.CompleteLoad(*check_request(keys, ctx)))
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """As :meth:`TieringManager.touch`."""
-        self._view.touch(keys, ctx)
+        self._send(m.Touch(*check_request(keys, ctx)))
 
     def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         """As :meth:`TieringManager.complete_store`."""
-        self._view.complete_store(keys, ctx, success)
+        self._send(m.CompleteStore(*check_request(keys, ctx), check_flag(success, "success")))
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """As :meth:`TieringManager.on_request_finished`."""
-        self._view.on_request_finished(ctx)
+        self._send(m.FinishRequest(check_ctx(ctx)))
 
     def __repr__(self) -> str:
         return f"AsyncTieringManager({self.manager!r})"

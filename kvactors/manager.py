@@ -18,12 +18,12 @@ from kvactors.actors.runtime import ActorRef, ActorStoppedError, Runtime, Thread
 from kvactors.actors.secondary import SecondaryTierActor
 from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.core.arguments import check_ctx as _check_ctx
-from kvactors.core.arguments import check_flag, check_int, check_timeout
-from kvactors.core.arguments import check_keys as _check_keys
+from kvactors.core.arguments import check_flag, check_int, check_request, check_timeout
 from kvactors.core.counters import MetricsSnapshot
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.core.policies import POLICIES
 from kvactors.logs import make_event_logger
+from kvactors.primary_pool import allocate_pool, check_pool
 from kvactors.tiers.base import SecondaryTier
 from kvactors.types import (
     PRIMARY_TIER_NAME,
@@ -50,31 +50,35 @@ raises instead of hanging (the primary's thread is wedged: a bug, or a tier's
 inline call that blocks)."""
 
 
-BOOKKEEPING_BYTES_PER_BLOCK = 256
-"""An upper bound of the primary's bookkeeping per pool row (measured: 182 B at 1M blocks)."""
-
-
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _allocate_pool(num_blocks: int, block_bytes: int) -> torch.Tensor:
-    """The pool tensor, or a ``MemoryError`` that names the sizes (never torch's allocator text)."""
-    need = num_blocks * (block_bytes + BOOKKEEPING_BYTES_PER_BLOCK)
-    sizes = f"num_blocks={num_blocks} x block_bytes={block_bytes}"
-    physical = _physical_memory()
-    if physical is not None and need > physical:
-        # Refused before trying: torch.zeros would touch every page (or the OOM killer would end it).
-        raise MemoryError(f"the primary pool of {sizes} needs about {need} bytes (with its bookkeeping), "
-                          f"more than this machine's {physical} bytes of memory")
-    try:
-        return torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    except (RuntimeError, MemoryError) as exc:
-        raise MemoryError(f"cannot allocate the primary pool of {sizes} = {num_blocks * block_bytes} bytes "
-                          f"({type(exc).__name__})") from None
+def _check_start(num_blocks: int, block_bytes: int, secondary_tiers: Sequence[SecondaryTier], eviction: str,
+                 transfer_timeout_s: float, lookup_timeout_s: float, event_log: str | os.PathLike[str] | None,
+                 pool: torch.Tensor | None) -> list[SecondaryTier]:
+    """:meth:`TieringManager.start`'s arguments checked (``ValueError``, nothing built); the tiers as a list."""
+    check_int(num_blocks, "num_blocks")
+    check_int(block_bytes, "block_bytes")
+    if not isinstance(eviction, str) or eviction not in POLICIES:
+        raise ValueError(f"unknown eviction policy {eviction!r}; choose one of {POLICIES}")
+    check_timeout(transfer_timeout_s, "transfer_timeout_s", allow_none=False, allow_zero=False)
+    check_timeout(lookup_timeout_s, "lookup_timeout_s", allow_none=False, allow_zero=False)
+    if event_log is not None and (not isinstance(event_log, str | os.PathLike) or not os.fspath(event_log)):
+        raise ValueError(f"event_log must be a path or None, got {event_log!r}")
+    if isinstance(secondary_tiers, str | bytes) or not isinstance(secondary_tiers, Iterable):
+        raise ValueError(f"secondary_tiers must be a sequence of SecondaryTier, "
+                         f"got {type(secondary_tiers).__name__}")
+    tiers = list(secondary_tiers)
+    names = [PRIMARY_TIER_NAME]
+    for tier in tiers:
+        if not isinstance(tier, SecondaryTier):
+            raise ValueError(f"secondary tiers must be SecondaryTier instances, got {type(tier).__name__}")
+        if tier.name in names:
+            raise ValueError(f"tier name {tier.name!r} is used twice (or is the primary's)")
+        check_int(tier.max_inflight_jobs, f"tier {tier.name!r}: max_inflight_jobs")
+        names.append(tier.name)
+    if len(set(map(id, tiers))) != len(tiers):
+        raise ValueError("a tier instance is given twice")
+    if pool is not None:
+        check_pool(pool, num_blocks, block_bytes)
+    return tiers
 
 
 class TieringManager:
@@ -161,39 +165,13 @@ class TieringManager:
         allocator) raises ``MemoryError`` naming ``num_blocks`` and
         ``block_bytes``. Either way nothing is left running.
         """
-        check_int(num_blocks, "num_blocks")
-        check_int(block_bytes, "block_bytes")
-        if not isinstance(eviction, str) or eviction not in POLICIES:
-            raise ValueError(f"unknown eviction policy {eviction!r}; choose one of {POLICIES}")
-        check_timeout(transfer_timeout_s, "transfer_timeout_s", allow_none=False, allow_zero=False)
-        check_timeout(lookup_timeout_s, "lookup_timeout_s", allow_none=False, allow_zero=False)
-        if event_log is not None and (not isinstance(event_log, str | os.PathLike) or not os.fspath(event_log)):
-            raise ValueError(f"event_log must be a path or None, got {event_log!r}")
-        if isinstance(secondary_tiers, str | bytes) or not isinstance(secondary_tiers, Iterable):
-            raise ValueError(f"secondary_tiers must be a sequence of SecondaryTier, "
-                             f"got {type(secondary_tiers).__name__}")
-        tiers = list(secondary_tiers)
-        names = [PRIMARY_TIER_NAME]
-        for tier in tiers:
-            if not isinstance(tier, SecondaryTier):
-                raise ValueError(f"secondary tiers must be SecondaryTier instances, got {type(tier).__name__}")
-            if tier.name in names:
-                raise ValueError(f"tier name {tier.name!r} is used twice (or is the primary's)")
-            names.append(tier.name)
-        if len(set(map(id, tiers))) != len(tiers):
-            raise ValueError("a tier instance is given twice")
-        if pool is not None and (
-            not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.device.type != "cpu"
-            or tuple(pool.shape) != (num_blocks, block_bytes) or not pool.is_contiguous()
-        ):
-            got = f"{pool.dtype} {tuple(pool.shape)} on {pool.device}" if isinstance(pool, torch.Tensor) \
-                else type(pool).__name__
-            raise ValueError(f"pool must be a contiguous CPU uint8 tensor of shape ({num_blocks}, {block_bytes}), "
-                             f"got {got}")
+        tiers = _check_start(num_blocks, block_bytes, secondary_tiers, eviction, transfer_timeout_s,
+                             lookup_timeout_s, event_log, pool)
+        names = [PRIMARY_TIER_NAME, *(tier.name for tier in tiers)]
 
         manager_id = next(_manager_ids)
         if pool is None:
-            pool = _allocate_pool(num_blocks, block_bytes)
+            pool = allocate_pool(num_blocks, block_bytes)
         log, sink = make_event_logger(event_log, manager=manager_id, pid=os.getpid())
         work_ids = itertools.count(1)
 
@@ -202,7 +180,7 @@ class TieringManager:
                               transfer_timeout_s=float(transfer_timeout_s), work_ids=work_ids,
                               announce_starts=any(actor.wants_new_request for actor in tier_actors))
         supervisor = LifecycleSupervisor(
-            tier_limits=[(tier.name, max(1, int(tier.max_inflight_jobs))) for tier in tiers],
+            tier_limits=[(tier.name, tier.max_inflight_jobs) for tier in tiers],
             transfer_timeout_s=float(transfer_timeout_s),
             lookup_timeout_s=float(lookup_timeout_s),
         )
@@ -236,7 +214,7 @@ class TieringManager:
 
     # ------------------------------------------------------------ plumbing
 
-    def _send(self, message: object) -> None:
+    def _send(self, message: object, *, claim: bool = True) -> None:
         """Run ``message`` here if the primary is idle (a claim), or queue it to the primary's thread.
 
         Every frontend call claims: its handler then costs no thread hand-off
@@ -251,16 +229,16 @@ class TieringManager:
         # runs after the gate: the claim already orders it before anything
         # queued later, and the other callers need not wait for the handler.
         with self._gate:
-            claimed = self._put(message)
+            claimed = self._put(message, claim)
         if claimed:
             self._primary.run_claimed(message)
 
-    def _put(self, message: object) -> bool:
-        """Claim the idle primary (True: the caller must ``run_claimed``) or queue;
-        the caller holds the gate."""
+    def _put(self, message: object, claim: bool = True) -> bool:
+        """Claim the idle primary (True: the caller must ``run_claimed``) or queue (always, with
+        ``claim=False``); the caller holds the gate."""
         if self._closed:
             raise ManagerStoppedError("the TieringManager is stopped")
-        if self._primary.claim():
+        if claim and self._primary.claim():
             return True
         try:
             self._primary.tell(message)
@@ -292,13 +270,17 @@ class TieringManager:
         a round trip to the primary: every later call, from any thread, is
         queued behind it and sees it.
         """
+        self._register(ctx)
+
+    def _register(self, ctx: ReqContext, *, claim: bool = True) -> None:
+        """:meth:`on_new_request`, claiming the idle primary only with ``claim``."""
         ctx = _check_ctx(ctx)
         identity = ctx.identity
         with self._gate:
             if identity in self._live and not self._closed:
                 raise LifecycleError(f"on_new_request: request {ctx} is already active (or finishing)")
             message = m.NewRequest(ctx, None)
-            claimed = self._put(message)
+            claimed = self._put(message, claim)
             self._live.add(identity)
         if claimed:
             self._primary.run_claimed(message)
@@ -308,7 +290,7 @@ class TieringManager:
         promotion (at most one per key, on behalf of ``ctx``) and answers
         ``HIT_PENDING``. ``LifecycleError`` if the request is unknown or finished."""
         reply: Reply[list[LookupResult]] = Reply()
-        return self._ask(m.Lookup(_check_keys(keys), _check_ctx(ctx), reply), reply)
+        return self._ask(m.Lookup(*check_request(keys, ctx), reply), reply)
 
     def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         """Pin the rows of ready ``keys`` until :meth:`complete_load`.
@@ -316,7 +298,7 @@ class TieringManager:
         ``LifecycleError`` (nothing pinned) if a key is not ready or the request
         is unknown or finished."""
         reply: Reply[LoadStoreSpec] = Reply()
-        return self._ask(m.PrepareLoad(_check_keys(keys), _check_ctx(ctx), reply), reply)
+        return self._ask(m.PrepareLoad(*check_request(keys, ctx), reply), reply)
 
     def complete_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """Unpin what :meth:`prepare_load` pinned: one pin per key given, each
@@ -328,11 +310,11 @@ class TieringManager:
         ``complete_load`` of that key, so no row is reused while a copy may
         still read it. A release with no pin left is a ``contract_violation``
         (counted, nothing changes)."""
-        self._send(m.CompleteLoad(_check_keys(keys), _check_ctx(ctx)))
+        self._send(m.CompleteLoad(*check_request(keys, ctx)))
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """Recency hint, passed on to every tier. Non-blocking."""
-        self._send(m.Touch(_check_keys(keys), _check_ctx(ctx)))
+        self._send(m.Touch(*check_request(keys, ctx)))
 
     def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         """Allocate not-ready rows for the keys not present (evicting if needed).
@@ -343,13 +325,13 @@ class TieringManager:
         :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
         ``LifecycleError`` if the request is unknown or finished."""
         reply: Reply[PrepareStoreOutput | None] = Reply()
-        return self._ask(m.PrepareStore(_check_keys(keys), _check_ctx(ctx), reply), reply)
+        return self._ask(m.PrepareStore(*check_request(keys, ctx), reply), reply)
 
     def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         """The copy into the prepared rows ended. Success makes the blocks ready
         and cascades them to every secondary tier; failure removes them. Either
         way the store is no longer pending. Non-blocking."""
-        self._send(m.CompleteStore(_check_keys(keys), _check_ctx(ctx), check_flag(success, "success")))
+        self._send(m.CompleteStore(*check_request(keys, ctx), check_flag(success, "success")))
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submit calls for this attempt. Idempotent. Non-blocking.

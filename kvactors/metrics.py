@@ -51,6 +51,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("kvactors.metrics needs prometheus-client: pip install 'kvactors[metrics]'") from exc
 
+from kvactors.core.arguments import check_int
 from kvactors.core.counters import MetricsSnapshot
 from kvactors.core.errors import ManagerStoppedError
 
@@ -102,6 +103,12 @@ class KvactorsCollector(Collector):
 
     def families(self, snap: MetricsSnapshot) -> Iterator[Metric]:
         """The metric families of ``snap``."""
+        yield from self._traffic_families(snap)
+        yield from self._job_families(snap)
+        yield from self._state_families(snap)
+
+    def _traffic_families(self, snap: MetricsSnapshot) -> Iterator[Metric]:
+        """Keys asked and found, bytes moved and keys evicted, per tier."""
         bb = self.block_bytes
 
         def per_tier(name: str, doc: str, values: dict[str, int], scale: int = 1) -> Metric:
@@ -119,6 +126,9 @@ class KvactorsCollector(Collector):
                        snap.loaded_blocks, bb)
         yield per_tier("kvactors_evicted_keys", "Keys evicted to make room.", snap.evicted_keys)
 
+    @staticmethod
+    def _job_families(snap: MetricsSnapshot) -> Iterator[Metric]:
+        """Transfers ended, started and dropped, and their durations."""
         jobs = CounterMetricFamily("kvactors_jobs", "Transfers ended, by tier, kind and outcome.",
                                    labels=["tier", "kind", "outcome"])
         for (tier, kind, outcome), value in snap.jobs.items():
@@ -140,6 +150,9 @@ class KvactorsCollector(Collector):
             durations.add_metric([tier, kind], hist.cumulative(), hist.sum_s)
         yield durations
 
+    @staticmethod
+    def _state_families(snap: MetricsSnapshot) -> Iterator[Metric]:
+        """Gauges of the moment (queues, pool rows, requests, stuck tiers) and the runtime's counters."""
         for name, doc, depths in (
             ("kvactors_tier_jobs_queued", "Jobs waiting for a slot of their tier (queue depth).", snap.jobs_queued),
             ("kvactors_tier_jobs_in_flight", "Jobs submitted to a tier and not reported yet.", snap.jobs_in_flight),
@@ -188,6 +201,7 @@ def serve_metrics(manager: TieringManager, port: int, addr: str = "127.0.0.1"
     one daemon thread. Returns ``(server, thread, registry)``: ``server.server_port``
     is the port, ``server.shutdown()`` stops it.
     """
+    check_int(port, "port", minimum=0, maximum=65535)
     registry = CollectorRegistry()
     registry.register(KvactorsCollector(manager))
     server, thread = start_http_server(port, addr=addr, registry=registry)

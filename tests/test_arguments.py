@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -221,3 +222,123 @@ def test_non_blocking_misuse_is_counted_and_changes_nothing():
         assert stats["contract_violations"] == 3
         assert stats["blocks_ready"] == stats["blocks_pending"] == stats["blocks_pinned"] == 0
         mgr.on_request_finished(CTX)
+
+
+# ---------------------------------------------------------------- a bool is not a number
+
+NUMBER_TYPES = {"int", "float", "int | None", "float | None"}
+
+
+def _number_parameters(function: Callable[..., object]) -> list[str]:
+    """The parameters of ``function`` annotated as an int or float (optional or not)."""
+    return [name for name, p in inspect.signature(function).parameters.items()
+            if str(p.annotation).replace("<class '", "").replace("'>", "") in NUMBER_TYPES]
+
+
+def _bool_cases() -> list[tuple[str, Callable[[bool], object]]]:
+    """Every int- or float-valued argument of the public API (found by its annotation), given a bool."""
+    import tempfile
+
+    from kvactors import AsyncTieringManager, DiskTier, RedisTier
+    from kvactors.integrations.vllm.config import parse_config
+    from kvactors.integrations.vllm.shm import SharedPool
+
+    cases: list[tuple[str, Callable[[bool], object]]] = []
+    for name in _number_parameters(TieringManager.start):
+        base = {"num_blocks": 4, "block_bytes": 8}
+        cases.append((f"TieringManager.start({name})", lambda b, n=name, kw=base: TieringManager.start(**{**kw, n: b})))
+    assert {"num_blocks", "block_bytes", "transfer_timeout_s", "lookup_timeout_s"} <= {c[0][21:-1] for c in cases}
+    for name in _number_parameters(TieringManager.wait_idle):
+        cases.append((f"TieringManager.wait_idle({name})", lambda b, n=name: _MANAGER[0].wait_idle(**{n: b})))
+    for name in _number_parameters(TieringManager.stop):
+        cases.append((f"TieringManager.stop({name})", lambda b, n=name: _MANAGER[0].stop(**{n: b})))
+    for name in _number_parameters(TransferEngine.__init__):
+        cases.append((f"TransferEngine({name})", lambda b, n=name: TransferEngine(
+            _MANAGER[0], torch.zeros((4, 8), dtype=torch.uint8), **{n: b})))
+    cases.append(("TransferEngine.offload(device_block_ids)", lambda b: TransferEngine(
+        _MANAGER[0], torch.zeros((4, 8), dtype=torch.uint8)).offload(CTX, [READY], [b])))
+    cases.append(("ReqContext(attempt)", lambda b: ReqContext("r", b)))
+    # The other way round: a flag given an int.
+    cases.append(("AsyncTieringManager(claims=int)", lambda b: AsyncTieringManager(_MANAGER[0], claims=int(b))))
+    for name in _number_parameters(AsyncTieringManager.wait_idle):
+        cases.append((f"AsyncTieringManager.wait_idle({name})",
+                      lambda b, n=name: _run(AsyncTieringManager(_MANAGER[0]).wait_idle(**{n: b}))))
+
+    class Tier(MemoryTier):
+        def __init__(self, limit: object) -> None:
+            super().__init__(name="limited", capacity_blocks=4)
+            self.max_inflight_jobs = limit  # type: ignore[misc, assignment]
+
+    cases.append(("SecondaryTier.max_inflight_jobs", lambda b: TieringManager.start(
+        num_blocks=4, block_bytes=8, secondary_tiers=[Tier(b)])))
+    root = tempfile.mkdtemp(prefix="kvactors-bools-")
+    tier_bases: list[tuple[type, dict[str, Any]]] = [
+        (MemoryTier, {"capacity_blocks": 4}), (DiskTier, {"root": root, "capacity_bytes": 1 << 20}),
+        (RedisTier, {"url": "redis://127.0.0.1:1"})]
+    for cls, base in tier_bases:
+        for name in _number_parameters(cls.__init__):
+            cases.append((f"{cls.__name__}({name})", lambda b, c=cls, n=name, kw=base: c(**{**kw, n: b}).shutdown()))
+    for key in ("cpu_bytes_to_use", "transfer_timeout_s", "lookup_timeout_s"):
+        cases.append((f"vllm config {key}", lambda b, k=key: parse_config({"cpu_bytes_to_use": 1 << 20, k: b})))
+    for kind, entry, keys in (("disk", {"root": root, "capacity_bytes": 1 << 20}, ("capacity_bytes", "io_workers")),
+                              ("memory", {"capacity_blocks": 4}, ("capacity_blocks",)),
+                              ("redis", {"url": "redis://127.0.0.1:1"}, ("capacity_bytes", "io_workers"))):
+        for key in keys:
+            cases.append((f"vllm config tiers[0].{key} ({kind})", lambda b, k=key, e=entry, t=kind: parse_config(
+                {"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": t, **e, k: b}]})))
+    for name in _number_parameters(SharedPool.__init__):
+        cases.append((f"SharedPool({name})", lambda b, n=name: SharedPool(
+            os.path.join(root, f"pool-{n}-{b}"), **{"num_blocks": 4, "block_bytes": 8, n: b})))
+    try:
+        from kvactors.metrics import serve_metrics
+    except ImportError:
+        pass
+    else:
+        cases.append(("serve_metrics(port)", lambda b: serve_metrics(_MANAGER[0], b)[0].server_close()))
+    return cases
+
+
+def _run(coroutine: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+_MANAGER: list[TieringManager] = []  # the module's manager, for the cases above (built at collection)
+# The tiers' own constructors (kvactors/tiers/, not this change's files) still take a bool for these.
+TIER_HOLES = {"MemoryTier(capacity_blocks)", "DiskTier(io_workers)", "RedisTier(capacity_bytes)",
+              "RedisTier(timeout_s)", "RedisTier(io_workers)", "RedisTier(retry_after_s)"}
+BOOL_CASES = [pytest.param(label, call, id=label, marks=[pytest.mark.xfail(
+    reason="kvactors/tiers/ takes a bool here (listed for the tiers' owner)", strict=False)]
+    if label in TIER_HOLES else []) for label, call in _bool_cases()]
+
+
+@pytest.mark.parametrize(("label", "call"), BOOL_CASES)
+@pytest.mark.parametrize("value", [True, False])
+def test_a_bool_given_for_a_number_is_refused(manager, label, call, value):
+    """``True`` is an ``int`` to Python; to every int- or float-valued argument it is a mistake."""
+    _MANAGER[:] = [manager]
+    before = _state(manager)
+    with pytest.raises((ValueError, TypeError)):
+        call(value)
+    assert _state(manager) == before, f"{label}={value} changed the runtime's state"
+
+
+# ---------------------------------------------------------------- one check, the same errors
+
+SAME_ERROR_CASES = [("a str ctx", [READY], "r"), ("the empty key", [b""], CTX), ("a str key", ["k"], CTX),
+                    ("one key, not a list", READY, CTX), ("bad keys and a bad ctx", [b""], "r"),
+                    ("keys not iterable", 3, "r")]
+
+
+@pytest.mark.parametrize(("label", "keys", "ctx"), SAME_ERROR_CASES, ids=[c[0] for c in SAME_ERROR_CASES])
+def test_the_manager_and_the_engine_refuse_bad_keys_with_the_same_error(manager, label, keys, ctx):
+    """The manager and the engine check ``(keys, ctx)`` with one function, in one order."""
+    cache = torch.zeros((4, 8), dtype=torch.uint8)
+    rows = [0]
+    with pytest.raises(ValueError) as by_manager:
+        manager.prepare_store(keys, ctx)
+    for call in (TransferEngine(manager, cache).offload, TransferEngine(manager, cache).onboard):
+        with pytest.raises(ValueError) as by_engine:
+            call(ctx, keys, rows)
+        assert str(by_engine.value) == str(by_manager.value), f"{label}: {call.__name__}"

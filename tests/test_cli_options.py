@@ -433,3 +433,56 @@ def test_ctrl_c_stops_cleanly_with_one_line_and_exit_130(tmp_path: Path, command
     assert list(tmp.iterdir()) == [], "temporary files left"
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines() if line.strip()]
     assert events[-1]["event"] == "manager_stopped", events[-1]  # the manager was stopped, not abandoned
+
+
+# --------------------------------------------------------------------- bools are not numbers
+
+NUMERIC_TYPES = {"integer", "number", "parse_size"}
+
+
+def _numeric_options() -> list[tuple[str, str]]:
+    from kvactors.cli import build_parser, subparsers
+
+    parser, _ = build_parser()
+    return [(command, action.option_strings[-1])
+            for command, sub in sorted(subparsers(parser).items()) for action in sub._actions
+            if getattr(action.type, "__name__", None) in NUMERIC_TYPES]
+
+
+NUMERIC_OPTIONS = _numeric_options()
+
+
+def test_the_numeric_options_are_found():
+    found = {option for _, option in NUMERIC_OPTIONS}
+    assert {"--threads", "--requests", "--seconds", "--seed", "--block-bytes", "--cpu-blocks", "--keys",
+            "--metrics-port", "--transfer-timeout"} <= found
+
+
+@pytest.mark.parametrize(("command", "option"), NUMERIC_OPTIONS, ids=[f"{c} {o}" for c, o in NUMERIC_OPTIONS])
+@pytest.mark.parametrize("value", ["True", "False", "true"])
+def test_a_bool_given_to_a_numeric_option_is_refused_at_parse_time(command, option, value, capsys):
+    from kvactors.cli import build_parser
+
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([command, f"{option}={value}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"kvactors {command}: error: argument {option}")
+
+
+def test_simulate_defaults_are_sim_configs():
+    """One source: the command's defaults (and its --help) are SimConfig's, its --quick overrides some."""
+    from kvactors.cli import build_parser
+    from kvactors.commands.simulate import command
+    from kvactors.commands.simulate.config import SimConfig
+
+    parser, _ = build_parser()
+    the_plan = command.plan(parser.parse_args(["simulate", "--device", "cpu"]))
+    config = SimConfig()
+    for name in ("threads", "requests", "block_bytes", "cpu_blocks", "disk_bytes", "redis_bytes"):
+        assert getattr(the_plan, name) == getattr(config, name), name
+    args = parser.parse_args(["simulate"])
+    assert (args.seed, args.transfer_timeout) == (config.seed, config.transfer_timeout_s)
+    quick = command.plan(parser.parse_args(["simulate", "--quick", "--device", "cpu"]))
+    assert quick.threads == config.threads and quick.requests == command.QUICK["requests"] != config.requests

@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 #: Largest size accepted for any byte count (1 PiB): larger is a typo, not a plan.
 MAX_SIZE = 1 << 50
@@ -49,7 +50,7 @@ class Parser(argparse.ArgumentParser):
     bad value needs the one line (``--help`` has the rest).
     """
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -52,6 +52,12 @@ def check_keys(keys: Iterable[OffloadKey], name: str = "keys") -> tuple[OffloadK
     return out
 
 
+def check_request(keys: Iterable[OffloadKey], ctx: object) -> tuple[tuple[OffloadKey, ...], ReqContext]:
+    """``(keys, ctx)`` of a per-request call, checked in one order (keys, then ctx) so that
+    the manager and the engine, given the same bad arguments, raise the same error."""
+    return check_keys(keys), check_ctx(ctx)
+
+
 def check_flag(value: object, name: str) -> bool:
     """``value`` if it is a ``bool`` (not a truthy string, number or None)."""
     if type(value) is not bool:

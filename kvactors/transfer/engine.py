@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvactors.core.arguments import check_ctx, check_int, check_keys, check_timeout
+from kvactors.core.arguments import check_int, check_request, check_timeout
 from kvactors.core.errors import ManagerStoppedError, TransferError
 from kvactors.logs import component_logger
 from kvactors.transfer.cpu import CpuCopier
@@ -278,8 +278,7 @@ class TransferEngine:
         self, ctx: object, keys: Iterable[OffloadKey], device_block_ids: Iterable[int], *, unique_ids: bool
     ) -> tuple[tuple[OffloadKey, ...], list[int]]:
         """Every argument, before anything is asked of the manager (also when there is nothing to copy)."""
-        check_ctx(ctx)
-        keys_t = check_keys(keys)
+        keys_t, _ = check_request(keys, ctx)
         if isinstance(device_block_ids, bytes | bytearray | str):
             raise ValueError("device_block_ids must be a sequence of ints")
         if type(device_block_ids) is list or type(device_block_ids) is tuple:

@@ -28,12 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvactors.commands import options as opt
+from kvactors.commands.simulate.config import DEFAULTS as SIM_DEFAULTS
+from kvactors.types import PRIMARY_TIER_NAME
 
 HELP = "Run a multi-threaded serving frontend on the real tiers and check the lifecycle contract end to end."
 
-DEFAULTS: dict[str, Any] = {"threads": 4, "requests": 2000, "block_bytes": 64 * 1024, "cpu_blocks": 256,
-                            "disk_bytes": 256 * 1024 * 1024, "redis_bytes": 256 * 1024 * 1024}
-QUICK: dict[str, Any] = {"threads": 4, "requests": 1500, "block_bytes": 16 * 1024, "cpu_blocks": 128,
+# The defaults are SimConfig's (the one place they are written); --quick overrides some of them.
+DEFAULTS: dict[str, Any] = {name: SIM_DEFAULTS[name] for name in
+                            ("threads", "requests", "seed", "block_bytes", "cpu_blocks", "disk_bytes", "redis_bytes",
+                             "transfer_timeout_s")}
+QUICK: dict[str, Any] = {**DEFAULTS, "requests": 1500, "block_bytes": 16 * 1024, "cpu_blocks": 128,
                          "disk_bytes": 64 * 1024 * 1024, "redis_bytes": 64 * 1024 * 1024}
 MIN_BLOCK_BYTES = 64
 MIN_CPU_BLOCKS = 16
@@ -45,6 +49,15 @@ exit status: 0 clean; 1 a violation, mismatch, leak, frontend error or failed ch
 2 bad options; 3 no request ran (nothing was checked); 130 Ctrl-C."""
 
 parse_size = opt.parse_size
+
+
+def _size(n: int) -> str:
+    """``65536`` -> ``64KiB``: a default as the help shows it (and ``--block-bytes`` reads it)."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
 OptionError = opt.OptionError
 
 
@@ -59,14 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seconds", type=opt.number(0, 7 * 86400, low_open=True), metavar="S",
                    help="stop starting requests after S seconds (with --requests: whichever comes first; "
                         "default: no time limit)")
-    g.add_argument("--seed", type=opt.integer(0, 2**63 - 1), default=0, metavar="N",
-                   help="seed of the workload and the block contents (default 0)")
+    g.add_argument("--seed", type=opt.integer(0, 2**63 - 1), default=DEFAULTS["seed"], metavar="N",
+                   help=f"seed of the workload and the block contents (default {DEFAULTS['seed']})")
     g.add_argument("--quick", action="store_true",
-                   help=f"a short run (~10 s): {QUICK['requests']} requests, blocks of 16KiB, "
-                        f"{QUICK['cpu_blocks']} CPU blocks, 64MiB of disk; explicit options still apply")
+                   help=f"a short run (~10 s): {QUICK['requests']} requests, blocks of {_size(QUICK['block_bytes'])}, "
+                        f"{QUICK['cpu_blocks']} CPU blocks, {_size(QUICK['disk_bytes'])} of disk; "
+                        "explicit options still apply")
     t = parser.add_argument_group("tiers")
     t.add_argument("--block-bytes", type=opt.parse_size, metavar="SIZE",
-                   help=f"bytes per KV block, at least {MIN_BLOCK_BYTES} (default 64KiB, --quick 16KiB)")
+                   help=f"bytes per KV block, at least {MIN_BLOCK_BYTES} "
+                        f"(default {_size(DEFAULTS['block_bytes'])}, --quick {_size(QUICK['block_bytes'])})")
     t.add_argument("--cpu-blocks", type=opt.integer(1, 2**31), metavar="N",
                    help=f"blocks in the primary CPU pool, at least {MIN_CPU_BLOCKS} "
                         f"(default {DEFAULTS['cpu_blocks']}, --quick {QUICK['cpu_blocks']})")
@@ -75,16 +90,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--disk-dir", type=opt.directory, metavar="DIR",
                    help="directory of the DiskTier (default: a temporary directory, removed at exit)")
     t.add_argument("--disk-bytes", type=opt.parse_size, metavar="SIZE",
-                   help="capacity of the DiskTier (default 256MiB, --quick 64MiB)")
+                   help=f"capacity of the DiskTier (default {_size(DEFAULTS['disk_bytes'])}, "
+                        f"--quick {_size(QUICK['disk_bytes'])})")
     t.add_argument("--redis", type=opt.redis_url, metavar="URL",
                    help="add a RedisTier on this server, answering PING within 1 s, e.g. redis://localhost:6379/0 "
                         "(default: none; its keys go under a namespace of the run, deleted at exit)")
     t.add_argument("--redis-bytes", type=opt.parse_size, metavar="SIZE",
-                   help="capacity of the RedisTier's namespace (default 256MiB, --quick 64MiB)")
+                   help=f"capacity of the RedisTier's namespace (default {_size(DEFAULTS['redis_bytes'])}, "
+                        f"--quick {_size(QUICK['redis_bytes'])})")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the device cache lives (default auto: cuda when present, else cpu)")
-    t.add_argument("--transfer-timeout", type=opt.number(0, 3600, low_open=True), default=30.0, metavar="S",
-                   help="transfer deadline in seconds (default 30)")
+    t.add_argument("--transfer-timeout", type=opt.number(0, 3600, low_open=True),
+                   default=DEFAULTS["transfer_timeout_s"], metavar="S",
+                   help=f"transfer deadline in seconds (default {DEFAULTS['transfer_timeout_s']:g})")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true",
                    help="print only the results as one JSON object on stdout (the table goes to stderr)")
@@ -242,7 +260,7 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
                        block_bytes=the_plan.block_bytes, cpu_blocks=the_plan.cpu_blocks, disk_dir=disk_dir,
                        disk_bytes=the_plan.disk_bytes, redis_url=args.redis, redis_bytes=the_plan.redis_bytes,
                        event_log=event_log, device=the_plan.device, transfer_timeout_s=args.transfer_timeout)
-    tiers = ",".join(["cpu", "disk", *(["redis"] if args.redis else [])])
+    tiers = ",".join([PRIMARY_TIER_NAME, "disk", *(["redis"] if args.redis else [])])
     bound = " and ".join(filter(None, (f"{the_plan.requests} requests" if the_plan.requests else "",
                                        f"{args.seconds:g} s" if args.seconds else "")))
     print(f"{PROG}: started: seed {args.seed}, {the_plan.threads} threads, tiers {tiers}, device {the_plan.device}, "
@@ -274,7 +292,8 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
         console.print(f"plot: {args.plot}", markup=False)
     if args.json:
         out = result.to_json()
-        out.update(event_log=event_log, check_log=check, device=the_plan.device, tiers=["cpu", *result.tiers])
+        out.update(event_log=event_log, check_log=check, device=the_plan.device,
+                   tiers=[PRIMARY_TIER_NAME, *result.tiers])
         console.file.flush()
         print(json.dumps(out), flush=True)
     if not result.requests:

@@ -1,39 +1,13 @@
-"""What a ``simulate`` run is given (:class:`SimConfig`) and what it found (:class:`SimResult`)."""
+"""What a ``simulate`` run found (:class:`SimResult`); what it is given is :mod:`~kvactors.commands.simulate.config`."""
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from kvactors.commands.simulate.config import SimConfig
 from kvactors.commands.simulate.run_metrics import CPU, CPU_IN_FLIGHT, Sample, percentile
-from kvactors.commands.simulate.traffic import WorkloadShape
-
-
-@dataclass
-class SimConfig:
-    threads: int = 4
-    requests: int | None = 2000
-    """Turns to serve (a preempted turn's retries count once); ``None``: until ``seconds``."""
-    seconds: float | None = None
-    """Stop starting turns after this long."""
-    seed: int = 0
-    block_bytes: int = 64 * 1024
-    cpu_blocks: int = 256
-    disk_dir: str = ""
-    disk_bytes: int = 256 * 1024 * 1024
-    redis_url: str | None = None
-    redis_bytes: int | None = 256 * 1024 * 1024
-    """Capacity of the RedisTier's namespace (``None``: the server's ``maxmemory``)."""
-    event_log: str | None = None
-    device: str = "cpu"
-    preempt_p: float = 0.08
-    abort_p: float = 0.04
-    offload_chunk: int = 8
-    pending_wait_s: float = 2.0
-    transfer_timeout_s: float = 30.0
-    sample_interval_s: float = 0.5
-    shape: WorkloadShape = field(default_factory=WorkloadShape)
 
 
 @dataclass

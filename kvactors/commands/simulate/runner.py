@@ -40,8 +40,9 @@ from concurrent.futures import Future
 import torch
 
 from kvactors.commands.scratch import drop_redis_namespace, run_namespace
+from kvactors.commands.simulate.config import SimConfig
 from kvactors.commands.simulate.instrument import finalize_latencies, observe, unfinalized
-from kvactors.commands.simulate.results import SimConfig, SimResult
+from kvactors.commands.simulate.results import SimResult
 from kvactors.commands.simulate.run_metrics import CPU, CPU_IN_FLIGHT, Metrics, Sampler
 from kvactors.commands.simulate.traffic import BlockBytes, Turn, Workload
 from kvactors.core.errors import LifecycleError, TransferError

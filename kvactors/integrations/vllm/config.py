@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvactors.core.arguments import check_int, check_timeout
 from kvactors.core.policies import POLICIES
 from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.disk import DiskTier
@@ -48,15 +49,13 @@ class KvactorsConfig:
 
 
 def _positive_int(key: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"kvactors: {key} must be an int > 0, got {value!r}")
-    return value
+    return check_int(value, f"kvactors: {key}")
 
 
 def _positive_float(key: str, value: object) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"kvactors: {key} must be a number > 0, got {value!r}")
-    return float(value)
+    seconds = check_timeout(value, f"kvactors: {key}", allow_none=False, allow_zero=False)
+    assert seconds is not None  # allow_none=False
+    return seconds
 
 
 def _check_tier(index: int, entry: object) -> Mapping[str, Any]:

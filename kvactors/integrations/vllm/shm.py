@@ -30,6 +30,8 @@ import threading
 
 import torch
 
+from kvactors.core.arguments import check_int
+
 STORE_PENDING = 0
 STORE_OK = 1
 STORE_FAILED = 2
@@ -69,8 +71,7 @@ class SharedPool:
 
     def __init__(self, path: str, *, num_blocks: int, block_bytes: int, num_writers: int = 1) -> None:
         for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes), ("num_writers", num_writers)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{label} must be an int > 0, got {value!r}")
+            check_int(value, label)
         self.path = path
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes

@@ -66,7 +66,7 @@ class _Job:
     rows: tuple[int, ...]
     nbytes: int
     submitted: float = field(default_factory=time.monotonic)
-    event: object | None = None
+    event: torch.cuda.Event | None = None
     error: BaseException | None = None
 
 
@@ -300,8 +300,8 @@ class KvactorsOffloadingWorker(OffloadingWorker):
             if event is not None:
                 try:
                     if block and (only is None or job.job_id in only):
-                        event.synchronize()  # type: ignore[attr-defined]
-                    elif not event.query():  # type: ignore[attr-defined]
+                        event.synchronize()
+                    elif not event.query():
                         continue
                 except Exception as exc:
                     job.error = job.error or exc

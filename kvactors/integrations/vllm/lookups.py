@@ -1,0 +1,98 @@
+"""A request's remaining prefix looked up in one kvactors call, its leading ``HIT`` keys pinned.
+
+vLLM asks one key at a time; the adapter asks kvactors once for the key and
+the request's later keys (:func:`remaining_keys`), on a helper thread
+(:func:`answer`), and answers the following keys from that answer
+(:func:`post`). Plain code, no vLLM import.
+
+Threading: :func:`answer` runs on the lookup thread without the adapter's
+lock; :func:`post` runs with it held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvactors.core.errors import LifecycleError, ManagerStoppedError
+from kvactors.integrations.vllm.requests import LookupJob, Requests
+from kvactors.manager import TieringManager
+from kvactors.types import LookupResult, OffloadKey
+
+
+def remaining_keys(key: OffloadKey, positions: Mapping[OffloadKey, int] | None) -> tuple[OffloadKey, ...]:
+    """``key`` and the request's later keys of the same group, in prefix order.
+
+    ``positions``: the request's offload keys and their positions (vLLM's
+    ``ReqContext._offload_key_positions``); a key the request does not list is asked alone."""
+    positions = positions or {}
+    start = positions.get(key)
+    if start is None:
+        return (key,)
+    group = key[-4:]
+    later = sorted((pos, k) for k, pos in positions.items() if pos > start and k[-4:] == group)
+    return (key, *(k for _, k in later))
+
+
+def leading_hits(keys: Sequence[OffloadKey], results: Sequence[LookupResult]) -> list[OffloadKey]:
+    """The keys vLLM may load: the leading ones, when all of them up to the first MISS are HITs."""
+    lead: list[OffloadKey] = []
+    for k, r in zip(keys, results, strict=True):
+        if r is LookupResult.MISS:
+            break
+        if r is not LookupResult.HIT:
+            return []
+        lead.append(k)
+    return list(dict.fromkeys(lead))
+
+
+def answer(tm: TieringManager, job: LookupJob, log: Any) -> None:
+    """On the lookup thread: one kvactors lookup, then pin the leading HITs; fills ``job``.
+
+    A HIT never leaves here unpinned: one that could not be pinned is RETRY. Never raises
+    (a failed lookup answers RETRY for every key)."""
+    try:
+        try:
+            results = tm.lookup(job.keys, job.ctx)
+        except (LifecycleError, ManagerStoppedError):
+            results = [LookupResult.MISS] * len(job.keys)
+        answers = dict(zip(job.keys, results, strict=True))
+        lead = leading_hits(job.keys, results)
+        if lead:
+            try:
+                spec = tm.prepare_load(lead, job.ctx)
+                job.pinned = dict(zip(lead, spec.block_ids, strict=True))
+            except (LifecycleError, ManagerStoppedError):
+                for k in lead:  # evicted or finished in between: ask again later
+                    answers[k] = LookupResult.RETRY
+        for k, r in answers.items():
+            if r is LookupResult.HIT and k not in job.pinned:
+                answers[k] = LookupResult.RETRY
+        job.answers = answers
+    except Exception:
+        log.exception("lookup_failed", req_id=job.ctx.req_id, attempt=job.ctx.attempt)
+        job.answers = dict.fromkeys(job.keys, LookupResult.RETRY)
+
+
+def post(requests: Requests, job: LookupJob) -> list[OffloadKey]:
+    """Hand ``job``'s answers and pins to its request (lock held); the keys whose pins to release.
+
+    A job whose request finished, or that a newer job replaced, gives all its pins back."""
+    req = requests.get(job.ctx.req_id)
+    if job.stale or req is None or req.job is not job:
+        return list(job.pinned)
+    req.job = None
+    for k, r in job.answers.items():
+        if r is LookupResult.HIT_PENDING:
+            req.promoted.add(k)
+            requests.counters["pending_answers"] += 1
+    req.answers.update(job.answers)
+    # A key pinned for the request already keeps that pin: the new one is released.
+    release = [k for k in job.pinned if k in req.pinned]
+    req.pinned.update((k, row) for k, row in job.pinned.items() if k not in req.pinned)
+    # Fresh answers are unread, even if vLLM asked (and got RETRY) earlier this step:
+    # otherwise this step's end would drop them and the request would ask again forever.
+    req.read = False
+    req.age = 0
+    requests.with_answers.add(req.req_id)
+    return release

@@ -1,0 +1,71 @@
+"""Completions vLLM will never send: the jobs a ``reset_cache`` dropped, and those open at shutdown.
+
+After a reset, vLLM forgets the jobs in flight; the workers may still be
+copying into their rows, so the rows stay reserved inside kvactors until the
+workers are done (vLLM 0.33's ``on_reset_flushed``, or a few steps on 0.32),
+and only then are the jobs ended: a store as failed (never known to be
+complete, so never made ready), a load unpinned. Plain code, no vLLM import.
+
+Threading: none of its own; called with the adapter's lock held.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from kvactors.integrations.vllm.requests import Request
+from kvactors.manager import TieringManager
+from kvactors.types import OffloadKey, ReqContext
+
+Entry = tuple[str, OffloadKey, ReqContext, int]
+"""``(kind, key, attempt, row)``: ``kind`` ``"store"`` or ``"load"`` (row -1)."""
+
+
+def take_owed(req: Request) -> list[Entry]:
+    """The stores and loads ``req`` still owes, taken from it (it owes nothing after)."""
+    owed: list[Entry] = [("store", k, ctx, row) for k, (ctx, row) in req.stores.items()]
+    owed += [("load", k, ctx, -1) for k, ctxs in req.loads.items() for ctx in ctxs]
+    req.stores, req.loads = {}, {}
+    return owed
+
+
+class StaleJobs:
+    """Owed completions held until the workers are done with their rows."""
+
+    def __init__(self, tm: TieringManager, *, has_reset_fence: bool, flush_steps: int) -> None:
+        self.tm = tm
+        self._has_reset_fence = has_reset_fence
+        self._flush_steps = flush_steps
+        self._batches: list[tuple[str, list[Entry]]] = []
+        self._steps: int | None = None  # step ends since the last reset; None: nothing waits
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a reset's jobs are still held (vLLM's ``has_pending_work``)."""
+        return self._steps is not None
+
+    def add(self, label: str, entries: list[Entry]) -> None:
+        """Hold ``entries`` (``label``: what dropped them) until :meth:`release`; counts steps from now."""
+        self._batches.append((label, entries))
+        self._steps = 0
+
+    def end_step(self) -> None:
+        """Without the reset fence, the workers are taken to have flushed after a few steps."""
+        if self._steps is not None:
+            self._steps += 1
+            if not self._has_reset_fence and self._steps >= self._flush_steps:
+                self.release()
+
+    def release(self) -> None:
+        """The workers are done with the held jobs: end them inside kvactors."""
+        for _, entries in self._batches:
+            stores: dict[ReqContext, list[OffloadKey]] = defaultdict(list)
+            loads: dict[ReqContext, list[OffloadKey]] = defaultdict(list)
+            for kind, k, ctx, _row in entries:
+                (stores if kind == "store" else loads)[ctx].append(k)
+            for ctx, ks in stores.items():
+                self.tm.complete_store(ks, ctx, False)  # never known to be complete: not made ready
+            for ctx, ks in loads.items():
+                self.tm.complete_load(ks, ctx)
+        self._batches = []
+        self._steps = None

@@ -1,0 +1,107 @@
+"""The vLLM adapter's vLLM-free pieces, directly (the adapter itself: tests/vllm/, in vLLM's venvs)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from kvactors import LookupResult, ReqContext, TieringManager
+from kvactors.integrations.vllm import lookups
+from kvactors.integrations.vllm.requests import LookupJob, Requests
+from kvactors.integrations.vllm.stale import StaleJobs, take_owed
+
+HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+@pytest.fixture
+def tm() -> Iterator[TieringManager]:
+    with TieringManager.start(num_blocks=8, block_bytes=8) as manager:
+        yield manager
+
+
+def _ready(tm: TieringManager, *keys: bytes) -> None:
+    ctx = ReqContext("writer")
+    tm.on_new_request(ctx)
+    tm.prepare_store(list(keys), ctx)
+    tm.complete_store(list(keys), ctx)
+    tm.on_request_finished(ctx)
+
+
+def test_remaining_keys_are_the_later_keys_of_the_same_group_in_prefix_order():
+    # A key's group is its last 4 bytes.
+    positions = {b"a-gr1": 0, b"c-gr1": 2, b"b-gr1": 1, b"x-gr2": 3, b"d-gr1": 4}
+    assert lookups.remaining_keys(b"b-gr1", positions) == (b"b-gr1", b"c-gr1", b"d-gr1")
+    assert lookups.remaining_keys(b"zz", positions) == (b"zz",)
+    assert lookups.remaining_keys(b"zz", None) == (b"zz",)
+
+
+@pytest.mark.parametrize(("results", "lead"), [
+    ([HIT, HIT, MISS, HIT], [b"k0", b"k1"]), ([HIT, PENDING, HIT, HIT], []), ([MISS, HIT, HIT, HIT], []),
+    ([HIT, HIT, HIT, HIT], [b"k0", b"k1", b"k2", b"k3"]),
+])
+def test_leading_hits_only_when_every_key_up_to_the_first_miss_is_a_hit(results, lead):
+    assert lookups.leading_hits([b"k0", b"k1", b"k2", b"k3"], results) == lead
+
+
+def test_an_answer_pins_its_leading_hits_and_post_hands_them_to_the_request(tm):
+    _ready(tm, b"k0", b"k1")
+    requests = Requests(tm, Counter())
+    req = requests.start_attempt("r", None)
+    job = LookupJob((b"k0", b"k1", b"k2"), req.ctx)
+    req.job = job
+    lookups.answer(tm, job, log=None)
+    assert job.answers == {b"k0": HIT, b"k1": HIT, b"k2": MISS} and set(job.pinned) == {b"k0", b"k1"}
+    assert lookups.post(requests, job) == [] and set(req.pinned) == {b"k0", b"k1"} and req.job is None
+    assert "r" in requests.with_answers
+    requests.finish_attempt(req)  # drops the unused pins
+    assert tm.wait_idle(10) and tm.stats()["blocks_pinned"] == 0
+
+
+def test_a_stale_job_gives_all_its_pins_back(tm):
+    _ready(tm, b"k0")
+    requests = Requests(tm, Counter())
+    req = requests.start_attempt("r", None)
+    job = LookupJob((b"k0",), req.ctx)
+    req.job = job
+    lookups.answer(tm, job, log=None)
+    job.stale = True
+    assert lookups.post(requests, job) == [b"k0"] and not req.pinned
+
+
+def test_a_new_attempt_keeps_the_completions_the_old_one_owes(tm):
+    requests = Requests(tm, Counter())
+    first = requests.start_attempt("r", None)
+    first.stores[b"k"] = (first.ctx, 3)
+    requests.finish_attempt(first)
+    second = requests.start_attempt("r", None)
+    assert second.ctx.attempt == first.ctx.attempt + 1 and second.stores == {b"k": (first.ctx, 3)}
+    assert requests.current("r", None) is second and requests.counters["untracked_requests"] == 0
+
+
+def test_stale_stores_end_as_failed_after_the_flush_steps_without_a_fence(tm):
+    requests = Requests(tm, Counter())
+    req = requests.start_attempt("r", None)
+    out = tm.prepare_store([b"k"], req.ctx)
+    assert out is not None
+    req.stores[b"k"] = (req.ctx, out.store_spec.block_ids[0])
+    stale = StaleJobs(tm, has_reset_fence=False, flush_steps=2)
+    stale.add("reset", take_owed(req))
+    assert not req.stores and stale.waiting
+    stale.end_step()
+    assert stale.waiting and tm.stats()["blocks_pending"] == 1
+    stale.end_step()
+    assert not stale.waiting
+    assert tm.lookup([b"k"], req.ctx) == [MISS]  # never made ready
+    assert tm.stats()["blocks_pending"] == 0
+
+
+def test_with_the_fence_stale_jobs_wait_for_release(tm):
+    stale = StaleJobs(tm, has_reset_fence=True, flush_steps=1)
+    stale.add("reset", [])
+    for _ in range(5):
+        stale.end_step()
+    assert stale.waiting
+    stale.release()
+    assert not stale.waiting
