@@ -306,11 +306,7 @@ def _run(coroutine: Any) -> Any:
 
 _MANAGER: list[TieringManager] = []  # the module's manager, for the cases above (built at collection)
 # The tiers' own constructors (kvactors/tiers/, not this change's files) still take a bool for these.
-TIER_HOLES = {"MemoryTier(capacity_blocks)", "DiskTier(io_workers)", "RedisTier(capacity_bytes)",
-              "RedisTier(timeout_s)", "RedisTier(io_workers)", "RedisTier(retry_after_s)"}
-BOOL_CASES = [pytest.param(label, call, id=label, marks=[pytest.mark.xfail(
-    reason="kvactors/tiers/ takes a bool here (listed for the tiers' owner)", strict=False)]
-    if label in TIER_HOLES else []) for label, call in _bool_cases()]
+BOOL_CASES = [pytest.param(label, call, id=label) for label, call in _bool_cases()]
 
 
 @pytest.mark.parametrize(("label", "call"), BOOL_CASES)

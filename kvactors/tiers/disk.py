@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvactors.core.arguments import check_int
 from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers.base import ReportFn, SecondaryTier
@@ -122,8 +123,7 @@ class DiskTier(SecondaryTier):
         super().__init__(name=name)
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be an int > 0, got {capacity_bytes!r}")
-        if not isinstance(io_workers, int) or io_workers < 1:
-            raise ValueError(f"io_workers must be an int >= 1, got {io_workers!r}")
+        check_int(io_workers, "io_workers")
         self.root = os.path.abspath(os.fspath(root))
         self._prefix = os.path.join(self.root, "")
         self.capacity_bytes = capacity_bytes

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvactors.core.arguments import check_int
 from kvactors.tiers.base import SecondaryTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
@@ -31,9 +32,7 @@ class MemoryTier(SecondaryTier):
 
     def __init__(self, *, name: str = "memory", capacity_blocks: int) -> None:
         super().__init__(name=name)
-        if not isinstance(capacity_blocks, int) or capacity_blocks <= 0:
-            raise ValueError(f"capacity_blocks must be an int > 0, got {capacity_blocks!r}")
-        self.capacity_blocks = capacity_blocks
+        self.capacity_blocks = check_int(capacity_blocks, "capacity_blocks")
         self._blocks: OrderedDict[OffloadKey, torch.Tensor] = OrderedDict()
         self._events: list[OffloadingEvent] = []
         self._lock = threading.Lock()

@@ -13,6 +13,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvactors.core.arguments import check_int, check_timeout
 from kvactors.logs import component_logger
 from kvactors.tiers import redis_cluster as rc
 from kvactors.tiers.base import ReportFn, SecondaryTier
@@ -373,14 +374,11 @@ def _check_options(namespace: str, capacity_bytes: int | None, timeout_s: float,
     """``ValueError`` for a constructor argument out of range (a configuration error)."""
     if not isinstance(namespace, str) or not namespace:
         raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
-    if capacity_bytes is not None and capacity_bytes <= 0:
-        raise ValueError(f"capacity_bytes must be > 0 or None, got {capacity_bytes!r}")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if io_workers < 1:
-        raise ValueError(f"io_workers must be >= 1, got {io_workers!r}")
-    if retry_after_s < 0:
-        raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s!r}")
+    if capacity_bytes is not None:
+        check_int(capacity_bytes, "capacity_bytes")
+    check_timeout(timeout_s, "timeout_s", allow_none=False, allow_zero=False)
+    check_int(io_workers, "io_workers")
+    check_timeout(retry_after_s, "retry_after_s", allow_none=False)
     if cluster and "{" in namespace:
         # The bucket's hash tag must be the first "{...}" of every key.
         raise ValueError(f"namespace must not contain '{{' with cluster=True, got {namespace!r}")
