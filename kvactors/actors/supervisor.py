@@ -17,7 +17,8 @@ secondary tier:
    no pending primary store (each may cascade when it completes), no secondary
    lookup in progress (each may promote), no promotion allocated or queued but
    unsent, no cascade parked for a tier slot. After that the request's state
-   is gone, and :meth:`_submit` refuses any job whose request has no state.
+   is gone, and the job book refuses any job whose request has no state
+   (:attr:`~kvactors.core.jobbook.Step.REFUSED`).
 3. Those counts are fed by the primary, which is also a single sender. Its
    "request finished" carries the number of the request's stores still
    pending at that moment, and it reports every completion or deadline that
@@ -27,7 +28,7 @@ secondary tier:
    A request's state opens with the primary's first fact about it (flagged
    ``opens``; a separate "request started" only when a tier wants that
    hook), so a fact without the flag for a request with no state is about a
-   request already finalized, and :meth:`_submit` still refuses its jobs.
+   request already finalized, and the job book still refuses its jobs.
 
 The supervisor runs colocated with the primary (one thread and mailbox, see
 :mod:`kvactors.actors.runtime`): that orders the two actors' messages
