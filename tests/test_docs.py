@@ -36,8 +36,6 @@ KNOWN_UNRESOLVED: dict[tuple[str, str], str] = {
     ("kvactors/types.py", "api.md"): "README.md (the public API)",
     ("kvactors/core/lifecycle.py", "lifecycle-contract.md"): "docs/contract.md",
     # docs/architecture.md: module names planned by issue 15, not in this tree yet.
-    ("docs/architecture.md", "kvactors/core/jobbook.py"): "the job book's module",
-    ("docs/architecture.md", "kvactors/core/lookupbook.py"): "the lookup book's module",
     ("docs/architecture.md", "kvactors/actors/protocols.py"): "the runtime protocols' module",
     ("docs/architecture.md", "kvactors/actors/threads.py"): "the thread runtime's module",
 }

@@ -140,14 +140,14 @@ def _more_report_faults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_planted_promotion_that_ignores_successful_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """A runtime that reads only ``success``: a tier's ``success=True`` naming some keys, or a
     sloppy report, makes every key of the job ready, junk rows included."""
-    from kvactors.actors import supervisor
+    from kvactors.core import jobbook
     from kvactors.core.outcomes import KeyOutcomes
 
     def success_only(job_keys: tuple[bytes, ...], result: JobResult) -> KeyOutcomes:
         keys = tuple(dict.fromkeys(job_keys))
         return KeyOutcomes(keys, ()) if result.success else KeyOutcomes((), keys)
 
-    monkeypatch.setattr(supervisor, "key_outcomes", success_only)
+    monkeypatch.setattr(jobbook, "key_outcomes", success_only)
     _more_report_faults(monkeypatch)
     _hunt(400, 0.04, "do not hold their blocks", base=PER_KEY_WORKLOAD)
 
@@ -167,7 +167,7 @@ def test_planted_promotion_that_makes_failed_keys_ready(monkeypatch: pytest.Monk
 
 def test_planted_report_taken_at_its_word(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sloppy report trusted: a key of no job of its, a list, success=False naming every key."""
-    from kvactors.actors import supervisor
+    from kvactors.core import jobbook
     from kvactors.core.outcomes import KeyOutcomes
 
     def trusting(job_keys: tuple[bytes, ...], result: JobResult) -> KeyOutcomes:
@@ -176,7 +176,7 @@ def test_planted_report_taken_at_its_word(monkeypatch: pytest.MonkeyPatch) -> No
         ok = tuple(key for key in keys if key in set(named))
         return KeyOutcomes(ok, tuple(key for key in keys if key not in ok))
 
-    monkeypatch.setattr(supervisor, "key_outcomes", trusting)
+    monkeypatch.setattr(jobbook, "key_outcomes", trusting)
     _more_report_faults(monkeypatch)
     _hunt(400, 0.03, "do not hold their blocks", base=PER_KEY_WORKLOAD)
 

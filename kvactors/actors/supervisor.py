@@ -17,7 +17,8 @@ secondary tier:
    no pending primary store (each may cascade when it completes), no secondary
    lookup in progress (each may promote), no promotion allocated or queued but
    unsent, no cascade parked for a tier slot. After that the request's state
-   is gone, and :meth:`_submit` refuses any job whose request has no state.
+   is gone, and the job book refuses any job whose request has no state
+   (:attr:`~kvactors.core.jobbook.Step.REFUSED`).
 3. Those counts are fed by the primary, which is also a single sender. Its
    "request finished" carries the number of the request's stores still
    pending at that moment, and it reports every completion or deadline that
@@ -27,7 +28,7 @@ secondary tier:
    A request's state opens with the primary's first fact about it (flagged
    ``opens``; a separate "request started" only when a tier wants that
    hook), so a fact without the flag for a request with no state is about a
-   request already finalized, and :meth:`_submit` still refuses its jobs.
+   request already finalized, and the job book still refuses its jobs.
 
 The supervisor runs colocated with the primary (one thread and mailbox, see
 :mod:`kvactors.actors.runtime`): that orders the two actors' messages
@@ -42,186 +43,69 @@ Everything else here serves the same contract: deadlines fail jobs that are
 not reported in time (their rows stay held until the late report, since the
 tier may still be touching them), per-tier queues bound the jobs in flight,
 and ``reset_cache`` zeroes the counts and finalizes finished requests while
-in-flight jobs drain.
-
-Nothing here waits for a tier without a deadline
-------------------------------------------------
-A tier's actor may be stuck inside one of its plugin's calls for minutes. Every
-round through the tiers (a *gather*: events, barrier, shutdown) and every
-lookup therefore has a deadline, and a :class:`~kvactors.core.tierwatch.TierWatch`
-keeps the books of what each tier owes: a tier that owes an answer and has
-given none for ``transfer_timeout_s`` is *stuck* (``tier_stuck`` in the log,
-``tiers_stuck`` and ``tier_stuck.<name>`` in the stats). A stuck tier is left
-out of what waits on it: open gathers and lookups go on without it, later
-ones do not wait for it at all (a caller polling ``take_events`` every step
-pays nothing for it), its lookups are ``RETRY``, its queued jobs and new jobs
-fail at once without being sent (no row is held for it), and the jobs it was
-given time out as any other. Its hooks and finishes are still sent: the
-contract holds at that tier too once it moves again. Its first answer is
-``tier_unstuck``; its late answers are accounted for (events a late gather
-brings are handed out by the next ``take_events``; late reports release
-their rows as before).
+in-flight jobs drain. The rounds through the tiers (gathers, barriers, reset,
+stats, stop) and what a stuck tier means are in :mod:`kvactors.actors.rounds`;
+the books are plain classes in ``kvactors/core/``: :mod:`~kvactors.core.jobbook`
+(queues, slots, deadlines, held jobs, report routing),
+:mod:`~kvactors.core.lookupbook` (a lookup's fan-out and answers),
+:mod:`~kvactors.core.gathers`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import Actor, ActorRef, handles
+from kvactors.actors.rounds import GatherDone, SupervisorRounds
+from kvactors.actors.runtime import ActorRef, handles
 from kvactors.actors.secondary import TierLink
 from kvactors.core import counters
-from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
+from kvactors.core.gathers import GatherBook
+from kvactors.core.jobbook import BookedJob, JobBook, Route, Step
 from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
-from kvactors.core.lookups import resolve_lookup
-from kvactors.core.outcomes import key_outcomes
+from kvactors.core.lookupbook import LookupBook, PendingLookup
 from kvactors.core.quarantine import PromotionQuarantine
 from kvactors.core.tierwatch import TierWatch
 from kvactors.log_schema import JOB_COMPLETED, JOB_SUBMITTED
-from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
+from kvactors.types import LookupResult, OffloadKey, ReqContext, TransferJob
+
+COUNTER_NAMES = (
+    "jobs_submitted", "jobs_succeeded", "jobs_failed", "jobs_timed_out", "jobs_dropped", "late_reports",
+    "unexpected_reports", "invalid_reports", "jobs_partial", "job_keys_failed", "promotion_hits_ignored",
+    "lookups_timed_out", "requests_finalized", "guard_violations", "gathers_incomplete", "inline_calls_demoted",
+)
 
 
-@dataclass(slots=True)
-class _Job:
-    """A job from its creation until it is reported, fails or times out."""
-
-    tier: str
-    job: TransferJob
-    origin: int  # the work id wait_idle waits on: the job's own, or its lookup's
-    epoch: int
-    submitted: bool = False
-    # A promotion's deadline runs from its allocation (its keys are HIT_PENDING from then on),
-    # queued or not; a cascade's from its submit.
-    deadline: float | None = None
-    submitted_at: float = 0.0
-
-    @property
-    def counter(self) -> str:
-        """The request counter that holds the request open while this job is unsent."""
-        return "unsent_promotions" if self.job.is_promotion else "parked_cascades"
-
-    @property
-    def kind(self) -> str:
-        return "promotion" if self.job.is_promotion else "cascade"
-
-
-@dataclass(slots=True)
-class _PendingLookup:
-    lookup_id: int
-    ctx: ReqContext
-    keys: tuple[OffloadKey, ...]
-    missing: tuple[int, ...]
-    results: list[LookupResult]
-    reply: Reply[list[LookupResult]]
-    asked: tuple[OffloadKey, ...]  # the missing keys, de-duplicated, as sent to the tiers
-    waiting: set[str]
-    answers: dict[str, tuple[LookupResult, ...] | None] = field(default_factory=dict)
-
-
-GatherDone = Callable[[dict[str, tuple[Any, ...]], frozenset[str]], None]
-"""Called once a gather ends: the tiers' payloads, and the tiers that did not answer in time."""
-
-
-@dataclass(slots=True)
-class _Gather:
-    what: str
-    waiting: set[str]
-    on_done: GatherDone
-    patient: bool = False
-    payloads: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    missing: set[str] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class _ResetWait:
-    """A ``reset_cache`` waiting for the jobs in flight at its start and one round through the tiers."""
-
-    jobs: set[int]
-    reply: Reply[None]
-    gathered: bool = False
-
-
-@dataclass(slots=True)
-class _Shutdown:
-    reply: Reply[None]
-    deadline: float  # jobs still in flight then are timed out; the tiers' drain gets what is left
-    gathering: bool = False
-    expired: bool = False  # the deadline passed: nothing more is waited for before the tiers' round
-
-
-SHUTDOWN_GRACE_S = 0.25
-"""How long past the stop's deadline the tiers' shutdown round may take (a tier's
-``shutdown()`` after a ``drain`` that used the whole budget)."""
-
-
-class LifecycleSupervisor(Actor):
-    """The supervisor's logic. Runs on one actor; see the module docstring."""
+class LifecycleSupervisor(SupervisorRounds):
+    """The supervisor: owns the lifecycle table, the job, lookup and gather books, and routes
+    messages between them, the primary and the tiers. Runs on one actor; see the module docstring."""
 
     name = "supervisor"
 
-    def __init__(
-        self,
-        *,
-        tier_limits: Sequence[tuple[str, int]],
-        transfer_timeout_s: float,
-        lookup_timeout_s: float,
-    ) -> None:
+    def __init__(self, *, tier_limits: Sequence[tuple[str, int]], transfer_timeout_s: float,
+                 lookup_timeout_s: float) -> None:
         self.table = LifecycleTable()
         self.transfer_timeout_s = transfer_timeout_s
         self.lookup_timeout_s = lookup_timeout_s
         self._shortest_timeout = min(transfer_timeout_s, lookup_timeout_s)
         self.tier_order = tuple(name for name, _ in tier_limits)
-        self.max_inflight = dict(tier_limits)
-        self.primary: ActorRef
-        self.tiers: dict[str, TierLink] = {}
+        self.tiers = {}
         self.epoch = 0
         self.stopping = False
-        self._jobs: dict[int, _Job] = {}
-        self._queues: dict[str, deque[int]] = {name: deque() for name in self.tier_order}
-        self._inflight: dict[str, int] = dict.fromkeys(self.tier_order, 0)
-        self._job_deadlines: DeadlineQueue[int] = DeadlineQueue()
-        self._timed_out: dict[int, _Job] = {}
+        self.jobs = JobBook(tier_limits, transfer_timeout_s, live=lambda ctx: ctx in self.table)
+        self.lookups: LookupBook[Reply[list[LookupResult]]] = LookupBook(self.tier_order, lookup_timeout_s)
+        self.gathers: GatherBook[GatherDone] = GatherBook()
         self.quarantine = PromotionQuarantine()
-        self._lookups: dict[int, _PendingLookup] = {}
-        self._lookup_deadlines: DeadlineQueue[int] = DeadlineQueue()
-        self._allocations: dict[int, ReqContext] = {}  # lookup id -> request, while the primary allocates
-        self._barriers: list[tuple[int, Reply[bool]]] = []
-        self._reset_waits: list[_ResetWait] = []
-        self._gathers: dict[int, _Gather] = {}
-        self._gather_ids = 0
-        self._gather_deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self._barriers = []
+        self._reset_waits = []
         self._watch = TierWatch(self.tier_order, transfer_timeout_s)
-        self._late_events: dict[str, list[OffloadingEvent]] = {}  # brought by gathers answered too late
         self._timer_due: float | None = None
-        self._shutdown: _Shutdown | None = None
+        self._shutdown = None
         self.metrics = counters.JobCounters(self.tier_order)  # for kvactors.metrics: plain ints
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "jobs_submitted",
-                "jobs_succeeded",
-                "jobs_failed",
-                "jobs_timed_out",
-                "jobs_dropped",
-                "late_reports",
-                "unexpected_reports",
-                "invalid_reports",
-                "jobs_partial",
-                "job_keys_failed",
-                "promotion_hits_ignored",
-                "lookups_timed_out",
-                "requests_finalized",
-                "guard_violations",
-                "gathers_incomplete",
-                "inline_calls_demoted",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(COUNTER_NAMES, 0)
 
     def connect(self, primary: ActorRef, tiers: dict[str, TierLink]) -> None:
         self.primary = primary
@@ -304,11 +188,11 @@ class LifecycleSupervisor(Actor):
             # Before its finish a request's pending stores are not counted here (see point 3).
             state = self._count(msg.ctx, "pending_primary_stores", -msg.live)
         for cascade in msg.cascades:
-            job = _Job(cascade.tier, cascade.job, origin=cascade.job.job_id, epoch=self.epoch)
             if state is None or self.stopping:
-                self._end_unsubmitted(job, "no_request" if state is None else "stopping")
+                self._end_unsubmitted(BookedJob(cascade.tier, cascade.job, cascade.job.job_id, self.epoch),
+                                      "no_request" if state is None else "stopping")
             else:
-                self._enqueue(job)
+                self._enqueue(cascade.tier, cascade.job, cascade.job.job_id, self.epoch)
         self._maybe_finalize_request(msg.ctx)
 
     @handles(m.TouchTiers)
@@ -319,263 +203,144 @@ class LifecycleSupervisor(Actor):
 
     # ------------------------------------------------------------ jobs
 
-    def _enqueue(self, job: _Job) -> None:
-        tier = job.tier
-        if self._watch.is_stuck(tier):
-            self._end_unsubmitted(job, "tier_stuck")  # sent, it would hold its rows until the tier moves
+    def _enqueue(self, tier: str, job: TransferJob, origin: int, epoch: int) -> None:
+        if self._watch.is_stuck(tier):  # sent, it would hold its rows until the tier moves
+            self._end_unsubmitted(BookedJob(tier, job, origin, epoch), "tier_stuck")
             return
-        self._jobs[job.job.job_id] = job
-        if job.job.is_promotion:
-            job.deadline = self.runtime.now() + self.transfer_timeout_s
-        if self._inflight[tier] < self.max_inflight[tier] and not self._queues[tier]:
-            self._submit(job)
-        else:
-            self._queues[tier].append(job.job.job_id)
-            self._count(job.job.req_context, job.counter, +1)
-            if job.deadline is not None:
-                # A promotion waiting for a slot times out too: no key is HIT_PENDING past the deadline.
-                self._job_deadlines.add(job.job.job_id, job.deadline)
+        self._take_step(*self.jobs.add(tier, job, origin, epoch, self.runtime.now()))
+
+    def _take_steps(self, steps: Iterable[tuple[Step, BookedJob]]) -> None:
+        for step, entry in steps:
+            self._take_step(step, entry)
+
+    def _take_step(self, step: Step, entry: BookedJob) -> None:
+        """Do what the job book's ``step`` with ``entry`` means (:class:`~kvactors.core.jobbook.Step`)."""
+        ctx = entry.job.req_context
+        if step is Step.STARTED:
+            self._send_job(entry)
+        elif step is Step.QUEUED:
+            self._count(ctx, entry.counter, +1)
+            if entry.deadline is not None:
                 self._arm_timer()
             if self.tracing:
-                self.log.debug("job_queued", kind=job.kind, job_id=job.job.job_id, tier=tier,
-                               req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
-
-    def _submit(self, job: _Job) -> None:
-        ctx = job.job.req_context
-        if ctx not in self.table:
+                self.log.debug("job_queued", kind=entry.kind, job_id=entry.job_id, tier=entry.tier,
+                               req_id=ctx.req_id, attempt=ctx.attempt)
+            return
+        elif step is Step.REFUSED:
             # Unreachable while the counts are right; the guard keeps the contract if they are not.
             self.counters["guard_violations"] += 1
-            self.log.error("contract_violation", reason="submit_after_finalize", tier=job.tier,
-                           job_id=job.job.job_id, req_id=ctx.req_id, attempt=ctx.attempt)
-            self._jobs.pop(job.job.job_id, None)
-            self._end_unsubmitted(job, "no_request")
+            self.log.error("contract_violation", reason="submit_after_finalize", tier=entry.tier,
+                           job_id=entry.job_id, req_id=ctx.req_id, attempt=ctx.attempt)
+            self._end_unsubmitted(entry, "no_request")
+        elif step is Step.EXPIRED:  # a queued promotion past its deadline: it fails, never sent
+            self._end_unsubmitted(entry, "timed_out")
+            self._back_off(entry, entry.job.keys)
+        else:
+            self._time_out(entry)
             return
-        job.submitted = True
-        self._inflight[job.tier] += 1
+        if entry.waited:
+            # It left the queue; a submit left before any finish can: FIFO from this actor.
+            self._count(ctx, entry.counter, -1)
+            self._maybe_finalize_request(ctx)
+
+    def _send_job(self, entry: BookedJob) -> None:
+        ctx = entry.job.req_context
         self.counters["jobs_submitted"] += 1
-        job.submitted_at = now = self.runtime.now()
-        self.metrics.job_started(job.tier, job.kind)
-        deadline = job.deadline if job.deadline is not None else now + self.transfer_timeout_s
-        self._job_deadlines.add(job.job.job_id, deadline)
+        self.metrics.job_started(entry.tier, entry.kind)
         self._arm_timer()
         if self.tracing:
-            self.log.debug(JOB_SUBMITTED[job.kind], job_id=job.job.job_id, tier=job.tier, keys=len(job.job.keys),
+            self.log.debug(JOB_SUBMITTED[entry.kind], job_id=entry.job_id, tier=entry.tier, keys=len(entry.job.keys),
                            req_id=ctx.req_id, attempt=ctx.attempt)
-        self.tiers[job.tier].send(m.TierSubmit(job.job), "submit_load" if job.job.is_promotion else "submit_store")
+        call = "submit_load" if entry.job.is_promotion else "submit_store"
+        self.tiers[entry.tier].send(m.TierSubmit(entry.job), call)
 
-    def _end_unsubmitted(self, job: _Job, reason: str) -> None:
+    def _end_unsubmitted(self, entry: BookedJob, reason: str) -> None:
         """A job that never reached its tier fails: release its rows at once."""
-        self._job_deadlines.discard(job.job.job_id)
         self.counters["jobs_dropped"] += 1
-        self.metrics.job_dropped(job.tier, job.kind)
-        self.log.info("job_dropped", kind=job.kind, job_id=job.job.job_id, tier=job.tier, reason=reason,
-                      req_id=job.job.req_context.req_id, attempt=job.job.req_context.attempt)
-        self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=False))
+        self.metrics.job_dropped(entry.tier, entry.kind)
+        self.log.info("job_dropped", kind=entry.kind, job_id=entry.job_id, tier=entry.tier, reason=reason,
+                      req_id=entry.job.req_context.req_id, attempt=entry.job.req_context.attempt)
+        self.primary.tell(m.JobEnded(entry.job_id, entry.job.is_promotion, success=False, hold=False))
 
     def _drop_queued(self, reason: str, tiers: Sequence[str] | None = None) -> list[ReqContext]:
         """Fail every job still waiting for a slot at ``tiers`` (default: all); returns their requests."""
         touched = []
-        for tier in self.tier_order if tiers is None else tiers:
-            queue = self._queues[tier]
-            while queue:
-                job = self._jobs.pop(queue.popleft())
-                self._count(job.job.req_context, job.counter, -1)
-                self._end_unsubmitted(job, reason)
-                touched.append(job.job.req_context)
+        for entry in self.jobs.drop_queued(tiers):
+            self._count(entry.job.req_context, entry.counter, -1)
+            self._end_unsubmitted(entry, reason)
+            touched.append(entry.job.req_context)
         return touched
 
-    def _slot_freed(self, tier: str) -> None:
-        queue = self._queues[tier]
-        now = self.runtime.now()
-        while queue and self._inflight[tier] < self.max_inflight[tier]:
-            job = self._jobs[queue[0]]
-            if job.deadline is not None and job.deadline <= now:  # its tick is late: it fails unsent
-                del self._jobs[job.job.job_id]
-                self._job_deadlines.discard(job.job.job_id)
-                self._expire_queued(job)
-                continue
-            queue.popleft()
-            self._submit(job)
-            ctx = job.job.req_context
-            self._count(ctx, job.counter, -1)
-            # The submit left before any finish can: FIFO from this actor.
-            self._maybe_finalize_request(ctx)
-
-    def _job_over(self, job: _Job) -> None:
-        """Book-keeping shared by every end of a submitted job."""
-        self._inflight[job.tier] -= 1
-        self._job_deadlines.discard(job.job.job_id)
+    def _job_over(self, job_id: int) -> None:
+        """A job sent to its tier ended (reported or timed out): the resets waiting on it hear."""
         for wait in list(self._reset_waits):
-            wait.jobs.discard(job.job.job_id)
+            wait.jobs.discard(job_id)
             self._check_reset(wait)
-        self._slot_freed(job.tier)
-        self._check_barriers()
-        self._check_shutdown()
 
     @handles(m.JobReported)
     def _on_job_reported(self, msg: m.JobReported) -> None:
         result = msg.result
-        job = self._jobs.get(result.job_id)
-        if job is None or not job.submitted or job.tier != msg.tier:
-            late = self._timed_out.pop(result.job_id, None)
-            if late is not None and late.tier == msg.tier:
-                self.counters["late_reports"] += 1
-                self.log.warning("late_report_ignored", job_id=result.job_id, tier=msg.tier, success=result.success)
-                self.primary.tell(m.HoldReleased(result.job_id))
-            else:
-                self.counters["unexpected_reports"] += 1
-                self.log.warning("job_report_unexpected", job_id=result.job_id, tier=msg.tier)
+        now = self.runtime.now()
+        report = self.jobs.report(msg.tier, result, now)
+        entry, outcomes = report.job, report.outcomes
+        if report.route is Route.LATE:
+            self.counters["late_reports"] += 1
+            self.log.warning("late_report_ignored", job_id=result.job_id, tier=msg.tier, success=result.success)
+            self.primary.tell(m.HoldReleased(result.job_id))
             return
-        del self._jobs[result.job_id]
-        ctx = job.job.req_context
-        outcomes = key_outcomes(job.job.keys, result)
+        if entry is None or outcomes is None:
+            self.counters["unexpected_reports"] += 1
+            self.log.warning("job_report_unexpected", job_id=result.job_id, tier=msg.tier)
+            return
+        ctx = entry.job.req_context
         if outcomes.problem is not None:
             # A report that does not fit its job is no one's word for any key: all of them failed.
             self.counters["invalid_reports"] += 1
-            self.log.warning("job_report_invalid", job_id=result.job_id, tier=job.tier, reason=outcomes.problem,
+            self.log.warning("job_report_invalid", job_id=result.job_id, tier=entry.tier, reason=outcomes.problem,
                              req_id=ctx.req_id, attempt=ctx.attempt)
         success = outcomes.all_ok
         self.counters["jobs_succeeded" if success else "jobs_failed"] += 1
         self.counters["jobs_partial"] += outcomes.partial
-        self.metrics.job_ended(job.tier, job.kind, "ok" if success else "failed", len(outcomes.ok),
-                               self.runtime.now() - job.submitted_at)
+        self.metrics.job_ended(entry.tier, entry.kind, "ok" if success else "failed", len(outcomes.ok),
+                               now - entry.submitted_at)
         self.counters["job_keys_failed"] += len(outcomes.failed)
         if not success or self.tracing:
             log = self.log.debug if success else self.log.warning
-            log(JOB_COMPLETED[job.kind], job_id=result.job_id, tier=job.tier, success=success,
-                keys=len(job.job.keys), failed_keys=len(outcomes.failed), error=result.error,
+            log(JOB_COMPLETED[entry.kind], job_id=result.job_id, tier=entry.tier, success=success,
+                keys=len(entry.job.keys), failed_keys=len(outcomes.failed), error=result.error,
                 req_id=ctx.req_id, attempt=ctx.attempt)
         ok_keys = None if success else frozenset(outcomes.ok)
-        self.primary.tell(m.JobEnded(result.job_id, job.job.is_promotion, success=bool(outcomes.ok), hold=False,
+        self.primary.tell(m.JobEnded(result.job_id, entry.job.is_promotion, success=bool(outcomes.ok), hold=False,
                                      ok_keys=ok_keys))
-        if job.job.is_promotion:
+        if entry.job.is_promotion:
             for key in outcomes.ok:
-                self.quarantine.succeeded(job.tier, key)
-            self._back_off(job, outcomes.failed)
-        self._job_over(job)
+                self.quarantine.succeeded(entry.tier, key)
+            self._back_off(entry, outcomes.failed)
+        self._job_over(entry.job_id)
+        self._take_steps(report.steps)
+        self._check_barriers()
+        self._check_shutdown()
 
-    def _back_off(self, job: _Job, keys: Sequence[OffloadKey]) -> None:
-        """Promotions of ``keys`` from ``job``'s tier failed: that tier is not asked for them for a while."""
+    def _back_off(self, entry: BookedJob, keys: Sequence[OffloadKey]) -> None:
+        """Promotions of ``keys`` from ``entry``'s tier failed: that tier is not asked for them for a while."""
         if not keys:
             return
         now = self.runtime.now()
-        backoff = max(self.quarantine.failed(job.tier, key, now) for key in keys)
-        self.log.info("promotions_backed_off", job_id=job.job.job_id, tier=job.tier, keys=len(keys),
+        backoff = max(self.quarantine.failed(entry.tier, key, now) for key in keys)
+        self.log.info("promotions_backed_off", job_id=entry.job_id, tier=entry.tier, keys=len(keys),
                       backoff_s=backoff)
 
-    # ------------------------------------------------------------ deadlines
-
-    def _arm_timer(self, soonest: float | None = None) -> None:
-        """Make sure a tick comes by the next deadline. ``soonest``: a deadline just
-        added that may be sooner than ``now + min(timeouts)`` (the fast path's bound)."""
-        bound = self.runtime.now() + self._shortest_timeout if soonest is None else soonest
-        if self._timer_due is not None and self._timer_due <= bound:
-            return  # a tick is due no later than any deadline added now
-        deadlines = [d for d in (self._job_deadlines.next_deadline(), self._lookup_deadlines.next_deadline(),
-                                 self._gather_deadlines.next_deadline(), self._watch.next_deadline())
-                     if d is not None]
-        if self._shutdown is not None and not self._shutdown.gathering and not self._shutdown.expired:
-            deadlines.append(self._shutdown.deadline)
-        if not deadlines:
-            return
-        deadline = min(deadlines)
-        if self._timer_due is not None and self._timer_due <= deadline:
-            return
-        self._timer_due = deadline
-        self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
-
-    @handles(m.Tick)
-    def _on_tick(self, msg: m.Tick) -> None:
-        self._timer_due = None
-        now = self.runtime.now()
-        for tier in self._watch.due(now):
-            self._tier_stuck(tier, now)
-        for gather_id in self._gather_deadlines.pop_expired(now):
-            gather = self._gathers.get(gather_id)
-            if gather is not None:
-                self.log.warning("gather_timed_out", what=gather.what, tiers=",".join(sorted(gather.waiting)))
-                gather.missing.update(gather.waiting)
-                gather.waiting.clear()
-                self._end_gather(gather_id, gather)
-        expired = [self._jobs.pop(job_id) for job_id in self._job_deadlines.pop_expired(now)]
-        # Queued ones first: a slot that a timed-out job frees must not go to a job already past its deadline.
-        for job in expired:
-            if not job.submitted:
-                self._expire_queued(job)
-        for job in expired:
-            if job.submitted:
-                self._time_out(job)
-        for lookup_id in self._lookup_deadlines.pop_expired(now):
-            pending = self._lookups.get(lookup_id)
-            if pending is not None:
-                self.counters["lookups_timed_out"] += 1
-                self.log.warning("lookup_timed_out", req_id=pending.ctx.req_id, attempt=pending.ctx.attempt,
-                                 tiers=",".join(sorted(pending.waiting)))
-                self._resolve_lookup(pending)
-        shutdown = self._shutdown
-        if shutdown is not None and not shutdown.gathering and not shutdown.expired and now >= shutdown.deadline:
-            # The stop's budget is spent: what is still in flight fails now, as at its own deadline,
-            # and promotions the primary has not allocated yet are not waited for. Every job is timed
-            # out before the stop may go on: its answer lets stop() close the mailbox these tells use.
-            for job_id in [job_id for job_id, job in self._jobs.items() if job.submitted]:
-                self._time_out(self._jobs.pop(job_id))
-            shutdown.expired = True
-            self._check_shutdown()
-        self._arm_timer()
-
-    def _expire_queued(self, job: _Job) -> None:
-        """A promotion still waiting for a tier slot passed its deadline: it fails, never sent."""
-        self._queues[job.tier].remove(job.job.job_id)
-        ctx = job.job.req_context
-        self._count(ctx, job.counter, -1)
+    def _time_out(self, entry: BookedJob) -> None:
+        """A job past its deadline failed (the book holds it until its late report): its rows stay held."""
         self.counters["jobs_timed_out"] += 1
-        self._end_unsubmitted(job, "timed_out")
-        self._back_off(job, job.job.keys)
-        self._maybe_finalize_request(ctx)
-        self._check_barriers()
-        self._check_shutdown()
-
-    # ------------------------------------------------------------ stuck tiers
-
-    def _tier_stuck(self, tier: str, now: float) -> None:
-        """``tier`` owes answers and gave none for ``transfer_timeout_s``: go on without it."""
-        self.log.warning("tier_stuck", tier=tier, silent_s=round(self._watch.silent_for(tier, now), 3),
-                         owed=self._watch.owed(tier), jobs_in_flight=self._inflight[tier])
-        for gather_id, gather in list(self._gathers.items()):
-            if tier in gather.waiting and not gather.patient:
-                gather.waiting.discard(tier)
-                gather.missing.add(tier)
-                if not gather.waiting:
-                    self._end_gather(gather_id, gather)
-        for pending in list(self._lookups.values()):
-            if tier in pending.waiting:
-                pending.waiting.discard(tier)  # no answer: its keys are RETRY unless another tier has them
-                if not pending.waiting:
-                    self._resolve_lookup(pending)
-        for ctx in self._drop_queued("tier_stuck", (tier,)):
-            self._maybe_finalize_request(ctx)
-        self._check_barriers()
-        self._check_shutdown()
-
-    def _heard_from(self, tier: str, probe: tuple[str, int]) -> None:
-        """An answer from ``tier``'s actor: it is moving."""
-        silent = self._watch.answered(tier, probe, self.runtime.now())
-        if silent is not None:
-            self.log.warning("tier_unstuck", tier=tier, silent_s=round(silent, 3))
-
-    def _time_out(self, job: _Job) -> None:
-        """A job past its deadline fails; its rows stay held until its late report."""
-        self.counters["jobs_timed_out"] += 1
-        self.metrics.job_ended(job.tier, job.kind, "timed_out", 0, self.runtime.now() - job.submitted_at)
-        if job.job.is_promotion:
-            self._back_off(job, job.job.keys)
-        self._timed_out[job.job.job_id] = job
-        ctx = job.job.req_context
-        self.log.warning("job_timed_out", kind=job.kind, job_id=job.job.job_id, tier=job.tier,
+        self.metrics.job_ended(entry.tier, entry.kind, "timed_out", 0, self.runtime.now() - entry.submitted_at)
+        if entry.job.is_promotion:
+            self._back_off(entry, entry.job.keys)
+        ctx = entry.job.req_context
+        self.log.warning("job_timed_out", kind=entry.kind, job_id=entry.job_id, tier=entry.tier,
                          req_id=ctx.req_id, attempt=ctx.attempt)
-        self.primary.tell(m.JobEnded(job.job.job_id, job.job.is_promotion, success=False, hold=True))
-        self._job_deadlines.discard(job.job.job_id)
-        self._job_over(job)
+        self.primary.tell(m.JobEnded(entry.job_id, entry.job.is_promotion, success=False, hold=True))
+        self._job_over(entry.job_id)
 
     # ------------------------------------------------------------ lookups and promotions
 
@@ -583,315 +348,72 @@ class LifecycleSupervisor(Actor):
     def _on_secondary_lookup(self, msg: m.SecondaryLookup) -> None:
         if msg.opens:
             self._open(msg.ctx)
-        results = list(msg.results)
         if self.stopping or self._count(msg.ctx, "pending_lookups", +1) is None:
-            msg.reply.set_result(results)
+            msg.reply.set_result(list(msg.results))
             return
-        keys = tuple(dict.fromkeys(msg.keys[i] for i in msg.missing))
-        pending = _PendingLookup(msg.lookup_id, msg.ctx, msg.keys, msg.missing, results, msg.reply, keys,
-                                 set(self.tier_order))
+        # A stuck tier is not asked: its keys are RETRY unless another tier has them.
+        pending = self.lookups.begin(msg.lookup_id, msg.ctx, msg.keys, msg.missing, msg.results, msg.reply,
+                                     skip=self._watch.stuck())
         now = self.runtime.now()
+        keys = pending.asked
         for tier in self.tier_order:
-            if self._watch.is_stuck(tier):
-                pending.waiting.discard(tier)  # not asked: its keys are RETRY unless another tier has them
+            if tier not in pending.waiting:
                 continue
             self.metrics.asked(tier, len(keys))
             answered, answer = self.tiers[tier].lookup(msg.lookup_id, keys, msg.ctx)
             if answered:
-                pending.answers[tier] = answer
-                pending.waiting.discard(tier)
+                pending.answer(tier, answer)
             else:
                 self._watch.asked(tier, ("lookup", msg.lookup_id), now)
         if not pending.waiting:  # every tier answered inline
             self._resolve_lookup(pending)
             return
         # The other answers are messages to this actor: they come after this handler.
-        self._lookups[msg.lookup_id] = pending
-        self._lookup_deadlines.add(msg.lookup_id, now + self.lookup_timeout_s)
+        self.lookups.wait(pending, now)
         self._arm_timer()
 
     @handles(m.TierLookupAnswered)
     def _on_tier_lookup_answered(self, msg: m.TierLookupAnswered) -> None:
         self._heard_from(msg.tier, ("lookup", msg.lookup_id))
-        pending = self._lookups.get(msg.lookup_id)
-        if pending is None:
-            return  # answered after its deadline, a reset or a stop
-        if msg.tier not in pending.waiting:
-            return  # found stuck meanwhile: the lookup went on without it
-        pending.answers[msg.tier] = msg.results
-        pending.waiting.discard(msg.tier)
-        if not pending.waiting:
+        pending = self.lookups.answered(msg.lookup_id, msg.tier, msg.results)
+        if pending is not None:
             self._resolve_lookup(pending)
 
-    def _resolve_lookup(self, pending: _PendingLookup, *, promote: bool = True) -> None:
-        """Combine the tiers' answers (:func:`~kvactors.core.lookups.resolve_lookup`);
+    def _resolve_lookup(self, pending: PendingLookup[Reply[list[LookupResult]]], *, promote: bool = True) -> None:
+        """Combine the tiers' answers (:meth:`~kvactors.core.lookupbook.LookupBook.resolve`);
         ask the primary to allocate promotions, if any, else answer the frontend."""
-        self._lookups.pop(pending.lookup_id, None)  # absent if every tier answered inline
-        self._lookup_deadlines.discard(pending.lookup_id)
         self.metrics.answered(pending.answers)
-        if promote and self.quarantine:
-            self._ignore_backed_off(pending)
-        pending.results, plan = resolve_lookup(pending.keys, pending.missing, pending.results, pending.asked,
-                                               self.tier_order, pending.answers, promote=promote)
+        blocked = None
+        if self.quarantine:  # a tier's HIT for a key it failed to promote lately is taken as a MISS
+            now = self.runtime.now()
+            blocked = functools.partial(self.quarantine.blocked, now=now)
+        resolution = self.lookups.resolve(pending, promote=promote, blocked=blocked)
+        self.counters["promotion_hits_ignored"] += resolution.hits_ignored
         ctx = pending.ctx
-        if plan:
-            self._allocations[pending.lookup_id] = ctx
+        if resolution.plan:
             self._count(ctx, "unsent_promotions", +1)
             self._count(ctx, "pending_lookups", -1)
-            self.primary.tell(
-                m.AllocatePromotions(
-                    pending.lookup_id,
-                    ctx,
-                    self.epoch,
-                    tuple((tier, tuple(dict.fromkeys(keys))) for tier, keys in plan.items()),
-                    pending.keys,
-                    tuple(pending.results),
-                    pending.reply,
-                )
-            )
+            self.primary.tell(m.AllocatePromotions(pending.lookup_id, ctx, self.epoch, tuple(resolution.plan.items()),
+                                                   pending.keys, tuple(resolution.results), pending.reply))
         else:
-            pending.reply.set_result(pending.results)
+            pending.reply.set_result(resolution.results)
             self._count(ctx, "pending_lookups", -1)
             self._maybe_finalize_request(ctx)
         self._check_barriers()
 
-    def _ignore_backed_off(self, pending: _PendingLookup) -> None:
-        """A tier's HIT for a key it failed to promote lately is taken as a MISS (see
-        :mod:`~kvactors.core.quarantine`): it is not asked to promote it again yet."""
-        now = self.runtime.now()
-        hit, miss = LookupResult.HIT, LookupResult.MISS
-        for tier, answer in list(pending.answers.items()):
-            if answer is None or hit not in answer:
-                continue
-            blocked = [i for i, (key, result) in enumerate(zip(pending.asked, answer, strict=True))
-                       if result is hit and self.quarantine.blocked(tier, key, now)]
-            if blocked:
-                self.counters["promotion_hits_ignored"] += len(blocked)
-                changed = list(answer)
-                for i in blocked:
-                    changed[i] = miss
-                pending.answers[tier] = tuple(changed)
-
     @handles(m.PromotionsAllocated)
     def _on_promotions_allocated(self, msg: m.PromotionsAllocated) -> None:
-        self._allocations.pop(msg.lookup_id, None)
+        self.lookups.allocated(msg.lookup_id)
         stale = msg.epoch != self.epoch  # a reset zeroed this request's counts meanwhile
         state = self.table.get(msg.ctx)
         if not stale:
             self._count(msg.ctx, "unsent_promotions", -1)
         for promotion in msg.jobs:
-            job = _Job(promotion.tier, promotion.job, origin=msg.lookup_id, epoch=msg.epoch)
             if stale or state is None or self.stopping:
-                self._end_unsubmitted(job, "reset" if stale else "stopping" if self.stopping else "no_request")
+                self._end_unsubmitted(BookedJob(promotion.tier, promotion.job, msg.lookup_id, msg.epoch),
+                                      "reset" if stale else "stopping" if self.stopping else "no_request")
             else:
-                self._enqueue(job)
+                self._enqueue(promotion.tier, promotion.job, msg.lookup_id, msg.epoch)
         self._maybe_finalize_request(msg.ctx)
         self._check_barriers()
         self._check_shutdown()
-
-    # ------------------------------------------------------------ whole-runtime operations
-
-    @handles(m.SupervisorReset)
-    def _on_reset(self, msg: m.SupervisorReset) -> None:
-        self.epoch += 1
-        for pending in list(self._lookups.values()):
-            self._resolve_lookup(pending, promote=False)
-        self._drop_queued("reset")
-        for state in self.table.reset():
-            self._finalize(state)
-        in_flight = {job_id for job_id, job in self._jobs.items() if job.submitted}
-        self.log.info("cache_reset_draining", jobs=len(in_flight), epoch=self.epoch)
-        wait = _ResetWait(in_flight, msg.reply)
-        self._reset_waits.append(wait)
-        # A round through the tiers, at once (it ends by its deadline, as the jobs do by
-        # theirs): when reset_cache returns, they have processed its finishes.
-        self._gather("barrier", functools.partial(self._reset_gathered, wait))
-        self._check_barriers()
-
-    def _reset_gathered(self, wait: _ResetWait, payloads: object, missing: frozenset[str]) -> None:
-        wait.gathered = True
-        self._check_reset(wait)
-
-    def _check_reset(self, wait: _ResetWait) -> None:
-        if wait.gathered and not wait.jobs and wait in self._reset_waits:
-            self._reset_waits.remove(wait)
-            wait.reply.set_result(None)
-
-    @handles(m.CollectEvents)
-    def _on_collect_events(self, msg: m.CollectEvents) -> None:
-        def done(payloads: dict[str, tuple[Any, ...]], missing: frozenset[str]) -> None:
-            events: list[OffloadingEvent] = list(msg.events)
-            for tier in self.tier_order:
-                events.extend(self._late_events.pop(tier, ()))  # older than this answer's
-                events.extend(payloads.get(tier, ()))
-            msg.reply.set_result(events)
-
-        self._gather("events", done)
-
-    def _gather(self, what: str, on_done: GatherDone, *, drain_timeout_s: float | None = None,
-                deadline: float | None = None, patient: bool = False) -> None:
-        """One round through the tiers: ``on_done`` once each answered, or was found
-        stuck, or ``deadline`` (default: ``transfer_timeout_s`` from now) passed.
-
-        A tier already stuck is not waited for (it is in ``missing`` at once); it
-        is sent only a shutdown (so that it shuts down if it ever moves again).
-        ``patient``: no deadline, and every tier is waited for, stuck or not (a
-        caller's own timeout bounds it: ``wait_idle``)."""
-        self._gather_ids += 1
-        gather_id = self._gather_ids
-        gather = _Gather(what, set(), on_done, patient)
-        now = self.runtime.now()
-        probe = ("gather", gather_id)
-        for tier in self.tier_order:
-            stuck = self._watch.is_stuck(tier) and not patient
-            if stuck:
-                gather.missing.add(tier)
-                if what != "shutdown":
-                    continue
-            self.tiers[tier].ref.tell(m.TierGather(gather_id, what, drain_timeout_s))
-            if not stuck:
-                gather.waiting.add(tier)
-                self._watch.asked(tier, probe, now)
-        if not gather.waiting:
-            self._end_gather(gather_id, gather)
-            return
-        self._gathers[gather_id] = gather
-        if not patient:
-            due = now + self.transfer_timeout_s if deadline is None else deadline
-            self._gather_deadlines.add(gather_id, due)
-            self._arm_timer(due)
-
-    def _end_gather(self, gather_id: int, gather: _Gather) -> None:
-        self._gathers.pop(gather_id, None)
-        self._gather_deadlines.discard(gather_id)
-        if gather.missing:
-            self.counters["gathers_incomplete"] += 1
-        gather.on_done(gather.payloads, frozenset(gather.missing))
-
-    @handles(m.TierGathered)
-    def _on_tier_gathered(self, msg: m.TierGathered) -> None:
-        self._heard_from(msg.tier, ("gather", msg.gather_id))
-        gather = self._gathers.get(msg.gather_id)
-        if gather is None or msg.tier not in gather.waiting:
-            # Too late for its gather: events it brings go to the next take_events.
-            if msg.payload:
-                self._late_events.setdefault(msg.tier, []).extend(msg.payload)
-            return
-        gather.payloads[msg.tier] = msg.payload
-        gather.waiting.discard(msg.tier)
-        if not gather.waiting:
-            self._end_gather(msg.gather_id, gather)
-
-    @handles(m.SupervisorBarrier)
-    def _on_barrier(self, msg: m.SupervisorBarrier) -> None:
-        self._barriers.append((msg.snapshot, msg.reply))
-        self._check_barriers()
-
-    def _oldest_work(self) -> int | None:
-        origins = [job.origin for job in self._jobs.values()]
-        origins.extend(self._lookups)
-        origins.extend(self._allocations)
-        return min(origins) if origins else None
-
-    def _check_barriers(self) -> None:
-        if not self._barriers:
-            return
-        oldest = self._oldest_work()
-        ready = [b for b in self._barriers if oldest is None or oldest > b[0]]
-        if not ready:
-            return
-        self._barriers = [b for b in self._barriers if b not in ready]
-        for _, reply in ready:
-            # Hooks sent before now must be processed too, then the primary's
-            # queue must pass the releases sent before now: a tier round, then the primary.
-            # Patient: wait_idle's own timeout bounds its caller, and a tier found stuck
-            # (perhaps only slow) that moves again passes the barrier and lets it say True.
-            self._gather("barrier", functools.partial(self._finish_barrier, reply), patient=True)
-
-    def _finish_barrier(self, reply: Reply[bool], payloads: object, missing: frozenset[str]) -> None:
-        # A patient round misses a tier only when stop() cuts it short: not idle.
-        self.primary.tell(m.BarrierFinal(reply, not missing))
-
-    @handles(m.SupervisorStats)
-    def _on_stats(self, msg: m.SupervisorStats) -> None:
-        stats: dict[str, int | float] = dict(msg.stats)
-        stats.update(self.counters)
-        # The primary's records: from on_new_request to finalize (the supervisor's
-        # table holds a request only from its first fact that needs it).
-        stats["active_requests"] = int(stats.get("primary_requests", 0))
-        stats["supervisor_requests"] = len(self.table)
-        stats["requests_finished_pending"] = sum(1 for s in self.table.states() if s.is_finished)
-        stats["jobs_in_flight"] = sum(self._inflight.values())
-        stats["jobs_queued"] = sum(len(q) for q in self._queues.values())
-        stats["jobs_awaiting_late_report"] = len(self._timed_out)
-        stats["promotions_quarantined"] = len(self.quarantine)
-        stats["lookups_in_flight"] = len(self._lookups) + len(self._allocations)
-        stats["contract_violations"] = int(stats.pop("primary_violations", 0)) + self.counters["guard_violations"]
-        stuck = self._watch.stuck()
-        stats["tiers_stuck"] = len(stuck)
-        stats["tiers_found_stuck"] = self._watch.found_stuck
-        stats["tiers_recovered"] = self._watch.recovered
-        now = self.runtime.now()
-        for tier in self.tier_order:
-            stats[f"tier_stuck.{tier}"] = int(tier in stuck)
-            stats[f"tier_silent_s.{tier}"] = round(self._watch.silent_for(tier, now), 6)
-        stats["internal_errors"] = int(stats.pop("primary_internal_errors", 0)) + self.internal_errors
-        msg.reply.set_result(stats)
-
-    @handles(m.SupervisorMetrics)
-    def _on_metrics(self, msg: m.SupervisorMetrics) -> None:
-        def done(stats: Reply[dict[str, int | float]]) -> None:
-            error = stats.exception()
-            if error is not None:
-                msg.reply.set_exception(error)
-            else:
-                msg.reply.set_result(counters.snapshot(msg.counters, msg.pool_blocks, msg.evicted_keys, self.metrics,
-                                                       stats.result(), queued, in_flight))
-
-        queued = {tier: len(queue) for tier, queue in self._queues.items()}
-        in_flight = dict(self._inflight)
-        # Answered already (stats is synchronous here); a callback keeps it right if it ever is not.
-        msg.stats.add_done_callback(done)
-
-    @handles(m.SupervisorShutdown)
-    def _on_shutdown(self, msg: m.SupervisorShutdown) -> None:
-        self.stopping = True
-        deadline = self.runtime.now() + msg.budget_s
-        self._shutdown = _Shutdown(msg.reply, deadline)
-        for pending in list(self._lookups.values()):
-            self._resolve_lookup(pending, promote=False)
-        for ctx in self._drop_queued("stopping"):
-            self._maybe_finalize_request(ctx)
-        self.log.info("runtime_stopping", jobs_in_flight=sum(self._inflight.values()),
-                      active_requests=len(self.table), budget_s=msg.budget_s,
-                      tiers_stuck=",".join(self._watch.stuck()))
-        self._arm_timer(deadline)
-        self._check_shutdown()
-
-    def _check_shutdown(self) -> None:
-        shutdown = self._shutdown
-        if shutdown is None or shutdown.gathering:
-            return
-        if not shutdown.expired and (any(self._inflight.values()) or self._allocations):
-            return
-        shutdown.gathering = True
-        remaining = max(shutdown.deadline - self.runtime.now(), 0.0)
-        self._gather("shutdown", self._shut_down, drain_timeout_s=remaining,
-                     deadline=shutdown.deadline + SHUTDOWN_GRACE_S)
-
-    def _shut_down(self, payloads: object, missing: frozenset[str]) -> None:
-        assert self._shutdown is not None
-        if missing:
-            self.log.warning("tiers_not_shut_down", tiers=",".join(sorted(missing)))
-        # Calls still waiting get their answer now, without the tiers that did not give it.
-        for gather_id, gather in list(self._gathers.items()):
-            gather.missing.update(gather.waiting)
-            gather.waiting.clear()
-            self._end_gather(gather_id, gather)
-        for wait in list(self._reset_waits):
-            wait.jobs.clear()
-            self._check_reset(wait)
-        for _, reply in self._barriers:
-            reply.set_result(False)
-        self._barriers.clear()
-        self._shutdown.reply.set_result(None)

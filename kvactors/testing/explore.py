@@ -133,8 +133,9 @@ def check_internals(manager: TieringManager, env: Env, tiers: list[RecordingTier
         out.append(f"pool: {len(extra)} pending writes nobody completes (leak), e.g. {sorted(extra)[:3]}")
     for label, held in (("load pins", pool._load_pins), ("job pins", pool._job_pins),
                         ("promotions", pool._promotions), ("primary requests", primary._requests),
-                        ("supervisor jobs", supervisor._jobs), ("supervisor lookups", supervisor._lookups),
-                        ("supervisor allocations", supervisor._allocations)):
+                        ("supervisor jobs", [job.job_id for job in supervisor.jobs.jobs()]),
+                        ("supervisor lookups", [lookup.lookup_id for lookup in supervisor.lookups.open_lookups()]),
+                        ("supervisor allocations", supervisor.lookups.allocating())):
         if held:
             out.append(f"{label} left: {list(held)[:5]}")
     ready = [(key, row) for key, row in pool._index.items() if pool._ready[row]]
@@ -143,8 +144,9 @@ def check_internals(manager: TieringManager, env: Env, tiers: list[RecordingTier
         out.append(f"pool: ready rows {[ready[i][1] for i in bad][:5]} do not hold their blocks "
                    f"(keys {[ready[i][0] for i in bad][:3]})")
     stalled = set().union(*(tier.stalled for tier in tiers)) if tiers else set()
-    if set(supervisor._timed_out) != stalled:
-        out.append(f"jobs awaiting a late report {sorted(supervisor._timed_out)} != stalled {sorted(stalled)}")
+    held = {job.job_id for job in supervisor.jobs.held()}
+    if held != stalled:
+        out.append(f"jobs awaiting a late report {sorted(held)} != stalled {sorted(stalled)}")
     if len(supervisor.table):
         out.append(f"lifecycle states left: {[s.req_context for s in supervisor.table.states()][:5]}")
     return out

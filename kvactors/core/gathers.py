@@ -1,0 +1,108 @@
+"""The supervisor's gathers: rounds through every secondary tier (events, barrier, shutdown).
+
+A gather asks each tier once and **ends** once, when every tier it waits for
+has answered, or was found stuck (unless the gather is *patient*: a caller's
+own timeout bounds it), or its deadline passed, or a stop cut it short. The
+tiers that did not answer are its ``missing``. An answer that comes after its
+gather ended (or from a tier no longer waited for) is *late*: the book keeps
+the events it brings for the next events gather.
+
+No threads, no I/O, no logging: the supervisor's actor owns one book and is
+its only caller; ``D`` is the owner's done-callback type, carried along
+untouched. Times are the owner's clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from kvactors.core.deadlines import DeadlineQueue
+
+D = TypeVar("D")
+
+
+@dataclass(slots=True)
+class Gather(Generic[D]):
+    gather_id: int
+    what: str
+    waiting: set[str]
+    on_done: D
+    patient: bool = False
+    payloads: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    missing: set[str] = field(default_factory=set)
+
+
+class GatherBook(Generic[D]):
+    """Open gathers, their deadlines, and late payloads; see the module docstring."""
+
+    __slots__ = ("_deadlines", "_ids", "_late", "_open")
+
+    def __init__(self) -> None:
+        self._open: dict[int, Gather[D]] = {}
+        self._deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self._ids = 0
+        self._late: dict[str, list[Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next_deadline()
+
+    def begin(self, what: str, on_done: D, *, waiting: Iterable[str], missing: Iterable[str] = (),
+              patient: bool = False) -> Gather[D]:
+        """A new gather (a fresh id) waiting for ``waiting``; ``missing``: tiers not waited for."""
+        self._ids += 1
+        return Gather(self._ids, what, set(waiting), on_done, patient, missing=set(missing))
+
+    def wait(self, gather: Gather[D], due: float | None) -> None:
+        """``gather`` waits for its tiers' messages, until ``due`` (``None``: no deadline)."""
+        if not gather.waiting:
+            raise ValueError(f"gather {gather.gather_id} waits for no tier: end it")
+        self._open[gather.gather_id] = gather
+        if due is not None:
+            self._deadlines.add(gather.gather_id, due)
+
+    def end(self, gather: Gather[D]) -> Gather[D]:
+        """``gather`` ends now: what it still waits for is missing. Returns it."""
+        self._open.pop(gather.gather_id, None)
+        self._deadlines.discard(gather.gather_id)
+        gather.missing.update(gather.waiting)
+        gather.waiting.clear()
+        return gather
+
+    def answered(self, gather_id: int, tier: str, payload: tuple[Any, ...]) -> Gather[D] | None:
+        """``tier`` answered: the gather if that was its last wait (end it), else ``None``.
+        A late answer's payload is kept for :meth:`take_late`."""
+        gather = self._open.get(gather_id)
+        if gather is None or tier not in gather.waiting:
+            if payload:
+                self._late.setdefault(tier, []).extend(payload)
+            return None
+        gather.payloads[tier] = payload
+        gather.waiting.discard(tier)
+        return gather if not gather.waiting else None
+
+    def tier_stuck(self, tier: str) -> list[Gather[D]]:
+        """No impatient gather waits for ``tier`` any more: those it was the last wait of."""
+        done = []
+        for gather in self._open.values():
+            if tier in gather.waiting and not gather.patient:
+                gather.waiting.discard(tier)
+                gather.missing.add(tier)
+                if not gather.waiting:
+                    done.append(gather)
+        return done
+
+    def expire(self, now: float) -> list[Gather[D]]:
+        """Open gathers whose deadline is ``<= now``, earliest first (end them)."""
+        return [self._open[i] for i in self._deadlines.pop_expired(now) if i in self._open]
+
+    def open_gathers(self) -> list[Gather[D]]:
+        return list(self._open.values())
+
+    def take_late(self, tier: str) -> list[Any]:
+        """The payloads ``tier`` brought too late for their gathers, oldest first; forgotten here."""
+        return self._late.pop(tier, [])
