@@ -10,7 +10,8 @@ import pytest
 
 from kvactors import ReqContext, TieringManager
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import Actor, ThreadActorRef, ThreadRuntime, handles
+from kvactors.actors.runtime import Actor, handles
+from kvactors.actors.threads import ThreadActorRef, ThreadRuntime
 from kvactors.testing import SimRuntime
 from tests.support import keys
 
@@ -86,7 +87,7 @@ def settle(ref: ThreadActorRef) -> list[str]:
 def runtime():
     runtime = ThreadRuntime()
     yield runtime
-    runtime.stop(list(runtime._refs), 5)
+    runtime.stop(runtime.refs, 5)
 
 
 def test_claim_runs_on_the_calling_thread_and_is_refused_while_a_handler_runs(runtime):

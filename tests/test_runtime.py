@@ -12,7 +12,8 @@ import pykka
 import pytest
 
 from kvactors import JobResult, ManagerStoppedError, ReqContext, TieringManager
-from kvactors.actors.runtime import Actor, ActorStoppedError, ThreadRuntime, handles
+from kvactors.actors.runtime import Actor, ActorStoppedError, handles
+from kvactors.actors.threads import ThreadRuntime
 from kvactors.core.deadlines import DeadlineQueue
 from tests.support import ControlledTier, keys, settled
 
