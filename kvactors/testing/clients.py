@@ -31,19 +31,24 @@ class ClientCancelled(BaseException):
 class ClientThread:
     """One client: its thread, what it waits for, and the baton hand-over.
 
-    ``baton`` is the scheduler's lock, held (acquired) while a client runs: the
-    scheduler blocks on it in :meth:`resume` until the client pauses or ends.
+    Two locks, both held while nobody hands anything over: ``_go`` (released
+    by :meth:`resume`: the client may run) and ``_back`` (released by the
+    client when it pauses or ends: whoever resumed it goes on). Each client
+    has its own ``_back``, so a client that resumes another (a stop stepping
+    the scheduler) gets the baton back, and nobody else.
     """
 
-    __slots__ = ("_baton", "_fn", "_go", "_thread", "cancelled", "deadline", "error", "expect", "finished",
-                 "name", "waiting")
+    __slots__ = ("_back", "_fn", "_go", "_thread", "cancelled", "deadline", "error", "expect", "finished",
+                 "name", "running", "waiting")
 
-    def __init__(self, name: str, fn: Callable[[], object], baton: threading.Lock) -> None:
+    def __init__(self, name: str, fn: Callable[[], object]) -> None:
         self.name = name
         self._fn = fn
-        self._baton = baton
         self._go = threading.Lock()
         self._go.acquire()
+        self._back = threading.Lock()
+        self._back.acquire()
+        self.running = False
         self._thread: threading.Thread | None = None
         self.waiting: Reply[Any] | Future[Any] | None = None
         self.deadline: float | None = None
@@ -55,7 +60,7 @@ class ClientThread:
     def runnable(self, now: float) -> bool:
         """Whether :meth:`resume` would let it go on (not waiting, or its wait is over)."""
         waiting = self.waiting
-        return not self.finished and (waiting is None or waiting.done()
+        return not self.finished and not self.running and (waiting is None or waiting.done()
                                       or (self.deadline is not None and now >= self.deadline))
 
     @property
@@ -73,12 +78,14 @@ class ClientThread:
 
     def resume(self) -> None:
         """The scheduler's side: run the client until it pauses or ends (the caller blocked meanwhile)."""
+        self.running = True
         self._go.release()
-        self._baton.acquire()
+        self._back.acquire()
 
     def pause(self) -> None:
         """The client's side: hand the baton back and wait for the next :meth:`resume`."""
-        self._baton.release()
+        self.running = False
+        self._back.release()
         self._go.acquire()
         if self.cancelled:
             raise ClientCancelled
@@ -112,4 +119,5 @@ class ClientThread:
             self.error = exc
         finally:
             self.finished = True
-            self._baton.release()
+            self.running = False
+            self._back.release()

@@ -104,7 +104,7 @@ class SimActorRef:
         """Granted when the mailbox is idle and the seed says so: on threads a
         claim of an idle actor can fail too (another caller's turn)."""
         box = self.mailbox
-        if box.owner != IDLE or box.closed:
+        if box.closed:
             return False
         return self.runtime.rng.random() < self.runtime.claim_chance and box.claim()
 
@@ -172,8 +172,6 @@ class SimRuntime:
         self._tasks: list[tuple[str, Callable[[], None]]] = []
         self._clients: list[ClientThread] = []
         self._client_of: dict[int, ClientThread] = {}  # by thread ident, while it runs
-        self._baton = threading.Lock()
-        self._baton.acquire()
         self._current: list[tuple[SimMailbox, Actor, bool]] = []  # handlers running (claims nest)
         self._expected: list[_Expected] = []
         self.late: list[str] = []
@@ -270,7 +268,7 @@ class SimRuntime:
         """Run ``client()`` on a thread of its own, interleaved with everything else
         (:mod:`kvactors.testing.clients`). From a client, the new one first runs once
         this one waits or pauses."""
-        self._clients.append(ClientThread(name, client, self._baton))
+        self._clients.append(ClientThread(name, client))
 
     def checkpoint(self) -> None:
         """On a client thread: let the scheduler run others before this one goes on
@@ -318,7 +316,8 @@ class SimRuntime:
         Timers fire only when time advances; with ``until``, time never
         advances past it. A client's wait with a bound ends when time reaches
         it, which it does only once nothing else can run (then it is the next
-        thing that happens, as on threads), never by a jump chosen at random.
+        thing that happens, as on threads), never by a jump chosen at random
+        (such a jump moves the bound with it).
         """
         options: list[Callable[[], None]] = []
         for box in self._boxes:
@@ -398,6 +397,13 @@ class SimRuntime:
     def _jump_time(self, when: float, *, forced: bool) -> None:
         if self._expected:
             self._check_expected(when, forced)
+        if not forced and when > self._now:
+            # A slow machine (a jump the seed chose while work was pending): the clients'
+            # bounded waits restart their clocks, as expected replies do; only waits the
+            # runtime could not avoid count toward a bound.
+            for client in self._clients:
+                if client.deadline is not None:
+                    client.deadline += when - self._now
         self._now = max(self._now, when)
         if self.trace is not None:
             self.trace.append(f"{self.steps} time -> {self._now:.3f}")
