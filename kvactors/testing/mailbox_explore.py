@@ -19,6 +19,7 @@ in the order sent, never two handlers at once, none after ``on_stop``, and
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -102,8 +103,7 @@ def explore_mailbox_one(seed: int, *, trace: bool = False) -> list[str]:
     accepted: list[tuple[int, int]] = []
     for index in range(rng.randint(1, 4)):
         count = rng.randint(1, 6)
-        runtime.spawn_client(f"sender{index}",
-                             lambda index=index, count=count: _sender(runtime, host, index, count, accepted))
+        runtime.spawn_client(f"sender{index}", functools.partial(_sender, runtime, host, index, count, accepted))
     stop_after = rng.randint(0, 30)
 
     def stop() -> None:

@@ -14,8 +14,8 @@ seeded ``random.Random``, what happens next:
 * run one *deferred task* (work that would happen on another thread: a tier's
   I/O completing, a copy finishing), registered with :meth:`defer`;
 * resume a *client* (a frontend thread, registered with :meth:`spawn_client`:
-  a real thread that runs only while the scheduler hands it the baton, see
-  :mod:`kvactors.testing.clients`) until it waits again; a client's claim of
+  a greenlet, or a real thread, that runs only while the scheduler hands it
+  the baton, see :mod:`kvactors.testing.clients`) until it waits again; a client's claim of
   an idle actor (:meth:`SimActorRef.claim`) is granted or not by the seed
   too, and the claimer pauses between the claim and the handler (as a
   thread may be preempted there: what is told meanwhile waits, and the claim
@@ -45,17 +45,15 @@ deadline (a stuck actor's thaw, say), and :attr:`SimRuntime.late` says so. A
 jump of time the seed chose while work was pending (a slow machine) restarts
 every expected reply's clock: only waits the runtime could not avoid count.
 
-Not thread-safe: one thread drives it (its client threads run only while it waits for them).
+Not thread-safe: one thread drives it (its clients run only while it waits for them).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import heapq
 import itertools
 import random
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -63,7 +61,7 @@ from typing import Any
 from kvactors.actors.mailbox import IDLE, THREAD, Mailbox
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError
-from kvactors.testing.clients import ClientThread
+from kvactors.testing import clients
 
 
 class SimMailbox(Mailbox):
@@ -110,7 +108,9 @@ class SimActorRef:
 
     def run_claimed(self, message: object) -> None:
         # A client may be preempted between its claim and the handler: others run meanwhile.
-        self.runtime.checkpoint()
+        runtime = self.runtime
+        if runtime._client_of and runtime.rng.random() < CHECKPOINT_CHANCE:
+            runtime.checkpoint()
         self.mailbox.run_claimed(self.actor, message)
 
     @property
@@ -119,6 +119,26 @@ class SimActorRef:
 
     def __repr__(self) -> str:
         return f"SimActorRef({self.name!r}, pending={len(self.mailbox.pending)})"
+
+
+SEPARATE_IDLE_CHANCE = 0.25
+"""How often a mailbox whose thread handled its last message goes idle in a step of its own
+(else at once): the moment between, when a claim is refused, is reachable, and rarely costs a step."""
+
+CHECKPOINT_CHANCE = 0.5
+"""How often a client pauses between its claim and the claimed handler (others run meanwhile)."""
+
+
+class _Stop:
+    """The option of stopping a closed, idle mailbox."""
+
+    __slots__ = ("box",)
+
+    def __init__(self, box: SimMailbox) -> None:
+        self.box = box
+
+
+_TASKS = object()  # the option of running one deferred task
 
 
 class SimulationStuck(RuntimeError):
@@ -170,8 +190,8 @@ class SimRuntime:
         self._timers: list[tuple[float, int, ActorRef | _Thaw, object]] = []
         self._timer_seq = itertools.count()
         self._tasks: list[tuple[str, Callable[[], None]]] = []
-        self._clients: list[ClientThread] = []
-        self._client_of: dict[int, ClientThread] = {}  # by thread ident, while it runs
+        self._clients: list[clients._Client] = []
+        self._client_of: dict[object, clients._Client] = {}  # by carrier (clients.current())
         self._current: list[tuple[SimMailbox, Actor, bool]] = []  # handlers running (claims nest)
         self._expected: list[_Expected] = []
         self.late: list[str] = []
@@ -200,7 +220,7 @@ class SimRuntime:
 
     def wait(self, future: Reply[Any] | Future[Any], timeout_s: float | None) -> bool:
         deadline = None if timeout_s is None else self._now + timeout_s
-        client = self._client_of.get(threading.get_ident()) if self._client_of else None
+        client = self._client_of.get(clients.current()) if self._client_of else None
         if client is not None:
             if client.expect is not None:
                 self.expect_by(future, *client.expect)
@@ -253,7 +273,7 @@ class SimRuntime:
     @contextlib.contextmanager
     def expecting(self, within_s: float, label: str) -> Iterator[None]:
         """On a client thread: every wait inside is expected by ``within_s`` (:meth:`expect_by`)."""
-        client = self._client_of[threading.get_ident()]
+        client = self._client_of[clients.current()]
         client.expect = (within_s, label)
         try:
             yield
@@ -265,15 +285,15 @@ class SimRuntime:
         self._tasks.append((label, task))
 
     def spawn_client(self, name: str, client: Callable[[], object]) -> None:
-        """Run ``client()`` on a thread of its own, interleaved with everything else
+        """Run ``client()`` as a client of its own, interleaved with everything else
         (:mod:`kvactors.testing.clients`). From a client, the new one first runs once
         this one waits or pauses."""
-        self._clients.append(ClientThread(name, client))
+        self._clients.append(clients.ClientThread(name, client))
 
     def checkpoint(self) -> None:
         """On a client thread: let the scheduler run others before this one goes on
         (a thread being preempted); elsewhere nothing."""
-        client = self._client_of.get(threading.get_ident()) if self._client_of else None
+        client = self._client_of.get(clients.current()) if self._client_of else None
         if client is not None:
             client.pause()
 
@@ -319,21 +339,21 @@ class SimRuntime:
         thing that happens, as on threads), never by a jump chosen at random
         (such a jump moves the bound with it).
         """
-        options: list[Callable[[], None]] = []
+        options: list[object] = []  # a mailbox (its thread's step), a client, _TASKS or a _Stop
         for box in self._boxes:
             if box.frozen:
                 continue
             if box.owner == THREAD:
-                options.append(functools.partial(self._deliver, box))
+                options.append(box)
             elif box.closed and not box.stopped and box.owner == IDLE:
-                options.append(functools.partial(self._stop_box, box))
+                options.append(_Stop(box))
         if self._tasks:
-            options.append(self._run_task)
+            options.append(_TASKS)
         now = self._now
         wake = None
         for client in self._clients:
             if client.runnable(now):
-                options.append(functools.partial(self._resume_client, client))
+                options.append(client)
             elif client.deadline is not None and (wake is None or client.deadline < wake):
                 wake = client.deadline
         head = self._timers[0][0] if self._timers else None
@@ -341,7 +361,7 @@ class SimRuntime:
         if can_jump and (not options or self.rng.random() < self.time_jump_chance):
             self._jump_time(head, forced=not options)  # type: ignore[arg-type]
         elif options:
-            options[self.rng.randrange(len(options))]()
+            self._take(options[self.rng.randrange(len(options))])
         elif wake is not None and (until is None or wake <= until):
             self._jump_time(wake, forced=True)  # a client's bounded wait runs out
         else:
@@ -349,11 +369,23 @@ class SimRuntime:
         self.steps += 1
         return True
 
+    def _take(self, option: object) -> None:
+        if type(option) is SimMailbox:
+            self._deliver(option)
+        elif option is _TASKS:
+            self._run_task()
+        elif type(option) is _Stop:
+            self._stop_box(option.box)
+        else:
+            self._resume_client(option)  # type: ignore[arg-type]
+
     def _deliver(self, box: SimMailbox) -> None:
         item = box.take_one()
         if item is None:
             return  # went idle
         self._run_handler(box, item[0], item[1], claimed=False)
+        if not box.pending and self.rng.random() >= SEPARATE_IDLE_CHANCE:
+            box.take_one()  # goes idle within this step (else in a step of its own, later)
 
     def _run_handler(self, box: SimMailbox, actor: Actor, message: object, *, claimed: bool) -> None:
         if self.trace is not None:
@@ -379,17 +411,18 @@ class SimRuntime:
             self.trace.append(f"{self.steps} task {label}")
         task()
 
-    def _resume_client(self, client: ClientThread, *, cancel: bool = False) -> None:
+    def _resume_client(self, client: clients._Client, *, cancel: bool = False) -> None:
         if self.trace is not None and not cancel:
             self.trace.append(f"{self.steps} client {client.name}")
-        if client.thread_id is None and not cancel:
-            self._client_of[client.start()] = client
+        if not client.started and not cancel:
+            client.key = client.start()
+            self._client_of[client.key] = client
         if cancel:
             client.cancel()
         else:
             client.resume()
         if client.finished:
-            self._client_of.pop(client.thread_id, None)  # type: ignore[arg-type]
+            self._client_of.pop(client.key, None)
             self._clients.remove(client)
             if client.error is not None and not cancel:
                 raise client.error

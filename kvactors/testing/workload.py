@@ -156,6 +156,7 @@ class _Client:
         self.block_bytes = int(self.pool.shape[1])
         self.beat = threading.Condition()
         self.beats = 0
+        self.watched = False  # by drive(), which waits for the beats
         self.finished = False
 
     # ------------------------------------------------------------ plumbing
@@ -163,9 +164,10 @@ class _Client:
     def calling(self) -> None:
         """Count one call of the manager, about to be made (progress, for :func:`drive`)."""
         self.env.count()
-        with self.beat:
-            self.beats += 1
-            self.beat.notify_all()
+        if self.watched:
+            with self.beat:
+                self.beats += 1
+                self.beat.notify_all()
 
     def late_call(self, method: Callable[..., None], *args: Any) -> None:
         """A completion from a copy thread: after ``stop()`` it has nowhere to go."""
@@ -376,6 +378,7 @@ def drive(client: _Client, bound_s: float) -> None:
     thread is left behind, a daemon); an exception of the client is raised
     here, its traceback kept."""
     errors: list[BaseException] = []
+    client.watched = True
 
     def target() -> None:
         try:
