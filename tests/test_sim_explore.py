@@ -242,3 +242,26 @@ def test_planted_message_run_twice_is_found_through_the_manager(monkeypatch: pyt
 
     end_claim_running_twice(monkeypatch)
     _hunt(150, 0.1, "internal_errors")
+
+
+def test_a_seed_gives_the_same_run_on_client_threads_as_on_greenlets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clients' carrier (a greenlet, or a real thread handed the baton) changes nothing a seed fixes."""
+    from kvactors.testing import clients
+
+    on_greenlets = explore_one(77, trace=True)
+    monkeypatch.setattr(clients, "ClientThread", clients.ThreadClient)
+    on_threads = explore_one(77, trace=True)
+    assert on_threads.trace == on_greenlets.trace and on_threads.violations == on_greenlets.violations
+    assert any(" client " in line for line in on_threads.trace or ())
+
+
+def test_the_clients_use_only_the_managers_public_methods() -> None:
+    """Issue 15 item 1: the explorer's clients and poller call the facade, never its plumbing."""
+    import inspect
+
+    from kvactors.testing import workload
+
+    for module in (workload, explore_module):
+        source = inspect.getsource(module)
+        assert "._send(" not in source and "manager._" not in source, module.__name__
+    assert "messages" not in inspect.getsource(workload)

@@ -265,7 +265,8 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
         lookup_timeout_s=config.transfer_timeout_s, event_log=event_log, runtime=runtime,
     )
     env = Env(manager=manager, deferrer=deferrer, config=config, seed=seed, spawn=runtime.spawn_client,
-              spawn_ordered=True, pause=runtime.checkpoint)
+              spawn_ordered=True, wait=runtime.wait,
+              pause=runtime.checkpoint)
     result = RunResult(seed, [], params=params)
     if internals:
         watch_promotions(runtime, manager, env.violations)

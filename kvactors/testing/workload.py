@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvactors.actors.reply import Reply
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.testing.tiers import Deferrer, pattern, rows_hold
 from kvactors.types import LookupResult, OffloadKey, PrepareStoreOutput, ReqContext
@@ -106,6 +107,8 @@ class Env:
     """Run ``fn`` on another frontend thread (a finish while a lookup is in flight)."""
     spawn_ordered: bool = False
     """Whether what :attr:`spawn` starts runs only once its spawner waits (the scheduler's clients)."""
+    wait: Callable[[Reply[Any], float | None], bool] = lambda reply, timeout: reply.wait(timeout)
+    """Wait for a reply of the workload's own (the scheduler's ``wait`` on a :class:`SimRuntime`)."""
     pause: Callable[[], None] = lambda: None
     """A scheduling point: let the other clients run (the scheduler's ``checkpoint``)."""
     violations: list[str] = field(default_factory=list)
@@ -175,6 +178,12 @@ class _Client:
             method(*args)
         self.env.count()
 
+    def finish_from_elsewhere(self, ctx: ReqContext, done: Reply[None]) -> None:
+        try:
+            self.late_call(self.manager.on_request_finished, ctx)
+        finally:
+            done.set_result(None)
+
     def unexpected(self, call: str, ctx: ReqContext, exc: BaseException) -> None:
         self.env.violation(f"client {self.index}: {call} for {ctx} raised {exc!r}")
 
@@ -187,9 +196,10 @@ class _Client:
     def lookup(self, ctx: ReqContext, *, then_finish: bool, keys: tuple[OffloadKey, ...] | None = None) -> None:
         again = keys is not None  # a reload: never reload again from it
         keys = self.some_keys() if keys is None else keys
+        finishing: Reply[None] = Reply()
         if then_finish:
             # Finish while the lookup (and its promotions) is in flight: from another thread.
-            self.env.spawn(f"finish {ctx}", functools.partial(self.late_call, self.manager.on_request_finished, ctx))
+            self.env.spawn(f"finish {ctx}", functools.partial(self.finish_from_elsewhere, ctx, finishing))
         self.calling()
         try:
             results = self.manager.lookup(keys, ctx)
@@ -201,6 +211,9 @@ class _Client:
         except Exception as exc:
             self.unexpected("lookup", ctx, exc)
             return
+        finally:
+            if then_finish and not self.env.wait(finishing, self.cfg.transfer_timeout_s * 10):
+                self.env.violation(f"client {self.index}: on_request_finished of {ctx} did not return")
         hits = tuple(key for key, result in zip(keys, results, strict=True) if result is LookupResult.HIT)
         if not hits or then_finish or self.rng.random() < 0.3:
             return
