@@ -98,6 +98,11 @@ class _Client:
     def started(self) -> bool:
         raise NotImplementedError
 
+    @staticmethod
+    def current() -> object:
+        """The key of whatever runs now, as :meth:`start` returned it for a client of this carrier."""
+        raise NotImplementedError
+
     def _main(self) -> None:
         try:
             if not self.cancelled:
@@ -130,6 +135,8 @@ class ThreadClient(_Client):
     @property
     def started(self) -> bool:
         return self._thread is not None
+
+    current = staticmethod(threading.get_ident)
 
     def start(self) -> object:
         assert self._thread is None
@@ -170,6 +177,11 @@ class GreenletClient(_Client):
     def started(self) -> bool:
         return self._glet is not None
 
+    @staticmethod
+    def current() -> object:
+        assert greenlet is not None
+        return greenlet.getcurrent()
+
     def start(self) -> object:
         assert self._glet is None and greenlet is not None
         self._glet = greenlet.greenlet(self._main)
@@ -186,11 +198,6 @@ class GreenletClient(_Client):
         self._glet.parent.switch()
         if self.cancelled:
             raise ClientCancelled
-
-
-def current() -> object:
-    """The key of the running client's carrier (compared with what :meth:`_Client.start` returned)."""
-    return greenlet.getcurrent() if greenlet is not None else threading.get_ident()
 
 
 ClientThread: type[_Client] = GreenletClient if greenlet is not None else ThreadClient

@@ -191,7 +191,8 @@ class SimRuntime:
         self._timer_seq = itertools.count()
         self._tasks: list[tuple[str, Callable[[], None]]] = []
         self._clients: list[clients._Client] = []
-        self._client_of: dict[object, clients._Client] = {}  # by carrier (clients.current())
+        self._carrier = clients.ClientThread  # as chosen when this runtime was made
+        self._client_of: dict[object, clients._Client] = {}  # by self._carrier.current()
         self._current: list[tuple[SimMailbox, Actor, bool]] = []  # handlers running (claims nest)
         self._expected: list[_Expected] = []
         self.late: list[str] = []
@@ -220,7 +221,7 @@ class SimRuntime:
 
     def wait(self, future: Reply[Any] | Future[Any], timeout_s: float | None) -> bool:
         deadline = None if timeout_s is None else self._now + timeout_s
-        client = self._client_of.get(clients.current()) if self._client_of else None
+        client = self._client_of.get(self._carrier.current()) if self._client_of else None
         if client is not None:
             if client.expect is not None:
                 self.expect_by(future, *client.expect)
@@ -273,7 +274,7 @@ class SimRuntime:
     @contextlib.contextmanager
     def expecting(self, within_s: float, label: str) -> Iterator[None]:
         """On a client thread: every wait inside is expected by ``within_s`` (:meth:`expect_by`)."""
-        client = self._client_of[clients.current()]
+        client = self._client_of[self._carrier.current()]
         client.expect = (within_s, label)
         try:
             yield
@@ -288,12 +289,12 @@ class SimRuntime:
         """Run ``client()`` as a client of its own, interleaved with everything else
         (:mod:`kvactors.testing.clients`). From a client, the new one first runs once
         this one waits or pauses."""
-        self._clients.append(clients.ClientThread(name, client))
+        self._clients.append(self._carrier(name, client))
 
     def checkpoint(self) -> None:
         """On a client thread: let the scheduler run others before this one goes on
         (a thread being preempted); elsewhere nothing."""
-        client = self._client_of.get(clients.current()) if self._client_of else None
+        client = self._client_of.get(self._carrier.current()) if self._client_of else None
         if client is not None:
             client.pause()
 
