@@ -353,16 +353,23 @@ class SimRuntime:
         now = self._now
         wake = None
         for client in self._clients:
-            if client.runnable(now):
-                options.append(client)
-            elif client.deadline is not None and (wake is None or client.deadline < wake):
-                wake = client.deadline
+            waiting, deadline = client.waiting, client.deadline
+            if client.running or client.finished:
+                continue
+            if waiting is None or waiting.done() or (deadline is not None and now >= deadline):
+                options.append(client)  # runnable (as client.runnable says, inlined: the hot loop)
+            elif deadline is not None and (wake is None or deadline < wake):
+                wake = deadline
         head = self._timers[0][0] if self._timers else None
         can_jump = head is not None and (until is None or head <= until) and (wake is None or head <= wake)
         if can_jump and (not options or self.rng.random() < self.time_jump_chance):
             self._jump_time(head, forced=not options)  # type: ignore[arg-type]
         elif options:
-            self._take(options[self.rng.randrange(len(options))])
+            option = options[self.rng.randrange(len(options))]
+            if type(option) is SimMailbox:
+                self._deliver(option)
+            else:
+                self._take(option)
         elif wake is not None and (until is None or wake <= until):
             self._jump_time(wake, forced=True)  # a client's bounded wait runs out
         else:
@@ -371,9 +378,7 @@ class SimRuntime:
         return True
 
     def _take(self, option: object) -> None:
-        if type(option) is SimMailbox:
-            self._deliver(option)
-        elif option is _TASKS:
+        if option is _TASKS:
             self._run_task()
         elif type(option) is _Stop:
             self._stop_box(option.box)
