@@ -14,7 +14,7 @@ import torch
 from kvactors.actors import messages as m
 from kvactors.actors.primary import PrimaryTier
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import ActorRef, ActorStoppedError, Runtime, ThreadRuntime
+from kvactors.actors.runtime import ActorRef, ActorStoppedError, Runtime
 from kvactors.actors.secondary import SecondaryTierActor
 from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.core.arguments import check_ctx as _check_ctx
@@ -187,7 +187,10 @@ class TieringManager:
         for actor in (primary, supervisor, *tier_actors):
             actor.log = log
         # Threads start only now, once everything that could fail to allocate has been built.
-        runtime = runtime if runtime is not None else ThreadRuntime(f"kvactors-{manager_id}")
+        if runtime is None:
+            from kvactors.actors.threads import ThreadRuntime  # pykka only where threads run
+
+            runtime = ThreadRuntime(f"kvactors-{manager_id}")
         primary_ref = runtime.spawn(primary, "primary")
         # One thread for both: the finalize path (completion -> primary -> supervisor -> tiers)
         # then waits for the GIL once less; the supervisor stays an actor of its own.

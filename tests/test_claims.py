@@ -10,7 +10,8 @@ import pytest
 
 from kvactors import ReqContext, TieringManager
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import Actor, ThreadActorRef, ThreadRuntime, handles
+from kvactors.actors.runtime import Actor, handles
+from kvactors.actors.threads import ThreadActorRef, ThreadRuntime
 from kvactors.testing import SimRuntime
 from tests.support import keys
 
@@ -86,7 +87,7 @@ def settle(ref: ThreadActorRef) -> list[str]:
 def runtime():
     runtime = ThreadRuntime()
     yield runtime
-    runtime.stop(list(runtime._refs), 5)
+    runtime.stop(runtime.refs, 5)
 
 
 def test_claim_runs_on_the_calling_thread_and_is_refused_while_a_handler_runs(runtime):
@@ -216,3 +217,88 @@ def test_sim_runtime_grants_claims_by_the_seed(claim_chance):
     # Claimed: the handler ran within the call, no scheduler step; otherwise at least one.
     assert (runtime.steps == steps) == (claim_chance == 1.0)
     manager.stop()
+
+
+class Interrupted(Actor):
+    """Raises a ``BaseException`` that is not an ``Exception`` when asked to."""
+
+    name = "interrupted"
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    @handles(str)
+    def _on_str(self, label: str) -> None:
+        if label in ("ctrl-c", "exit"):
+            self.ref.tell("told meanwhile")  # waits in the mailbox for the claimer's turn to end
+            raise KeyboardInterrupt if label == "ctrl-c" else SystemExit(3)
+        self.seen.append(label)
+
+    @handles(Reply)
+    def _on_reply(self, reply: Reply) -> None:
+        reply.set_result(list(self.seen))
+
+
+@pytest.mark.parametrize(("label", "error"), [("ctrl-c", KeyboardInterrupt), ("exit", SystemExit)])
+def test_a_ctrl_c_in_a_claimed_call_gives_the_claim_back_and_reaches_the_caller(runtime, label, error):
+    """Issue 15 item 4: not swallowed as a handler failure (it was: ``except BaseException``)."""
+    actor = Interrupted()
+    ref = runtime.spawn(actor, "interrupted")
+    assert ref.claim()
+    with pytest.raises(error):
+        ref.run_claimed(label)
+    assert actor.internal_errors == 0
+    assert settle(ref) == ["told meanwhile"]  # handed to the actor's thread
+    assert ref.claim()  # the turn was given back
+    ref.run_claimed("after")
+    assert settle(ref) == ["told meanwhile", "after"]
+
+
+def test_a_ctrl_c_in_a_claimed_frontend_call_reaches_the_caller_and_the_manager_goes_on(monkeypatch):
+    from kvactors.actors.primary import PrimaryTier
+
+    prepare_store = PrimaryTier._on_prepare_store
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted(self: PrimaryTier, msg: object) -> None:
+        if interrupts:
+            raise interrupts.pop()
+        prepare_store(self, msg)
+
+    monkeypatch.setattr(PrimaryTier, "_on_prepare_store", interrupted)
+    monkeypatch.setattr(PrimaryTier, "_handlers", dict(PrimaryTier._handlers))
+    ctx = ReqContext("r")
+    with TieringManager.start(num_blocks=8, block_bytes=8) as manager:
+        manager.on_new_request(ctx)
+        assert manager.wait_idle(10)
+        with pytest.raises(KeyboardInterrupt):
+            manager.prepare_store(keys(1), ctx)  # claimed: the primary was idle
+        out = manager.prepare_store(keys(1), ctx)
+        assert out is not None and out.keys_to_store
+        assert manager.stats()["internal_errors"] == 0
+
+
+def test_both_runtimes_drive_the_one_mailbox():
+    from kvactors.actors.mailbox import Mailbox
+
+    threads = ThreadRuntime()
+    sim = SimRuntime(seed=1)
+    try:
+        assert type(threads.spawn(Blocker(), "b").mailbox) is Mailbox
+        assert isinstance(sim.spawn(Blocker(), "b").mailbox, Mailbox)
+    finally:
+        threads.stop(threads.refs, 5)
+
+
+def test_the_scheduler_can_find_a_handler_done_but_its_thread_still_owning_the_mailbox():
+    """As on threads: the thread's "nothing pending, go idle" is a step of its own, so a
+    claim between the handler and it is refused (the seed picks either order)."""
+    outcomes = set()
+    for seed in range(40):
+        sim = SimRuntime(seed=seed, claim_chance=1.0)
+        ref = sim.spawn(Blocker(), "b")
+        ref.tell("queued")
+        sim.step()  # the thread handles "queued"
+        sim.spawn_client("c", lambda ref=ref: outcomes.add(ref.claim() and (ref.run_claimed("claimed") or True)))
+        sim.run()
+    assert outcomes == {True, False}

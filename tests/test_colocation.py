@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import Actor, ActorStoppedError, ThreadRuntime, handles
+from kvactors.actors.runtime import Actor, ActorStoppedError, handles
+from kvactors.actors.threads import ThreadRuntime
 from kvactors.testing import SimRuntime
 
 
@@ -44,12 +45,17 @@ def test_colocated_actors_share_a_thread_and_one_order_and_stop_together():
     host_actor, guest_actor = Recorder("host", log), Recorder("guest", log)
     host = runtime.spawn(host_actor, "host")
     guest = runtime.spawn(guest_actor, "guest", colocate_with=host)
-    before = threading.active_count()
+    def mine() -> set[str]:  # this runtime's threads (other tests' daemon threads may end meanwhile)
+        return {t.name for t in threading.enumerate() if t.name.startswith(runtime.name)}
+
+    assert ask(host) == "host"  # the host's thread has started (and named itself)
+    log.clear()
+    before = mine()
     for n in range(200):
         (host if n % 3 else guest).tell(n)
     assert ask(guest) == "guest"
     assert ask(host) == "host"
-    assert threading.active_count() == before  # no thread of its own
+    assert mine() == before and len(before) == 2  # the host's thread and the timer: no thread of its own
     assert [value for _, value, _ in log] == list(range(200))  # one order across both
     assert {name for name, value, _ in log if value % 3 == 0} == {"guest"}
     assert len({thread for _, _, thread in log}) == 1
@@ -87,7 +93,7 @@ def test_sim_colocated_actor_uses_its_hosts_inbox():
     host.tell(1)
     guest.tell(2)
     host.tell(3)
-    assert len(host.inbox) == 3 and not guest.inbox
+    assert guest.mailbox is host.mailbox and len(host.mailbox.pending) == 3
     runtime.run()
     assert [(name, value) for name, value, _ in log] == [("host", 1), ("guest", 2), ("host", 3)]
     runtime.stop([guest], None)  # stopping a guest stops its host too

@@ -6,13 +6,15 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 
 import pykka
 import pytest
 
 from kvactors import JobResult, ManagerStoppedError, ReqContext, TieringManager
-from kvactors.actors.runtime import Actor, ActorStoppedError, ThreadRuntime, handles
+from kvactors.actors.runtime import Actor, ActorStoppedError, handles
+from kvactors.actors.threads import ThreadRuntime
 from kvactors.core.deadlines import DeadlineQueue
 from tests.support import ControlledTier, keys, settled
 
@@ -239,3 +241,31 @@ def test_lookup_lane_takes_each_lookup_once_while_its_sender_pushes():
         sys.setswitchinterval(old)
     assert errors == []
     assert sorted(taken) == list(range(len(lookups))) and len(lane) == 0
+
+
+def test_the_seeded_scheduler_imports_no_pykka():
+    code = "import sys, kvactors.testing.scheduler, kvactors.testing.explore; assert 'pykka' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_stop_names_a_timer_thread_it_leaves_behind_and_keeps_its_budget():
+    """Issue 15 item 4: the timer thread's join used to time out silently, after 5 s whatever the budget."""
+    entered, release = threading.Event(), threading.Event()
+
+    class StuckRef:
+        name = "stuck"
+
+        def tell(self, message: object) -> None:
+            entered.set()
+            release.wait(30)
+
+    runtime = ThreadRuntime("stopper")
+    runtime.call_later(0.0, StuckRef(), "x")  # type: ignore[arg-type]
+    assert entered.wait(10)
+    try:
+        started = time.monotonic()
+        left = runtime.stop([], 0.2)
+        assert time.monotonic() - started < 3
+        assert left == ["stopper-timer"]
+    finally:
+        release.set()

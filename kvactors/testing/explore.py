@@ -28,16 +28,17 @@ runs many and returns the failures. The check after each run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.manager import TieringManager
-from kvactors.testing.scheduler import Client, SimRuntime, SimulationStuck
+from kvactors.testing.scheduler import SimRuntime, SimulationStuck
 from kvactors.testing.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer, rows_hold
 from kvactors.testing.workload import Env, WorkloadConfig, make_clients
 from kvactors.tiers.base import INLINE_CALLS
@@ -122,11 +123,15 @@ def check_tiers(env: Env, tiers: list[Any]) -> list[str]:
     return out
 
 
-def check_internals(manager: TieringManager, env: Env, tiers: list[RecordingTier]) -> list[str]:
-    """Simulation only: what the actors still hold is only what the workload left on purpose."""
+def check_internals(runtime: SimRuntime, manager: TieringManager, env: Env, tiers: list[RecordingTier]) -> list[str]:
+    """Simulation only: what the actors still hold is only what the workload left on purpose.
+
+    The actors come from the scheduler (:meth:`SimRuntime.ref`); the stats
+    already checked the counts (:func:`check_stats`): this looks at which
+    keys and jobs are held, which only the actors' state says."""
     out = []
-    actors = {ref.name: ref.actor for ref in manager._actors}  # type: ignore[attr-defined]
-    primary, supervisor = actors["primary"], actors["supervisor"]
+    primary: Any = runtime.ref("primary").actor
+    supervisor: Any = runtime.ref("supervisor").actor
     pool = primary.pool
     if set(pool._pending_writes) != env.never_completed:
         extra = set(pool._pending_writes) - env.never_completed
@@ -152,11 +157,10 @@ def check_internals(manager: TieringManager, env: Env, tiers: list[RecordingTier
     return out
 
 
-def watch_promotions(manager: TieringManager, violations: list[str]) -> None:
+def watch_promotions(runtime: SimRuntime, manager: TieringManager, violations: list[str]) -> None:
     """Simulation only: when a promotion ends, the rows it made ready must hold their blocks
     (the fault tiers fill the rows of keys that must not become ready with junk)."""
-    actors = {ref.name: ref.actor for ref in manager._actors}  # type: ignore[attr-defined]
-    primary = actors["primary"]
+    primary: Any = runtime.ref("primary").actor
     pool, handle = primary.pool, primary._on_job_ended
 
     def checked(msg: m.JobEnded) -> None:
@@ -216,32 +220,32 @@ def _draw_hangs(rng: random.Random, config: WorkloadConfig, tiers: list[dict[str
     return {"poller": True}
 
 
-def poller(env: Env, runtime: SimRuntime, seed: int) -> Client:
+def poller(env: Env, runtime: SimRuntime, seed: int) -> Callable[[], None]:
     """A scheduler's loop: ``take_events`` and ``stats`` between steps, ``reset_cache`` now and then.
 
     Each answer is expected by its deadline: ``transfer_timeout_s`` (a stuck tier
     is waited for once, never again while it is known stuck)."""
     rng = random.Random(f"{seed}/poller")
     bound = env.config.transfer_timeout_s
-    for _ in range(rng.randint(10, 60)):
-        nap: Reply[None] = Reply()
-        env.deferrer.defer("poller step", lambda nap=nap: nap.set_result(None), rng.uniform(0.0, bound))  # type: ignore[misc]
-        yield nap
-        x = rng.random()
-        reply: Reply[Any] = Reply()
-        message: object
-        if x < 0.6:
-            label, message = "take_events", m.TakeEvents(reply)
-        elif x < 0.95:
-            label, message = "stats", m.QueryStats(reply)
-        else:
-            label, message = "reset_cache", m.ResetCache(reply)
-        env.manager._send(message)
-        runtime.expect_by(reply, bound, f"poller: {label} at t={runtime.now():.3f}")
-        env.count()
-        yield reply
-        if reply.exception() is not None:
-            env.violation(f"poller: {label} raised {reply.exception()!r}")
+    manager = env.manager
+    calls: dict[str, Callable[[], object]] = {"take_events": manager.take_events, "stats": manager.stats,
+                                              "reset_cache": manager.reset_cache}
+
+    def run() -> None:
+        for _ in range(rng.randint(10, 60)):
+            nap: Reply[None] = Reply()
+            env.deferrer.defer("poller step", functools.partial(nap.set_result, None), rng.uniform(0.0, bound))
+            runtime.wait(nap, None)
+            x = rng.random()
+            label = "take_events" if x < 0.6 else "stats" if x < 0.95 else "reset_cache"
+            env.count()
+            with runtime.expecting(bound, f"poller: {label} at t={runtime.now():.3f}"):
+                try:
+                    calls[label]()
+                except Exception as exc:
+                    env.violation(f"poller: {label} raised {exc!r}")
+
+    return run
 
 
 def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = False,
@@ -262,13 +266,15 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
         eviction=params["eviction"], transfer_timeout_s=config.transfer_timeout_s,
         lookup_timeout_s=config.transfer_timeout_s, event_log=event_log, runtime=runtime,
     )
-    env = Env(manager=manager, deferrer=deferrer, config=config, seed=seed)
+    env = Env(manager=manager, deferrer=deferrer, config=config, seed=seed, spawn=runtime.spawn_client,
+              spawn_ordered=True, wait=runtime.wait,
+              pause=runtime.checkpoint)
     result = RunResult(seed, [], params=params)
     if internals:
-        watch_promotions(manager, env.violations)
+        watch_promotions(runtime, manager, env.violations)
     try:
         for index, client in enumerate(make_clients(env)):
-            runtime.spawn_client(f"client{index}", client)
+            runtime.spawn_client(f"client{index}", client.run)
         if params["poller"]:
             runtime.spawn_client("poller", poller(env, runtime, seed))
         runtime.run()
@@ -278,7 +284,7 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
         stats = manager.stats()
         result.violations.extend(check_after_run(env, stats, tiers))
         if internals:
-            result.violations.extend(check_internals(manager, env, tiers))
+            result.violations.extend(check_internals(runtime, manager, env, tiers))
         manager.stop()
         runtime.run()
     except SimulationStuck as exc:
@@ -286,6 +292,7 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
     except Exception as exc:  # the runtime broke: that is a finding too
         result.violations.append(f"run raised {exc!r}")
     finally:
+        runtime.close()
         if not manager.stopped:
             try:
                 manager.stop(timeout=1.0)

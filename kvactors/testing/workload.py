@@ -1,15 +1,16 @@
 """A random workload of frontend clients, for the simulation and for real threads.
 
-A client is a generator standing for one frontend thread. It drives a
-:class:`~kvactors.TieringManager` through non-blocking message sends
-(``manager._send``, the facade's own plumbing): it builds a message of
-:mod:`kvactors.actors.messages` with a :class:`~kvactors.actors.reply.Reply` and ``yield``\\ s that
-future where a blocking call would wait. The same generator therefore runs
+A client stands for one frontend thread. It drives a
+:class:`~kvactors.TieringManager` through its public methods only (blocking
+ones included: its registry of live requests and its argument checks are on
+the path). The same client therefore runs
 
-* on a :class:`~kvactors.testing.SimRuntime` (``runtime.spawn_client``), where the
-  scheduler decides when it resumes, and
-* on a real thread (:func:`drive`), which waits for each future with a bound:
-  a future that is not resolved in time is a *hang*.
+* on a :class:`~kvactors.testing.SimRuntime` (``runtime.spawn_client(name,
+  client.run)``), as a thread that runs only while the scheduler lets it:
+  the manager's waits go through the runtime, which hands the baton back
+  until the reply is there, and the seed decides when the client goes on;
+* on a real thread (:func:`drive`), where a client that makes no progress
+  for a bound (a call that does not return) is a *hang*.
 
 Copies between the "device" and the pool are work of other threads: a
 :class:`~kvactors.testing.tiers.Deferrer` runs them later. A store's copy writes
@@ -28,17 +29,14 @@ import contextlib
 import functools
 import random
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.testing.tiers import Deferrer, pattern, rows_hold
 from kvactors.types import LookupResult, OffloadKey, PrepareStoreOutput, ReqContext
-
-Client = Generator["Reply[Any] | None", None, None]
 
 
 @dataclass(frozen=True)
@@ -105,6 +103,14 @@ class Env:
     config: WorkloadConfig
     seed: int
     should_stop: Callable[[], bool] = lambda: False
+    spawn: Callable[[str, Callable[[], object]], None] = field(default=lambda name, fn: _start_thread(name, fn))
+    """Run ``fn`` on another frontend thread (a finish while a lookup is in flight)."""
+    spawn_ordered: bool = False
+    """Whether what :attr:`spawn` starts runs only once its spawner waits (the scheduler's clients)."""
+    wait: Callable[[Reply[Any], float | None], bool] = lambda reply, timeout: reply.wait(timeout)
+    """Wait for a reply of the workload's own (the scheduler's ``wait`` on a :class:`SimRuntime`)."""
+    pause: Callable[[], None] = lambda: None
+    """A scheduling point: let the other clients run (the scheduler's ``checkpoint``)."""
     violations: list[str] = field(default_factory=list)
     expected_misuse: int = 0
     operations: int = 0
@@ -129,12 +135,19 @@ class Env:
             self.outstanding_copies += delta
 
 
+def _start_thread(name: str, fn: Callable[[], object]) -> None:
+    threading.Thread(target=fn, name=f"workload-{name}", daemon=True).start()
+
+
 def key_of(n: int) -> OffloadKey:
     return b"k%05d" % n
 
 
 class _Client:
-    """One frontend thread's behaviour; :meth:`run` is the generator."""
+    """One frontend thread's behaviour; :meth:`run` is its loop.
+
+    Thread-safe as far as :func:`drive` needs: ``beats`` (the calls made so
+    far) is read by the driving thread under ``beat``."""
 
     def __init__(self, env: Env, index: int) -> None:
         self.env = env
@@ -144,24 +157,32 @@ class _Client:
         self.manager = env.manager
         self.pool = env.manager.pool
         self.block_bytes = int(self.pool.shape[1])
+        self.beat = threading.Condition()
+        self.beats = 0
+        self.watched = False  # by drive(), which waits for the beats
+        self.finished = False
 
     # ------------------------------------------------------------ plumbing
 
-    def send(self, message: object) -> None:
-        self.manager._send(message)
+    def calling(self) -> None:
+        """Count one call of the manager, about to be made (progress, for :func:`drive`)."""
         self.env.count()
+        if self.watched:
+            with self.beat:
+                self.beats += 1
+                self.beat.notify_all()
 
-    def ask(self, make: Callable[[Reply[Any]], object]) -> Generator[Reply[Any] | None, None, Reply[Any]]:
-        reply: Reply[Any] = Reply()
-        self.send(make(reply))
-        yield reply
-        return reply
-
-    def late_send(self, message: object) -> None:
+    def late_call(self, method: Callable[..., None], *args: Any) -> None:
         """A completion from a copy thread: after ``stop()`` it has nowhere to go."""
         with contextlib.suppress(ManagerStoppedError):
-            self.manager._send(message)
+            method(*args)
         self.env.count()
+
+    def finish_from_elsewhere(self, ctx: ReqContext, done: Reply[None]) -> None:
+        try:
+            self.late_call(self.manager.on_request_finished, ctx)
+        finally:
+            done.set_result(None)
 
     def unexpected(self, call: str, ctx: ReqContext, exc: BaseException) -> None:
         self.env.violation(f"client {self.index}: {call} for {ctx} raised {exc!r}")
@@ -172,28 +193,38 @@ class _Client:
 
     # ------------------------------------------------------------ operations
 
-    def lookup(self, ctx: ReqContext, *, then_finish: bool, keys: tuple[OffloadKey, ...] | None = None) -> Client:
+    def lookup(self, ctx: ReqContext, *, then_finish: bool, keys: tuple[OffloadKey, ...] | None = None) -> None:
         again = keys is not None  # a reload: never reload again from it
         keys = self.some_keys() if keys is None else keys
-        reply: Reply[Any] = Reply()
-        self.send(m.Lookup(keys, ctx, reply))
+        finishing: Reply[None] = Reply()
         if then_finish:
-            self.send(m.FinishRequest(ctx))  # finish while the lookup (and its promotions) is in flight
-        yield reply
-        if reply.exception() is not None:
-            self.unexpected("lookup", ctx, reply.exception())  # type: ignore[arg-type]
+            # Finish while the lookup (and its promotions) is in flight: from another thread.
+            self.env.spawn(f"finish {ctx}", functools.partial(self.finish_from_elsewhere, ctx, finishing))
+        self.calling()
+        try:
+            results = self.manager.lookup(keys, ctx)
+        except LifecycleError as exc:
+            if then_finish and not self.env.spawn_ordered:
+                return  # on threads the finish may overtake the lookup: a legal race
+            self.unexpected("lookup", ctx, exc)
             return
-        hits = tuple(key for key, result in zip(keys, reply.result(), strict=True) if result is LookupResult.HIT)
+        except Exception as exc:
+            self.unexpected("lookup", ctx, exc)
+            return
+        finally:
+            if then_finish and not self.env.wait(finishing, self.cfg.transfer_timeout_s * 10):
+                self.env.violation(f"client {self.index}: on_request_finished of {ctx} did not return")
+        hits = tuple(key for key, result in zip(keys, results, strict=True) if result is LookupResult.HIT)
         if not hits or then_finish or self.rng.random() < 0.3:
             return
-        load = yield from self.ask(lambda f: m.PrepareLoad(hits, ctx, f))
-        exc = load.exception()
-        if isinstance(exc, LifecycleError):
+        self.calling()
+        try:
+            rows = self.manager.prepare_load(hits, ctx).block_ids
+        except LifecycleError:
             return  # evicted or reset since the lookup: a legal race
-        if exc is not None:
+        except Exception as exc:
             self.unexpected("prepare_load", ctx, exc)
             return
-        rows = load.result().block_ids
         reload = not again and self.rng.random() < self.cfg.p_reload
         self.env.copies(+1)
 
@@ -202,21 +233,22 @@ class _Client:
             if bad:
                 self.env.violation(f"client {self.index}: {ctx} loaded rows {[rows[i] for i in bad]} "
                                    "that do not hold their blocks (overwritten while pinned?)")
-            self.late_send(m.CompleteLoad(hits, ctx))
+            self.late_call(self.manager.complete_load, hits, ctx)
             self.env.copies(-1)
 
         self.env.deferrer.defer(f"load {ctx}", copy_out, self.cfg.transfer_timeout_s * 0.5 if reload else 0.0)
         if reload:
-            yield from self.reload(ctx, hits)
+            self.reload(ctx, hits)
 
-    def store(self, ctx: ReqContext, keys: tuple[OffloadKey, ...] | None = None, *, at_once: bool = False) -> Client:
+    def store(self, ctx: ReqContext, keys: tuple[OffloadKey, ...] | None = None, *, at_once: bool = False) -> None:
         """Store ``keys`` (random ones by default); ``at_once``: the copy succeeds on this thread."""
         keys = self.some_keys() if keys is None else keys
-        reply = yield from self.ask(lambda f: m.PrepareStore(keys, ctx, f))
-        if reply.exception() is not None:
-            self.unexpected("prepare_store", ctx, reply.exception())  # type: ignore[arg-type]
+        self.calling()
+        try:
+            out: PrepareStoreOutput | None = self.manager.prepare_store(keys, ctx)
+        except Exception as exc:
+            self.unexpected("prepare_store", ctx, exc)
             return
-        out: PrepareStoreOutput | None = reply.result()
         if out is not None and set(out.evicted_keys) & set(keys):
             # vLLM PR #35846: the call reports its other keys present, so it must not drop them.
             self.env.violation(f"client {self.index}: prepare_store for {ctx} evicted its own keys "
@@ -239,7 +271,7 @@ class _Client:
                     self.pool[row].fill_(0xEE)  # a torn copy: must never be served
                 else:
                     self.pool[row].copy_(pattern(key, self.block_bytes))
-            self.late_send(m.CompleteStore(stored, ctx, outcome != "failure"))
+            self.late_call(self.manager.complete_store, stored, ctx, outcome != "failure")
             self.env.copies(-1)
 
         if at_once:
@@ -248,97 +280,138 @@ class _Client:
         delay = self.cfg.transfer_timeout_s * 1.5 if outcome == "late" else 0.0
         self.env.deferrer.defer(f"store {ctx}", copy_in, delay)
 
-    def reload(self, ctx: ReqContext, keys: tuple[OffloadKey, ...]) -> Client:
+    def reset(self, ctx: ReqContext) -> None:
+        self.calling()
+        try:
+            self.manager.reset_cache()
+        except Exception as exc:
+            self.unexpected("reset_cache", ctx, exc)
+
+    def reload(self, ctx: ReqContext, keys: tuple[OffloadKey, ...]) -> None:
         """Load ``keys`` again while their first load's copy runs: maybe a reset, a store, the load."""
         if self.rng.random() < 0.5:
-            reply = yield from self.ask(lambda f: m.ResetCache(f))
-            if reply.exception() is not None:
-                self.unexpected("reset_cache", ctx, reply.exception())  # type: ignore[arg-type]
-        yield from self.store(ctx, keys, at_once=True)  # ready again before the lookup: the load can pin it
-        yield from self.lookup(ctx, then_finish=False, keys=keys)
+            self.reset(ctx)
+        self.store(ctx, keys, at_once=True)  # ready again before the lookup: the load can pin it
+        self.lookup(ctx, then_finish=False, keys=keys)
 
-    def misuse(self, ctx: ReqContext, finished: bool) -> Client:
+    def misuse(self, ctx: ReqContext, finished: bool) -> None:
         kind = self.rng.randrange(3)
         if kind == 0 and finished:
-            reply = yield from self.ask(lambda f: m.PrepareStore(self.some_keys(), ctx, f))
-            if not isinstance(reply.exception(), LifecycleError):
-                self.env.violation(f"client {self.index}: prepare_store after finish of {ctx} was not rejected "
-                                   f"(got {reply.exception() or reply.result()!r})")
+            self.calling()
+            try:
+                got: object = self.manager.prepare_store(self.some_keys(), ctx)
+            except LifecycleError:
+                return
+            except Exception as exc:
+                got = exc
+            self.env.violation(f"client {self.index}: prepare_store after finish of {ctx} was not rejected "
+                               f"(got {got!r})")
         elif kind == 1:
-            self.send(m.CompleteStore((b"never-prepared-%d" % self.index,), ctx, True))
+            self.calling()
+            self.manager.complete_store((b"never-prepared-%d" % self.index,), ctx, True)
             self.env.count(0, misuse=1)
         else:
-            self.send(m.CompleteLoad((b"never-pinned-%d" % self.index,), ctx))
+            self.calling()
+            self.manager.complete_load((b"never-pinned-%d" % self.index,), ctx)
             self.env.count(0, misuse=1)
 
     # ------------------------------------------------------------ one request
 
-    def request(self, number: int) -> Client:
+    def start(self, ctx: ReqContext) -> bool:
+        self.calling()
+        try:
+            self.manager.on_new_request(ctx)
+        except Exception as exc:
+            self.unexpected("on_new_request", ctx, exc)
+            return False
+        return True
+
+    def request(self, number: int) -> None:
         ctx = ReqContext(f"c{self.index}r{number}", 0)
-        reply = yield from self.ask(lambda f: m.NewRequest(ctx, f))
-        if reply.exception() is not None:
-            self.unexpected("on_new_request", ctx, reply.exception())  # type: ignore[arg-type]
+        if not self.start(ctx):
             return
         self.env.count(0, requests=1)
         finished = False
         for _ in range(self.rng.randint(1, self.cfg.ops)):
             x = self.rng.random()
             if finished:
-                yield from self.misuse(ctx, finished)
+                self.misuse(ctx, finished)
                 break
             if x < self.cfg.p_preempt:
                 # Preemption: the old attempt ends (its copies may still complete late), a new one starts.
                 self.finish(ctx)
                 ctx = ReqContext(ctx.req_id, ctx.attempt + 1)
-                reply = yield from self.ask(functools.partial(m.NewRequest, ctx))
-                if reply.exception() is not None:
-                    self.unexpected("on_new_request", ctx, reply.exception())  # type: ignore[arg-type]
+                if not self.start(ctx):
                     return
             elif x < self.cfg.p_preempt + self.cfg.p_reset:
-                reply = yield from self.ask(lambda f: m.ResetCache(f))
-                if reply.exception() is not None:
-                    self.unexpected("reset_cache", ctx, reply.exception())  # type: ignore[arg-type]
+                self.reset(ctx)
             elif x < self.cfg.p_preempt + self.cfg.p_reset + self.cfg.p_misuse:
-                yield from self.misuse(ctx, finished)
+                self.misuse(ctx, finished)
             elif x < 0.45:
                 concurrent = self.rng.random() < self.cfg.p_finish_concurrent
-                yield from self.lookup(ctx, then_finish=concurrent)
+                self.lookup(ctx, then_finish=concurrent)
                 if concurrent:
-                    self.env.finished.add(ctx.identity)
+                    with self.env.lock:
+                        self.env.finished.add(ctx.identity)
                     finished = True
             elif x < 0.9:
-                yield from self.store(ctx)
+                self.store(ctx)
             else:
-                self.send(m.Touch(self.some_keys(), ctx))
+                self.calling()
+                self.manager.touch(self.some_keys(), ctx)
         self.finish(ctx)
 
     def finish(self, ctx: ReqContext) -> None:
-        self.send(m.FinishRequest(ctx))
+        self.calling()
+        self.manager.on_request_finished(ctx)
         with self.env.lock:
             self.env.finished.add(ctx.identity)
 
-    def run(self) -> Client:
+    def run(self) -> None:
         for number in range(self.cfg.requests):
             if self.env.should_stop():
                 return
-            yield from self.request(number)
-            yield None  # let others run between requests
+            self.request(number)
+            self.env.pause()  # let others run between requests
 
 
-def make_clients(env: Env) -> list[Client]:
-    """One generator per client of ``env.config``."""
-    return [_Client(env, index).run() for index in range(env.config.clients)]
+def make_clients(env: Env) -> list[_Client]:
+    """One client per ``env.config.clients``; run each with :func:`drive` or ``spawn_client(name, c.run)``."""
+    return [_Client(env, index) for index in range(env.config.clients)]
 
 
 class Hang(Exception):
-    """A reply did not come within the bound: the call it answers hangs."""
+    """A client made no call within the bound: the call it is in hangs."""
 
 
-def drive(client: Client, bound_s: float) -> None:
-    """Run ``client`` on the calling thread, waiting for each future at most ``bound_s``."""
-    for waiting in client:
-        if waiting is not None and not waiting.done():
-            try:
-                waiting.exception(timeout=bound_s)
-            except TimeoutError:
-                raise Hang(f"a reply did not come within {bound_s:.1f} s") from None
+def drive(client: _Client, bound_s: float) -> None:
+    """Run ``client`` on a thread of its own, watched from the calling one.
+
+    ``Hang`` if it makes no call for ``bound_s`` (it is stuck in one: the
+    thread is left behind, a daemon); an exception of the client is raised
+    here, its traceback kept."""
+    errors: list[BaseException] = []
+    client.watched = True
+
+    def target() -> None:
+        try:
+            client.run()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            with client.beat:
+                client.finished = True
+                client.beat.notify_all()
+
+    threading.Thread(target=target, name=f"{threading.current_thread().name}-calls", daemon=True).start()
+    with client.beat:
+        while not client.finished:
+            seen = client.beats
+
+            def moved(seen: int = seen) -> bool:
+                return client.finished or client.beats != seen
+
+            if not client.beat.wait_for(moved, bound_s):
+                raise Hang(f"a call did not return within {bound_s:.1f} s")
+    if errors:
+        raise errors[0]

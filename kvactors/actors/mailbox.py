@@ -1,0 +1,157 @@
+"""The mailbox: one actor's queue and turn, and the claims, for every runtime.
+
+A :class:`Mailbox` is a plain state machine: it starts no thread and knows
+nothing of pykka or of a scheduler. Both runtimes drive this one class:
+
+* :class:`~kvactors.actors.threads.ThreadRuntime`: the owner ``THREAD`` is a
+  pykka thread, woken by ``wake`` (a drain told to it) and running
+  :meth:`Mailbox.take_batch` until the mailbox goes idle;
+* :class:`~kvactors.testing.SimRuntime`: ``wake`` does nothing, and the seed
+  picks, among the mailboxes owned by ``THREAD``, which one handles its next
+  message (:meth:`Mailbox.take_one`), one step at a time.
+
+They differ only in who picks the next step. The transitions are these, each
+under ``lock``:
+
+* :meth:`~Mailbox.put`: queue a message; an idle mailbox becomes the
+  thread's, and ``wake`` is called (under the lock: on pykka the drain
+  reaches the thread's inbox before a stop that :meth:`~Mailbox.close`
+  queues);
+* :meth:`~Mailbox.claim`: an idle mailbox (nothing pending, no handler
+  running, not closed) becomes a caller's, who then runs one message on its
+  own thread (:meth:`~Mailbox.run_claimed`); what is told meanwhile waits;
+* :meth:`~Mailbox.end_claim`: the claimer's turn ends; what was told
+  meanwhile goes to the thread, or, once closed (no drain can follow the
+  stop), is handled by the claimer itself;
+* :meth:`~Mailbox.take_batch` / :meth:`~Mailbox.take_one`: the thread takes
+  what is pending; nothing pending, the mailbox goes idle.
+
+Whoever owns the turn also holds ``turn`` (a lock) while it runs handlers,
+so handlers never overlap and a stop waits for a claimer still running.
+Several actors may share one mailbox (colocation): ``pending`` holds
+``(actor, message)`` pairs, the host first in ``actors``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
+
+from kvactors.actors.runtime import Actor, ActorStoppedError
+
+T = TypeVar("T")
+
+IDLE, THREAD, CLAIMER = 0, 1, 2
+"""Who owns a mailbox's turn: nobody, the actor's thread, or a caller that claimed it."""
+
+
+def _nothing() -> None:
+    return None
+
+
+class Mailbox:
+    """One actor's (or colocated actors') queue and turn; see the module docstring.
+
+    Thread-safe: every transition is taken under ``lock``; handlers run
+    outside it, holding ``turn``. ``wake`` is called under ``lock`` when an
+    idle mailbox becomes the thread's; it must not call back into the mailbox.
+    """
+
+    __slots__ = ("actors", "closed", "lock", "owner", "pending", "turn", "wake")
+
+    def __init__(self, actor: Actor, wake: Callable[[], object] = _nothing) -> None:
+        self.actors = [actor]  # the host first, then its guests
+        self.lock = threading.Lock()
+        self.turn = threading.Lock()
+        self.pending: deque[tuple[Actor, object]] = deque()
+        self.owner = IDLE
+        self.closed = False
+        self.wake = wake
+
+    def put(self, actor: Actor, message: object, name: str) -> None:
+        """Queue ``message`` for ``actor``; once closed, ``ActorStoppedError`` naming ``name``
+        (nothing queued)."""
+        with self.lock:
+            if self.closed:
+                raise ActorStoppedError(f"actor {name} is stopped")
+            self.pending.append((actor, message))
+            if self.owner != IDLE:
+                return  # whoever owns the turn looks at pending before giving it up
+            self.owner = THREAD
+            try:
+                self.wake()
+            except BaseException:
+                self.pending.pop()
+                self.owner = IDLE
+                raise
+
+    def claim(self) -> bool:
+        """Take the turn for the calling thread if the mailbox is idle; never blocks.
+
+        True: the caller must call :meth:`run_claimed` (or :meth:`end_claim`) once."""
+        if self.owner != IDLE:
+            return False  # busy, as seen without the lock: a sure "no" (checked again under it otherwise)
+        with self.lock:
+            if self.owner != IDLE or self.closed or not self.turn.acquire(blocking=False):
+                return False
+            self.owner = CLAIMER
+            return True
+
+    def run_claimed(self, actor: Actor, message: object) -> None:
+        """Handle ``message`` on the calling thread (which holds the claim), then end the claim."""
+        try:
+            self.deliver(actor, message)
+        finally:
+            self.end_claim()
+
+    def end_claim(self) -> None:
+        """A claimer's turn ends: what was told meanwhile goes to the thread
+        (once closed, the claimer handles it: no drain can follow the stop).
+        Releases ``turn`` whatever a handler raised."""
+        try:
+            while True:
+                with self.lock:
+                    if not self.pending:
+                        self.owner = IDLE
+                        return
+                    if not self.closed:
+                        self.owner = THREAD
+                        self.wake()
+                        return
+                    batch, self.pending = self.pending, deque()
+                for actor, message in batch:
+                    self.deliver(actor, message)
+        finally:
+            self.turn.release()
+
+    def take_batch(self) -> deque[tuple[Actor, object]] | None:
+        """The thread's turn: everything pending, or ``None`` (the mailbox is idle now)."""
+        with self.lock:
+            if not self.pending:
+                self.owner = IDLE
+                return None
+            batch, self.pending = self.pending, deque()
+            return batch
+
+    def take_one(self) -> tuple[Actor, object] | None:
+        """The thread's turn, one message at a time: the next one, or ``None`` (idle now)."""
+        with self.lock:
+            if not self.pending:
+                self.owner = IDLE
+                return None
+            return self.pending.popleft()
+
+    def close(self, stop: Callable[[], T]) -> T | None:
+        """Refuse every later :meth:`put`; the first call returns ``stop()``, run under
+        the lock (a drain woken before it is queued before it), later ones ``None``."""
+        with self.lock:
+            if self.closed:
+                return None
+            self.closed = True
+            return stop()
+
+    def deliver(self, actor: Actor, message: object) -> None:
+        """Run one handler (a runtime may wrap this: tracing, the running actor)."""
+        actor.deliver(message)

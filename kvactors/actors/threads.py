@@ -1,0 +1,261 @@
+"""The thread runtime: each :class:`~kvactors.actors.mailbox.Mailbox` drained by a pykka thread.
+
+Messages wait in kvactors' own mailbox, not in pykka's inbox: pykka carries
+one "drain" per burst (the mailbox's ``wake``), and the thread handles
+everything that arrived meanwhile. A busy actor thus costs a deque append
+per message instead of a pykka envelope and a wake-up.
+
+pykka's own weak spots are kept out here:
+
+* **the stop race**: pykka's ``tell`` checks ``is_alive()`` and then puts, so a
+  message put while the actor tears down is never read. The mailbox puts and
+  closes under one lock: once :meth:`ThreadActorRef.close` has queued the
+  stop message, every later ``tell`` raises
+  :class:`~kvactors.actors.runtime.ActorStoppedError` at its sender instead
+  of vanishing, and everything queued before it is processed;
+* **the global registry**: actors are unregistered from pykka's
+  ``ActorRegistry`` right after they start, so another library's
+  ``ActorRegistry.stop_all()`` cannot stop them, and kvactors never calls it.
+
+Threads: one per mailbox (an actor and those colocated with it), and one
+timer thread per runtime that delivers every delayed message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import heapq
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import pykka
+
+from kvactors.actors.mailbox import Mailbox
+from kvactors.actors.reply import Reply
+from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError
+
+
+class _Drain:
+    """The one message pykka carries: "handle what the mailbox holds"."""
+
+    __slots__ = ()
+
+
+_DRAIN = _Drain()
+
+
+class _PykkaShell(pykka.ThreadingActor):
+    """The pykka thread of one mailbox: drains it when woken, stops its actors last."""
+
+    # A tier stuck in a blocking call must not keep the interpreter alive.
+    use_daemon_thread = True
+
+    def __init__(self, mailbox: Mailbox, thread_name: str) -> None:
+        super().__init__()
+        self._mailbox = mailbox
+        self._thread_name = thread_name
+
+    @staticmethod
+    def _create_actor_inbox() -> Any:
+        # A C-level queue: put/get without queue.Queue's Python-level Condition.
+        return queue.SimpleQueue()
+
+    def on_start(self) -> None:
+        threading.current_thread().name = self._thread_name
+
+    def on_receive(self, message: Any) -> None:
+        mailbox = self._mailbox
+        with mailbox.turn:
+            while (batch := mailbox.take_batch()) is not None:
+                for actor, item in batch:
+                    actor.deliver(item)
+
+    def on_stop(self) -> None:
+        with self._mailbox.turn:
+            for actor in self._mailbox.actors:
+                actor.on_stop()
+
+
+class ThreadActorRef:
+    """A reference to an actor on a pykka thread, free of pykka's stop race.
+
+    Colocated actors' refs share their host's mailbox: closing one closes all.
+    """
+
+    __slots__ = ("_actor", "_claims", "_mailbox", "_pykka_ref", "name")
+
+    def __init__(self, name: str, mailbox: Mailbox, actor: Actor, pykka_ref: pykka.ActorRef[Any], *,
+                 claims: bool = True) -> None:
+        self.name = name
+        self._mailbox = mailbox
+        self._actor = actor
+        self._pykka_ref = pykka_ref
+        self._claims = claims
+
+    def tell(self, message: object) -> None:
+        self._mailbox.put(self._actor, message, self.name)
+
+    def claim(self) -> bool:
+        """See :meth:`ActorRef.claim`. Never blocks; always False once closed
+        (or with ``claims=False``). Claims the thread's turn: the actors
+        colocated with this one are idle too until :meth:`run_claimed`."""
+        return self._claims and self._mailbox.claim()
+
+    def run_claimed(self, message: object) -> None:
+        """Handle ``message`` on the calling thread, then give the turn back.
+
+        Messages told to this mailbox meanwhile (by the handler itself, say,
+        to a colocated actor) go to the actor's thread: a caller that went on
+        handling them would hold the GIL longer, and the tiers' threads would
+        wait for it (figures: ``docs/perf-actors-vs-lock.md``). A
+        ``KeyboardInterrupt`` in the handler gives the turn back and reaches the caller."""
+        self._mailbox.run_claimed(self._actor, message)
+
+    def close(self) -> pykka.Future[Any] | None:
+        """Queue the stop after every message already told; refuse all later ones."""
+        def stop() -> pykka.Future[Any]:
+            return self._pykka_ref.stop(block=False)
+
+        return self._mailbox.close(stop)
+
+    @property
+    def mailbox(self) -> Mailbox:
+        return self._mailbox
+
+    @property
+    def closed(self) -> bool:
+        return self._mailbox.closed
+
+    def __repr__(self) -> str:
+        return f"ThreadActorRef({self.name!r}, closed={self.closed})"
+
+
+class _TimerThread:
+    """One thread that delivers every delayed message of a runtime, in time order."""
+
+    def __init__(self, name: str) -> None:
+        self._heap: list[tuple[float, int, ActorRef, object]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def schedule(self, when: float, ref: ActorRef, message: object) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            heapq.heappush(self._heap, (when, next(self._seq), ref, message))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    timeout = None if not self._heap else max(self._heap[0][0] - time.monotonic(), 0)
+                    self._cond.wait(timeout)
+                if self._stopped:
+                    return
+                _, _, ref, message = heapq.heappop(self._heap)
+            with contextlib.suppress(ActorStoppedError):
+                ref.tell(message)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Drop what is scheduled and end the thread; whether it ended within ``timeout_s``
+        (it may be in the middle of a ``tell`` to an actor whose put blocks)."""
+        with self._cond:
+            self._stopped = True
+            self._heap.clear()
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive() or threading.current_thread() is self._thread
+
+    @property
+    def name(self) -> str:
+        return self._thread.name
+
+
+class ThreadRuntime:
+    """Actors on pykka threads: one per actor not colocated with another, plus one timer thread.
+
+    Thread count is fixed by the actors (one per actor not colocated with
+    another) and never grows with requests. For comparisons:
+    ``claims=False`` makes every :meth:`ThreadActorRef.claim` fail, so every
+    message goes through the actors' threads; ``colocation=False`` gives
+    every actor its own thread, whatever ``colocate_with`` says.
+    """
+
+    _instances = itertools.count()
+
+    def __init__(self, name: str | None = None, *, claims: bool = True, colocation: bool = True) -> None:
+        self.name = name or f"kvactors-{next(self._instances)}"
+        self.claims = claims
+        self.colocation = colocation
+        self._timer = _TimerThread(f"{self.name}-timer")
+        self._refs: list[ThreadActorRef] = []
+
+    def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> ThreadActorRef:
+        if colocate_with is not None and self.colocation:
+            assert isinstance(colocate_with, ThreadActorRef)
+            mailbox = colocate_with._mailbox
+            pykka_ref = colocate_with._pykka_ref
+            mailbox.actors.append(actor)
+        else:
+            mailbox = Mailbox(actor)
+            pykka_ref = _PykkaShell.start(mailbox, f"{self.name}-{name}")
+            mailbox.wake = functools.partial(pykka_ref.tell, _DRAIN)
+            # Out of the process-global registry: another library's stop_all() must not stop us.
+            pykka.ActorRegistry.unregister(pykka_ref)
+        ref = ThreadActorRef(name, mailbox, actor, pykka_ref, claims=self.claims)
+        actor.bind(self, ref)
+        self._refs.append(ref)
+        return ref
+
+    @property
+    def refs(self) -> list[ThreadActorRef]:
+        """Every actor spawned here, in spawn order."""
+        return list(self._refs)
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def call_later(self, delay_s: float, ref: ActorRef, message: object) -> None:
+        self._timer.schedule(time.monotonic() + max(delay_s, 0.0), ref, message)
+
+    def wait(self, future: Reply[Any] | Future[Any], timeout_s: float | None) -> bool:
+        if isinstance(future, Reply):
+            return future.wait(timeout_s)
+        try:
+            future.exception(timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def stop(self, refs: list[ActorRef], timeout_s: float | None) -> list[str]:
+        """See :meth:`Runtime.stop`. The timer thread too ends within ``timeout_s``, or is
+        named among what was left behind (by its thread name)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stops = []
+        for ref in refs:
+            assert isinstance(ref, ThreadActorRef)
+            stop_future = ref.close()
+            if stop_future is not None:
+                stops.append((ref, stop_future))
+        left = []
+        for ref, stop_future in stops:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.01)
+            try:
+                stop_future.get(timeout=remaining)
+            except pykka.Timeout:
+                # A (daemon) thread stuck in a tier call cannot be killed: it is left behind.
+                left.append(ref.name)
+        remaining = 1.0 if deadline is None else max(deadline - time.monotonic(), 0.01)
+        if not self._timer.stop(remaining):
+            left.append(self._timer.name)
+        return left
