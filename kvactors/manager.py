@@ -222,10 +222,9 @@ class TieringManager:
 
         Every frontend call claims: its handler then costs no thread hand-off
         and no wake-up. That pays where the primary is often idle (one
-        frontend thread: frontend p50 57 -> 36 µs). With eight the process
-        is bound by the GIL either way and most claims fail, the primary's
-        thread being busy with the supervisor's work too; requests/s do not
-        change beyond noise. Figures: ``docs/perf-actors-vs-lock.md``.
+        frontend thread). With eight the process is bound by the GIL either
+        way and most claims fail, the primary's thread being busy with the
+        supervisor's work too. Figures: ``docs/performance.md``.
         """
         # The gate makes "closed" and "queued" atomic: after stop() queued its
         # shutdown, no frontend message can land behind it. A claimed message

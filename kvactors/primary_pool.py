@@ -10,7 +10,7 @@ import os
 import torch
 
 BOOKKEEPING_BYTES_PER_BLOCK = 256
-"""An upper bound of the primary's bookkeeping per pool row (measured: 182 B at 1M blocks)."""
+"""An upper bound of the primary's bookkeeping per pool row (``docs/performance.md``: ``bench_scale``)."""
 
 
 def _physical_memory() -> int | None:

@@ -1,4 +1,4 @@
-"""The value types of the public API (``api.md``).
+"""The value types of the public API (README.md, "Using it").
 
 Every type here is immutable: values cross thread boundaries inside actor
 messages, which pykka passes by reference, so nothing may be mutated after it

@@ -30,14 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 KNOWN_UNRESOLVED: dict[tuple[str, str], str] = {
-    # (file, reference): what it should become. Docstrings (the integrator applies these).
-    ("kvactors/manager.py", "docs/perf-actors-vs-lock.md"): "docs/performance.md",
-    ("kvactors/testing/scheduler.py", "architecture-notes.md"): "docs/performance.md (or drop the figures)",
-    ("kvactors/types.py", "api.md"): "README.md (the public API)",
-    ("kvactors/core/lifecycle.py", "lifecycle-contract.md"): "docs/contract.md",
-    # docs/architecture.md: module names planned by issue 15, not in this tree yet.
-    ("docs/architecture.md", "kvactors/actors/protocols.py"): "the runtime protocols' module",
-    ("docs/architecture.md", "kvactors/actors/threads.py"): "the thread runtime's module",
+    # (file, reference): what it should become. Empty: every reference resolves.
 }
 
 _PATH = re.compile(r"(?<![\w./~-])((?:kvactors|tests|scripts|docs|\.ci)/[\w./-]*)")

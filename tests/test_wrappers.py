@@ -106,7 +106,7 @@ def _paths(manager: TieringManager, name: str) -> dict[str, Any]:
     link = actors["supervisor"].tiers[name]
     return {"announce_starts": actors["primary"].announce_starts, "wants_new_request": link.wants_new_request,
             "wants_touch": link.wants_touch, "inline": link.inline,
-            "max_inflight": actors["supervisor"].max_inflight[name]}
+            "max_inflight": actors["supervisor"].jobs.max_inflight[name]}
 
 
 def _workload(tier: SecondaryTier) -> dict[str, Any]:

@@ -4,8 +4,8 @@ Messages are passed by reference, so every field is an immutable value
 (tuples, frozen dataclasses, ints); the only mutable thing a message carries
 is a :class:`~kvactors.actors.reply.Reply`, which exactly one actor resolves,
 exactly once. Named tuples rather than frozen dataclasses: a request's
-lifecycle sends about twenty messages, and a frozen dataclass costs about
-1 µs to build (one ``object.__setattr__`` per field), a named tuple 0.3 µs.
+lifecycle sends about twenty messages, and a frozen dataclass is several times
+dearer to build (one ``object.__setattr__`` per field; ``docs/performance.md``).
 Handlers are found by the message's exact type, never by its tuple-ness.
 
 Routing (who sends what to whom) is part of the contract's proof; see

@@ -112,7 +112,7 @@ class ThreadActorRef:
         Messages told to this mailbox meanwhile (by the handler itself, say,
         to a colocated actor) go to the actor's thread: a caller that went on
         handling them would hold the GIL longer, and the tiers' threads would
-        wait for it (figures: ``docs/perf-actors-vs-lock.md``). A
+        wait for it (``docs/performance.md``). A
         ``KeyboardInterrupt`` in the handler gives the turn back and reaches the caller."""
         self._mailbox.run_claimed(self._actor, message)
 

@@ -1,6 +1,6 @@
 """Per-request lifecycle state and the one finalize decision.
 
-This is the rule kvactors exists to keep (``lifecycle-contract.md``): a
+This is the rule kvactors exists to keep (``docs/contract.md``): a
 secondary tier may be told that a request is finished only when the request
 is finished **and** nothing can still submit to that tier for it. What can
 still submit, per request attempt, is counted here:

@@ -24,8 +24,8 @@ seeded ``random.Random``, what happens next:
 
 A seed therefore fixes a whole interleaving, and the same seed replays it
 exactly. Real threads explore interleavings by luck; this explores them on
-purpose (``architecture-notes.md``: a planted race found in 735 of 1000 seeds,
-0 of 100 thread runs).
+purpose (``docs/performance.md``: a planted race the seeds find and thread
+runs do not).
 
 Blocking calls work from a client (:meth:`wait` pauses it until the reply is
 set or virtual time passes the bound) and from outside any client

@@ -56,8 +56,8 @@ class TransferEngine:
       thread posts each finished job's completion and resolves its future (so
       a copy thread never waits on the manager between two copies). One is the default:
       each coalesced ``copy_`` already runs on torch's intra-op threads, and a
-      second worker mostly competes with the first for the same cores (measured
-      on 2 cores: 0.61-0.72 of a plain copy with one worker, 0.57-0.64 with two).
+      second worker mostly competes with the first for the same cores
+      (``docs/performance.md``).
     * CUDA device cache: one copy stream per direction, copies launched with
       ``non_blocking=True`` behind the caller's current stream, one event per
       job, and one poller thread that completes the jobs in submission order

@@ -84,8 +84,8 @@ class KvactorsOffloadingManager(OffloadingManager):
     """
 
     # Longest wait for one lookup answer on the scheduler thread, and per step in all. 0: never
-    # wait (scripts/bench_vllm.py: waiting 1-5 ms made a step's scheduler-side time p50 20x
-    # vLLM's own tiering and won no hits; the answer is there one step later).
+    # wait: waiting cost the step far more than it won (docs/performance.md); the answer is
+    # there one step later.
     lookup_wait_s: float = 0.0
     step_wait_s: float = 0.02
     tm_stop_timeout_s: float = 30.0
