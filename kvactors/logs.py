@@ -98,6 +98,11 @@ class _LevelLogger(BoundLogger):
     """A :class:`structlog.stdlib.BoundLogger` that asks the stdlib logger's level at every call,
     before building anything: a call below it costs one ``isEnabledFor``."""
 
+    def __init__(self, logger: Any, processors: Any, context: Any) -> None:
+        super().__init__(logger, processors, context)
+        # The stdlib's own (cached) check, one call away: actors ask it on every hot path.
+        self.is_enabled_for = logger.isEnabledFor  # type: ignore[method-assign]
+
     def is_enabled_for(self, level: int) -> bool:
         return bool(self._logger.isEnabledFor(level))
 

@@ -44,6 +44,7 @@ from kvactors.actors.reply import Reply
 from kvactors.logs import EventLogger, null_logger
 
 M = TypeVar("M")
+_DEBUG = logging.DEBUG
 
 
 class ActorStoppedError(RuntimeError):
@@ -130,11 +131,13 @@ class Actor:
     internal_errors: int = 0
     _log: EventLogger = null_logger()
 
+    _enabled_for: Callable[[int], bool] = _log.is_enabled_for
+
     @property
     def tracing(self) -> bool:
         """Whether ``DEBUG`` events are kept now (asked at each use: a level set later counts at once); hot
         paths skip building the ones that are not."""
-        return self._log.is_enabled_for(logging.DEBUG)
+        return self._enabled_for(_DEBUG)
 
     @property
     def log(self) -> EventLogger:
@@ -144,6 +147,7 @@ class Actor:
     @log.setter
     def log(self, logger: EventLogger) -> None:
         self._log = logger
+        self._enabled_for = logger.is_enabled_for  # bound once: ``tracing`` is read on every hot path
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
