@@ -39,6 +39,7 @@ from kvactors.core.errors import LifecycleError
 from kvactors.core.policies import make_policy
 from kvactors.core.pool import BlockPool, PoolError
 from kvactors.types import (
+    PRIMARY_TIER_NAME,
     LoadStoreSpec,
     LookupResult,
     OffloadKey,
@@ -122,7 +123,8 @@ class PrimaryTier(Actor):
         """Misuse in a call that cannot raise to its caller: log, count, change nothing."""
         self.contract_violations += 1
         self.log.warning(
-            "contract_violation", call=call, req_id=ctx.req_id, attempt=ctx.attempt, reason=reason, tier="cpu"
+            "contract_violation", call=call, req_id=ctx.req_id, attempt=ctx.attempt, reason=reason,
+            tier=PRIMARY_TIER_NAME
         )
 
     def _arm_timer(self) -> None:
@@ -170,7 +172,7 @@ class PrimaryTier(Actor):
         record.finished = True
         # Logged before the tell: the supervisor's finalize events must come after it in the log.
         if self.tracing:
-            self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier="cpu",
+            self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier=PRIMARY_TIER_NAME,
                            pending_stores=record.pending_stores)
         self.supervisor.tell(m.RequestFinished(ctx, record.pending_stores, record.opens()))
 
@@ -206,7 +208,8 @@ class PrimaryTier(Actor):
         except PoolError as exc:
             raise LifecycleError(f"prepare_load: {exc}") from None
         if self.tracing:
-            self.log.debug("load_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(rows), tier="cpu")
+            self.log.debug("load_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(rows),
+                           tier=PRIMARY_TIER_NAME)
         msg.reply.set_result(LoadStoreSpec(rows))
 
     @handles(m.CompleteLoad)
@@ -220,7 +223,8 @@ class PrimaryTier(Actor):
         self.counters.load_ok += 1
         self.counters.loaded_blocks += len(msg.keys)
         if self.tracing:
-            self.log.debug("load_completed", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
+            self.log.debug("load_completed", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys),
+                           tier=PRIMARY_TIER_NAME)
 
     @handles(m.Touch)
     def _on_touch(self, msg: m.Touch) -> None:
@@ -237,12 +241,13 @@ class PrimaryTier(Actor):
         plan = self.pool.prepare_store(msg.keys, ctx.identity)
         if plan is None:
             if self.tracing:
-                self.log.debug("store_rejected", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys), tier="cpu")
+                self.log.debug("store_rejected", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(msg.keys),
+                               tier=PRIMARY_TIER_NAME)
             msg.reply.set_result(None)
             return
         if self.tracing:
             self.log.debug("store_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(plan.keys),
-                           evicted=len(plan.evicted), tier="cpu")
+                           evicted=len(plan.evicted), tier=PRIMARY_TIER_NAME)
         if plan.keys:
             # The supervisor learns the count with the finish: before it, nothing can finalize.
             record.pending_stores += len(plan.keys)
@@ -267,7 +272,7 @@ class PrimaryTier(Actor):
                 live=outcome.live,
                 stale=outcome.stale,
                 success=msg.success,
-                tier="cpu",
+                tier=PRIMARY_TIER_NAME,
             )
         if outcome.live == 0:
             return  # only late completions of detached writes: nothing left to count
@@ -301,7 +306,8 @@ class PrimaryTier(Actor):
                 continue  # every key of that store completed in time
             self.stores_timed_out += count
             self.log.warning(
-                "job_timed_out", kind="store", req_id=ctx.req_id, attempt=ctx.attempt, keys=count, tier="cpu"
+                "job_timed_out", kind="store", req_id=ctx.req_id, attempt=ctx.attempt, keys=count,
+                tier=PRIMARY_TIER_NAME
             )
             record = self._requests.get(ctx.identity)
             if record is not None:
@@ -357,7 +363,7 @@ class PrimaryTier(Actor):
         self._store_deadlines.clear()
         for record in self._requests.values():
             record.pending_stores = 0
-        self.log.info("cache_reset", tier="cpu", keys=removed)
+        self.log.info("cache_reset", tier=PRIMARY_TIER_NAME, keys=removed)
         self.supervisor.tell(m.SupervisorReset(msg.reply))
 
     @handles(m.TakeEvents)

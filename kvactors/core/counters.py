@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvactors.types import LookupResult
+from kvactors.types import PRIMARY_TIER_NAME, LookupResult
 
 DURATION_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -146,7 +146,7 @@ class MetricsSnapshot:
 def snapshot(primary: PrimaryCounters, pool_blocks: dict[str, int], evicted_keys: int, jobs: JobCounters,
              stats: dict[str, int | float], queued: Mapping[str, int], in_flight: Mapping[str, int]) -> MetricsSnapshot:
     """Combine the primary's part (a copy of its counters, its pool's states) with the supervisor's."""
-    cpu = "cpu"
+    cpu = PRIMARY_TIER_NAME
     tiers = tuple(jobs.lookup_keys)
     stored = {cpu: primary.stored_blocks, **dict.fromkeys(tiers, 0)}
     loaded = {cpu: primary.loaded_blocks, **dict.fromkeys(tiers, 0)}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kvactors.logcheck.check import check_events
 from kvactors.logcheck.model import Event, Verdict
+from kvactors.types import PRIMARY_TIER_NAME
 
 #: Events a rule reads; the others record a caller's misuse or a tier's failure, or are notes.
 CONTRACT_EVENTS = frozenset({
@@ -218,7 +219,7 @@ def _excluded(events: list[Event], mutation: Mutation) -> str | None:
         first, second = (other, event) if mutation.kind == "earlier" else (event, other)
         if "job_id" in event and "job_id" in other and event["job_id"] != other["job_id"]:
             return _INDEPENDENT
-        tiers = {e.get("tier") for e in (event, other)} - {None, "cpu"}
+        tiers = {e.get("tier") for e in (event, other)} - {None, PRIMARY_TIER_NAME}
         if len(tiers) == 2:
             return _INDEPENDENT
         same_job = "job_id" in event and event.get("job_id") == other.get("job_id")

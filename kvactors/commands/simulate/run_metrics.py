@@ -8,7 +8,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-CPU = "cpu"
+from kvactors.types import PRIMARY_TIER_NAME
+
+CPU = PRIMARY_TIER_NAME
 """Hit category: the key was ready in the primary pool at the request's first lookup."""
 CPU_IN_FLIGHT = "cpu (in flight)"
 """Hit category: the key was being stored in the pool by another request (or an
