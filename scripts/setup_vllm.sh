@@ -27,13 +27,17 @@ base_venv() {
 }
 
 kvactors_in() {
-  local venv=$1
-  if ! "$venv/bin/python" -c "import kvactors, pytest, pytest_timeout" >/dev/null 2>&1 \
+  # The source tree on the venv's path (a .pth file: what an editable install gives, with no
+  # build in the tree, so scripts/test.sh can run this while the main suite runs), and
+  # kvactors' dependencies and the test tools.
+  local venv=$1 site
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "$PWD" > "$site/kvactors-source.pth"
+  if ! "$venv/bin/python" -c "import kvactors.manager, pytest, pytest_timeout" >/dev/null 2>&1 \
      || [ pyproject.toml -nt "$venv/.kvactors-installed" ]; then
-    echo "setup_vllm: installing kvactors into $venv" >&2
-    pip_in "$venv" -e ".[test,vllm]" --no-deps
+    echo "setup_vllm: installing kvactors' dependencies into $venv" >&2
     pip_in "$venv" "pykka>=4.1,<5" "structlog>=24.1" "redis>=5.0" "rich>=13.0" "xxhash>=3.0" \
-      "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "safetensors"
+      "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "safetensors" "greenlet>=3"
     touch "$venv/.kvactors-installed"
   fi
 }

