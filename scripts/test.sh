@@ -21,20 +21,23 @@ else
   scripts/setup.sh
   VENV=.venv
 fi
-vllm_setup=
+vllm_setup= vllm_setup_log=
+# An interrupted run (Ctrl-C, a CI timeout) leaves no pip writing into the venvs behind it.
+trap '[ -z "$vllm_setup" ] || kill -- -"$vllm_setup" 2>/dev/null; rm -f "$vllm_setup_log"' EXIT
 if [ "${KVACTORS_SKIP_VLLM:-0}" != 1 ]; then
-  # The vLLM venvs are built (pip: mostly downloads from the local index and unpacking)
-  # while lint and the main suite run; nothing is built in the source tree meanwhile.
+  # The vLLM venvs are built (pip: mostly unpacking wheels from the local index) while lint and
+  # the main suite run, at the lowest CPU priority so the suite's timings are not disturbed;
+  # nothing is built in the source tree meanwhile.
   vllm_setup_log=$(mktemp)
-  scripts/setup_vllm.sh >"$vllm_setup_log" 2>&1 &
+  setsid -w nice -n 19 scripts/setup_vllm.sh >"$vllm_setup_log" 2>&1 &
   vllm_setup=$!
 fi
 suite lint scripts/lint.sh "$VENV"
 suite main "$VENV/bin/python" -m pytest --ignore=tests/vllm "$@"
 if [ -n "$vllm_setup" ]; then
   suite setup-vllm wait "$vllm_setup"
+  vllm_setup=
   cat "$vllm_setup_log" >&2
-  rm -f "$vllm_setup_log"
   # The suites skip themselves without vLLM: a broken install must fail here instead.
   suite vllm-imports env VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python -c "import vllm.v1.core.sched.scheduler"
   suite vllm-imports .venv-vllmcpu032/bin/python -c "import vllm.v1.core.sched.scheduler"

@@ -124,7 +124,27 @@ def test_a_gather_ends_once_and_late_payloads_wait_for_the_next() -> None:
     timed = gathers.begin("events", "done3", waiting=("t1",))
     gathers.wait(timed, 2.0)
     assert gathers.expire(2.0) == [timed]
-    assert gathers.end(timed).missing == {"t1"} and gathers.next_deadline() is None
+    assert gathers.end(timed) and timed.missing == {"t1"} and gathers.next_deadline() is None
+
+
+def test_a_gather_ended_by_an_earlier_ones_callback_is_not_ended_twice() -> None:
+    """A stop's gather that expires first ends every open gather from its callback; the
+    later entries of the same expire() list are then ended already (a reply set twice)."""
+    gathers: GatherBook[str] = GatherBook()
+    stop = gathers.begin("shutdown", "stop", waiting=TIERS)
+    events = gathers.begin("events", "take_events", waiting=TIERS)
+    gathers.wait(stop, 1.0)
+    gathers.wait(events, 1.5)
+    ended: list[str] = []
+    for gather in gathers.expire(2.0):
+        if not gathers.end(gather):
+            continue
+        ended.append(gather.on_done)
+        if gather is stop:
+            for other in gathers.open_gathers():
+                assert gathers.end(other)
+                ended.append(other.on_done)
+    assert ended == ["stop", "take_events"] and len(gathers) == 0
 
 
 # ------------------------------------------------------------ the state machine

@@ -254,7 +254,8 @@ class SupervisorRounds(Actor):
             self._arm_timer(due)
 
     def _end_gather(self, gather: Gather[GatherDone]) -> None:
-        self.gathers.end(gather)
+        if not self.gathers.end(gather):
+            return  # ended already, by an earlier one's callback in the same tick (a stop's ends all)
         if gather.missing:
             self.counters["gathers_incomplete"] += 1
         gather.on_done(gather.payloads, frozenset(gather.missing))

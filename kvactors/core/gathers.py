@@ -65,13 +65,17 @@ class GatherBook(Generic[D]):
         if due is not None:
             self._deadlines.add(gather.gather_id, due)
 
-    def end(self, gather: Gather[D]) -> Gather[D]:
-        """``gather`` ends now: what it still waits for is missing. Returns it."""
-        self._open.pop(gather.gather_id, None)
+    def end(self, gather: Gather[D]) -> bool:
+        """``gather`` ends now: what it still waits for is missing. False (nothing changes)
+        if it had ended already: a list from :meth:`expire` or :meth:`tier_stuck` may hold a
+        gather that ending an earlier one in it (a stop's) ended too; the owner must not
+        run its callback twice."""
+        if self._open.pop(gather.gather_id, None) is None:
+            return False
         self._deadlines.discard(gather.gather_id)
         gather.missing.update(gather.waiting)
         gather.waiting.clear()
-        return gather
+        return True
 
     def answered(self, gather_id: int, tier: str, payload: tuple[Any, ...]) -> Gather[D] | None:
         """``tier`` answered: the gather if that was its last wait (end it), else ``None``.
