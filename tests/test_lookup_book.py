@@ -145,6 +145,9 @@ def test_a_gather_ended_by_an_earlier_ones_callback_is_not_ended_twice() -> None
                 assert gathers.end(other)
                 ended.append(other.on_done)
     assert ended == ["stop", "take_events"] and len(gathers) == 0
+    # A gather that waits for no tier is never open: it is ended at once, once.
+    empty = gathers.begin("events", "no tiers", waiting=())
+    assert gathers.end(empty) and not gathers.end(empty)
 
 
 # ------------------------------------------------------------ the state machine

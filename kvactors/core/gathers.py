@@ -32,6 +32,7 @@ class Gather(Generic[D]):
     patient: bool = False
     payloads: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
+    ended: bool = False
 
 
 class GatherBook(Generic[D]):
@@ -70,8 +71,10 @@ class GatherBook(Generic[D]):
         if it had ended already: a list from :meth:`expire` or :meth:`tier_stuck` may hold a
         gather that ending an earlier one in it (a stop's) ended too; the owner must not
         run its callback twice."""
-        if self._open.pop(gather.gather_id, None) is None:
+        if gather.ended:
             return False
+        gather.ended = True
+        self._open.pop(gather.gather_id, None)  # a gather that waited for no tier was never open
         self._deadlines.discard(gather.gather_id)
         gather.missing.update(gather.waiting)
         gather.waiting.clear()
