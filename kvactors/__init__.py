@@ -8,16 +8,10 @@ first use (PEP 562): ``import kvactors`` alone, or the ``kvactors`` command's
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-try:
-    # One source: pyproject.toml's [project] version, as installed (tests/test_docs.py checks both agree).
-    __version__: str = version("kvactors")
-except PackageNotFoundError:  # a source tree on sys.path that was never installed
-    __version__ = "0+unknown"
-
 if TYPE_CHECKING:
+    __version__: str
     from kvactors.aio import AsyncTieringManager
     from kvactors.core.errors import LifecycleError, ManagerStoppedError, TransferError
     from kvactors.manager import TieringManager
@@ -80,8 +74,24 @@ __all__ = [
 ]
 
 
+def _version() -> str:
+    """pyproject.toml's [project] version, as installed (tests/test_docs.py checks both agree).
+    Read on first use: importlib.metadata costs most of a bare ``import kvactors``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvactors")
+    except PackageNotFoundError:  # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use and keep the name here (later uses cost nothing)."""
+    """Import a public name's module on first use and keep the name here (later uses cost nothing);
+    ``__version__`` likewise."""
+    if name == "__version__":
+        value: Any = _version()
+        globals()[name] = value
+        return value
     source = _SOURCES.get(name)
     if source is None:
         raise AttributeError(f"module 'kvactors' has no attribute {name!r}")
@@ -91,4 +101,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, "__version__"})
