@@ -28,6 +28,7 @@ checked byte-exact. ``--json`` makes the last line of stdout one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -250,6 +251,114 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
             "file_read_rows_gbps": rows_read, "disk_read_rows_ratio": load / rows_read}
 
 
+# ---------------------------------------------------------------- the vLLM worker's layout
+
+
+def vllm_layout_bench(requests: int, per_request: int, block_bytes: int, layers: int, window: int,
+                      trials: int) -> dict[str, Any]:
+    """The vLLM worker's copies (``KvactorsOffloadingWorker``, CPU): one KV tensor per layer,
+    ``(num_blocks, page)`` with ``page = block_bytes / layers``; a pool row holds the block's
+    page of every layer, so each job is one copy per layer (``_foreach_copy_``).
+
+    Baseline: the same bytes in the same layout with the fewest copies, one ``copy_`` per layer
+    of every block at once (``vllm_*_ratio``). Needs vLLM (run with a vLLM venv's python);
+    without it the figures are ``null``.
+    """
+    try:
+        from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found,unused-ignore]
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+            GPULoadStoreSpec,
+        )
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # type: ignore[import-not-found,unused-ignore]
+
+        from kvactors.integrations.vllm.shm import SHM_DIR, SharedPool
+        from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
+    except ImportError as exc:
+        return {"vllm_layout_available": False,
+                "vllm_layout_note": f"vLLM not importable ({type(exc).__name__}); run with a vLLM venv's python"}
+    if block_bytes % layers:
+        raise SystemExit(f"--layers {layers} does not divide the block size {block_bytes}")
+    page = block_bytes // layers
+    total = requests * per_request
+    nbytes = total * block_bytes
+    caches = [torch.randint(-128, 128, (total, page), dtype=torch.int8) for _ in range(layers)]
+    reference = [c.clone() for c in caches]
+    kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(tensor=c, page_size_bytes=page) for c in caches],
+                           group_data_refs=[[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page)
+                                             for i in range(layers)]])
+    # Where the vLLM integration puts its pool (a file on disk would add writeback to every copy).
+    root = tempfile.mkdtemp(prefix="kvactors-bench-vllm-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
+    shared = SharedPool(os.path.join(root, "pool"), num_blocks=total, block_bytes=block_bytes)
+    worker = KvactorsOffloadingWorker(kv, shared, rank=0, per_worker_bytes=block_bytes, blocks_per_chunk=1,
+                                      transfer_timeout_s=60.0)
+    views = [shared.pool.view(total, layers, page)[:, i] for i in range(layers)]
+    job_ids = itertools.count(1)
+
+    def run(store: bool) -> float:
+        open_jobs: deque[int] = deque()
+        done: set[int] = set()
+
+        def wait_oldest() -> None:
+            oldest = open_jobs.popleft()
+            deadline = time.monotonic() + 60
+            while oldest not in done:
+                if time.monotonic() > deadline:
+                    raise SystemExit("vLLM worker job not finished in 60 s")
+                worker.wait({oldest})
+                done.update(r.job_id for r in worker.get_finished())
+
+        start = time.perf_counter()
+        for i in range(requests):
+            if len(open_jobs) >= window:
+                wait_oldest()
+            ids = list(range(i * per_request, (i + 1) * per_request))
+            job_id = next(job_ids)
+            gpu, cpu = GPULoadStoreSpec(ids, group_sizes=(len(ids),), block_indices=(0,)), CPULoadStoreSpec(ids)
+            if store:
+                worker.submit_store(job_id, gpu, cpu)
+            else:
+                worker.submit_load(job_id, cpu, gpu)
+            open_jobs.append(job_id)
+        while open_jobs:
+            wait_oldest()
+        return time.perf_counter() - start
+
+    def baseline(store: bool) -> float:
+        start = time.perf_counter()
+        for cache, view in zip(caches, views, strict=True):
+            (view.copy_(cache.view(torch.uint8)) if store else cache.view(torch.uint8).copy_(view))
+        return time.perf_counter() - start
+
+    store_t, load_t, base_store_t, base_load_t = [], [], [], []
+    try:
+        run(True)  # warm
+        for _ in range(trials):
+            base_store_t.append(baseline(True))
+            base_load_t.append(baseline(False))
+            shared.pool.zero_()
+            store_t.append(run(True))
+            for cache in caches:
+                cache.zero_()
+            load_t.append(run(False))
+            if not all(torch.equal(c, r) for c, r in zip(caches, reference, strict=True)):
+                raise SystemExit("vLLM worker: the loaded bytes differ from the stored ones")
+        if worker.store_failures or worker.load_failures:
+            raise SystemExit(f"vLLM worker: {worker.store_failures} stores, {worker.load_failures} loads failed")
+    finally:
+        worker.shutdown()
+        shared.close(unlink=True)
+        shutil.rmtree(root, ignore_errors=True)
+    store, load = gbps(nbytes, statistics.median(store_t)), gbps(nbytes, statistics.median(load_t))
+    base_store = gbps(nbytes, statistics.median(base_store_t))
+    base_load = gbps(nbytes, statistics.median(base_load_t))
+    return {"vllm_layout_available": True, "vllm_layers": layers, "vllm_page_bytes": page,
+            "vllm_store_gbps": store, "vllm_load_gbps": load,
+            "vllm_baseline_store_gbps": base_store, "vllm_baseline_load_gbps": base_load,
+            "vllm_store_ratio": store / base_store, "vllm_load_ratio": load / base_load}
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -264,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copy-workers", type=int, default=1)
     parser.add_argument("--trials", type=int, default=None, help="default 7, quick 5")
     parser.add_argument("--disk-requests", type=int, default=None, help="default 64, quick 16")
+    parser.add_argument("--layers", type=int, default=32,
+                        help="KV tensors of the vLLM worker's layout (needs vLLM; default 32)")
     args = parser.parse_args(argv)
 
     requests = args.requests or (64 if args.quick else 256)
@@ -293,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 onboard_t.append(t_on)
                 per_run.append(blocks_per_run)
         disk = disk_bench(pool, min(disk_requests, requests), per_request, trials)
+    layout = vllm_layout_bench(requests, per_request, block_bytes, args.layers, args.window, trials)
 
     offload = gbps(nbytes, statistics.median(offload_t))
     onboard = gbps(nbytes, statistics.median(onboard_t))
@@ -310,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         "disk_write_ratio": None,
         "disk_read_ratio": None,
         **disk,
+        **layout,
         "blocks_per_copy_run": statistics.median(per_run),
         "config": {"requests": requests, "blocks_per_request": per_request, "block_bytes": block_bytes,
                    "total_bytes": nbytes, "window": args.window, "copy_workers": args.copy_workers,
@@ -340,6 +453,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(disk['old_disk_read_ratio']):>9} (new, old baseline)")
     else:
         print(f"disk: {disk['disk_note']}")
+    if layout.get("vllm_layout_available"):
+        print(f"{'vLLM layout, per layer ' + str(layout['vllm_page_bytes']) + ' B':<34}")
+        print(f"{'  baseline copy_ per layer, store':<34}{fmt(layout['vllm_baseline_store_gbps']):>9}")
+        print(f"{'  baseline copy_ per layer, load':<34}{fmt(layout['vllm_baseline_load_gbps']):>9}")
+        print(f"{'  worker store':<34}{fmt(layout['vllm_store_gbps']):>9}{fmt(layout['vllm_store_ratio']):>9}")
+        print(f"{'  worker load':<34}{fmt(layout['vllm_load_gbps']):>9}{fmt(layout['vllm_load_ratio']):>9}")
+    else:
+        print(f"vLLM layout: {layout['vllm_layout_note']}")
     if args.json:
         print(json.dumps(result))
     return 0

@@ -29,9 +29,13 @@ from kvactors.transfer.jobs import CopyJob, Direction, FaultInjector, JobDone
 
 _copier_ids = itertools.count()
 
-# A worker takes the queued jobs behind the one it waited for, up to these bounds.
+# A worker takes the queued jobs behind the one it waited for, up to these bounds. The
+# bytes bound is small on purpose: past a few MiB a merged copy runs no faster, and jobs
+# left in the queue let the copy thread go straight on to its next batch while the
+# completer and the caller do the control work of the jobs around it (taking the whole
+# queue at once made copies and control take turns: docs/performance.md).
 _MAX_BATCH_JOBS = 32
-_MAX_BATCH_BYTES = 256 << 20
+_MAX_BATCH_BYTES = 16 << 20
 
 
 class CpuCopier:

@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from kvactors.integrations.vllm.shm import STORE_FAILED, STORE_OK, SharedPool
 from kvactors.logs import component_logger
 from kvactors.transfer.runs import copy_runs
+from kvactors.transfer.views import copy_all, widest_views
 
 STORE = "store"
 LOAD = "load"
@@ -92,7 +93,8 @@ class KvactorsOffloadingWorker(OffloadingWorker):
         # Bytes copied by jobs that succeeded, per direction (for operators and benchmarks).
         self.bytes_stored = 0
         self.bytes_loaded = 0
-        # Per group: [(device tensor as uint8 rows, pool view (rows, bpc, page))].
+        # Per group: [(device tensor as rows, pool view (rows, page) or (rows, bpc, page))], both
+        # of the widest integer type their layout allows (widest_views).
         self._layout: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         tensors = [t.tensor for t in kv_caches.tensors]
         self.device = tensors[0].device if tensors else torch.device("cpu")
@@ -109,7 +111,10 @@ class KvactorsOffloadingWorker(OffloadingWorker):
                 if offset + width > base + per_worker_bytes:
                     raise ValueError(f"kvactors: the KV cache pages ({offset + width - base} bytes a chunk) do not fit "
                                      f"the {per_worker_bytes} bytes a worker has in a pool row")
-                view = self.pool[:, offset:offset + width].unflatten(1, (self.bpc, page))
+                view = self.pool[:, offset:offset + width]
+                # (rows, page) when a chunk is one block (one index less per copy), else (rows, bpc, page).
+                view = view if self.bpc == 1 else view.unflatten(1, (self.bpc, page))
+                dev, view = widest_views(dev, view)
                 group.append((dev, view))
                 offset += width
             self._layout.append(group)
@@ -139,27 +144,33 @@ class KvactorsOffloadingWorker(OffloadingWorker):
         copies: list[_Copy] = []
         nbytes = 0
         dev_off = row_off = 0
+        bpc, store = self.bpc, direction == STORE
         for g, (size, first) in enumerate(zip(sizes, indices, strict=True)):
             if size == 0:
                 continue
-            skip = int(first) % self.bpc
-            n_rows = -(-(size + skip) // self.bpc)
+            skip = int(first) % bpc
+            n_rows = -(-(size + skip) // bpc)
             g_rows = rows[row_off:row_off + n_rows]
             g_dev = dev_ids[dev_off:dev_off + size]
             # Flattened pool slot of each device block: row * bpc + slot.
-            flat = [g_rows[(skip + j) // self.bpc] * self.bpc + (skip + j) % self.bpc for j in range(size)]
+            flat = [g_rows[(skip + j) // bpc] * bpc + (skip + j) % bpc for j in range(size)]
+            # The same pieces for every tensor of the group: runs split at row boundaries
+            # (a row holds bpc slots), found once per group, not once per layer.
+            pieces: list[tuple[int, int, int, int]] = []  # (device block, row, slot, blocks)
+            for d0, f0, n in copy_runs(g_dev, flat):
+                done = 0
+                while done < n:
+                    row, slot = divmod(f0 + done, bpc)
+                    take = min(n - done, bpc - slot) if bpc > 1 else n - done
+                    pieces.append((d0 + done, row, slot, take))
+                    done += take
             for dev, view in self._layout[g]:
-                for d0, f0, n in copy_runs(g_dev, flat):
-                    # Split the run at row boundaries: a row holds bpc slots.
-                    done = 0
-                    while done < n:
-                        row, slot = divmod(f0 + done, self.bpc)
-                        take = min(n - done, self.bpc - slot) if self.bpc > 1 else n - done
-                        pool_part = view[row:row + take, 0] if self.bpc == 1 else view[row, slot:slot + take]
-                        dev_part = dev[d0 + done:d0 + done + take]
-                        copies.append(_Copy(dev_part, pool_part) if direction == STORE else _Copy(pool_part, dev_part))
-                        nbytes += dev_part.numel()
-                        done += take
+                page = dev.shape[1] * dev.element_size()
+                for d, row, slot, take in pieces:
+                    pool_part = view[row:row + take] if bpc == 1 else view[row, slot:slot + take]
+                    dev_part = dev[d:d + take]
+                    copies.append(_Copy(dev_part, pool_part) if store else _Copy(pool_part, dev_part))
+                    nbytes += take * page
             dev_off += size
             row_off += n_rows
         return _Job(job_id, direction, copies, tuple(rows), nbytes)
@@ -227,11 +238,10 @@ class KvactorsOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------ the copies
 
-    def _run_copies(self, job: _Job) -> None:
+    def _run_copies(self, job: _Job, *, non_blocking: bool = False) -> None:
         if self.fault_injector is not None:
             self.fault_injector(job.direction, job.job_id)
-        for c in job.copies:
-            c.dst.copy_(c.src)
+        copy_all([c.dst for c in job.copies], [c.src for c in job.copies], non_blocking=non_blocking)
 
     def _copy_loop(self) -> None:
         while True:
@@ -277,10 +287,7 @@ class KvactorsOffloadingWorker(OffloadingWorker):
         try:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                if self.fault_injector is not None:
-                    self.fault_injector(job.direction, job.job_id)
-                for c in job.copies:
-                    c.dst.copy_(c.src, non_blocking=True)
+                self._run_copies(job, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
             job.event = event
