@@ -187,10 +187,13 @@ class TransferEngine:
             out = self._manager.prepare_store(keys_t, ctx)
             if out is None or not out.keys_to_store:
                 return _resolved([])
-            row_of: dict[OffloadKey, int] = {}
-            for key, row in zip(keys_t, ids, strict=True):
-                row_of.setdefault(key, row)
-            src = [row_of[key] for key in out.keys_to_store]
+            if len(out.keys_to_store) == len(keys_t) and tuple(out.keys_to_store) == keys_t:
+                src = ids  # every key is new, in the order given (the common case)
+            else:
+                row_of: dict[OffloadKey, int] = {}
+                for key, row in zip(keys_t, ids, strict=True):
+                    row_of.setdefault(key, row)
+                src = [row_of[key] for key in out.keys_to_store]
             job = self._make_job(OFFLOAD, ctx, tuple(out.keys_to_store), src, out.store_spec.block_ids)
             handed_off = True
             self._copier.submit(job)
