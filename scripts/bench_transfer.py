@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copy-workers", type=int, default=1)
     parser.add_argument("--trials", type=int, default=None, help="default 7, quick 5")
     parser.add_argument("--disk-requests", type=int, default=None, help="default 64, quick 16")
+    parser.add_argument("--disk-only", action="store_true",
+                        help="skip the TransferEngine part (its figures are null); the disk part alone")
     args = parser.parse_args(argv)
 
     requests = args.requests or (64 if args.quick else 256)
@@ -278,8 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     seed_rows = torch.randint(0, 256, (64, block_bytes), dtype=torch.uint8)
     device = seed_rows.repeat((total_blocks + 63) // 64, 1)[:total_blocks].contiguous()
     device += torch.arange(total_blocks).to(torch.uint8)[:, None]
+    if args.disk_only:
+        disk_blocks = min(disk_requests, requests) * per_request
+        disk = disk_bench(device[:disk_blocks].clone(), min(disk_requests, requests), per_request, trials)
+        return report(args, disk, requests, per_request, trials, nbytes, None)
     reference = device.clone()
-    offload_t, onboard_t, base_off_t, base_on_t, per_run = [], [], [], [], []
+    offload_t: list[float] = []
+    onboard_t: list[float] = []
+    base_off_t: list[float] = []
+    base_on_t: list[float] = []
+    per_run: list[float] = []
     with TieringManager.start(num_blocks=total_blocks, block_bytes=block_bytes) as manager:
         pool = manager.pool
         with TransferEngine(manager, device, copy_workers=args.copy_workers) as engine:
@@ -293,25 +303,33 @@ def main(argv: list[str] | None = None) -> int:
                 onboard_t.append(t_on)
                 per_run.append(blocks_per_run)
         disk = disk_bench(pool, min(disk_requests, requests), per_request, trials)
+    engine = {"offload_t": offload_t, "onboard_t": onboard_t, "base_off_t": base_off_t, "base_on_t": base_on_t,
+              "per_run": per_run}
+    return report(args, disk, requests, per_request, trials, nbytes, engine)
 
-    offload = gbps(nbytes, statistics.median(offload_t))
-    onboard = gbps(nbytes, statistics.median(onboard_t))
-    base_off = gbps(nbytes, statistics.median(base_off_t))
-    base_on = gbps(nbytes, statistics.median(base_on_t))
-    baseline = (base_off + base_on) / 2
+
+def report(args: argparse.Namespace, disk: dict[str, Any], requests: int, per_request: int, trials: int,
+           nbytes: int, engine: dict[str, list[float]] | None) -> int:
+    """Print the table (and the JSON line); ``engine`` is None with ``--disk-only`` (its figures null)."""
+
+    def med_gbps(name: str) -> float | None:
+        return None if engine is None else gbps(nbytes, statistics.median(engine[name]))
+
+    offload, onboard = med_gbps("offload_t"), med_gbps("onboard_t")
+    base_off, base_on = med_gbps("base_off_t"), med_gbps("base_on_t")
     result: dict[str, Any] = {
         "offload_gbps": offload,
         "onboard_gbps": onboard,
-        "baseline_copy_gbps": baseline,
+        "baseline_copy_gbps": None if base_off is None or base_on is None else (base_off + base_on) / 2,
         "baseline_offload_dir_gbps": base_off,
         "baseline_onboard_dir_gbps": base_on,
-        "offload_ratio": offload / base_off,
-        "onboard_ratio": onboard / base_on,
+        "offload_ratio": None if offload is None or base_off is None else offload / base_off,
+        "onboard_ratio": None if onboard is None or base_on is None else onboard / base_on,
         "disk_write_ratio": None,
         "disk_read_ratio": None,
         **disk,
-        "blocks_per_copy_run": statistics.median(per_run),
-        "config": {"requests": requests, "blocks_per_request": per_request, "block_bytes": block_bytes,
+        "blocks_per_copy_run": None if engine is None else statistics.median(engine["per_run"]),
+        "config": {"requests": requests, "blocks_per_request": per_request, "block_bytes": args.block_kib * 1024,
                    "total_bytes": nbytes, "window": args.window, "copy_workers": args.copy_workers,
                    "trials": trials, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
     }
@@ -323,11 +341,12 @@ def main(argv: list[str] | None = None) -> int:
           f"= {nbytes / 2**20:.0f} MiB per pass, window {args.window}, {args.copy_workers} copy workers, "
           f"median of {trials}")
     print(f"{'path':<34}{'GB/s':>9}{'ratio':>9}")
-    print(f"{'baseline copy_ device->pool':<34}{fmt(base_off):>9}")
-    print(f"{'baseline copy_ pool->device':<34}{fmt(base_on):>9}")
-    print(f"{'engine offload':<34}{fmt(offload):>9}{fmt(result['offload_ratio']):>9}")
-    print(f"{'engine onboard':<34}{fmt(onboard):>9}{fmt(result['onboard_ratio']):>9}")
-    print(f"{'blocks per coalesced copy':<34}{fmt(result['blocks_per_copy_run']):>9}")
+    if engine is not None:
+        print(f"{'baseline copy_ device->pool':<34}{fmt(base_off):>9}")
+        print(f"{'baseline copy_ pool->device':<34}{fmt(base_on):>9}")
+        print(f"{'engine offload':<34}{fmt(offload):>9}{fmt(result['offload_ratio']):>9}")
+        print(f"{'engine onboard':<34}{fmt(onboard):>9}{fmt(result['onboard_ratio']):>9}")
+        print(f"{'blocks per coalesced copy':<34}{fmt(result['blocks_per_copy_run']):>9}")
     if disk.get("disk_tier_available"):
         print(f"{'plain files write (old: file obj)':<34}{fmt(disk['old_file_write_gbps']):>9}")
         print(f"{'plain files write (raw fd, buffer)':<34}{fmt(disk['file_write_gbps']):>9}")
