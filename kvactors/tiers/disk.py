@@ -34,7 +34,7 @@ from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers.base import ReportFn, SecondaryTier
 from kvactors.tiers.disk_files import MAX_NAME_CHARS, SUFFIX, TMP_PREFIX, DiskTierError, describe, file_name, fsync_dir
-from kvactors.tiers.disk_group import GROUP_SUFFIX, MAX_KEYS, encode_head, key_checksum, write_group
+from kvactors.tiers.disk_group import ALIGN, ENTRY_BYTES, GROUP_SUFFIX, MAX_KEYS, encode_head, key_checksum, write_group
 from kvactors.tiers.disk_index import DiskFile, DiskIndex
 from kvactors.tiers.disk_read import Item, load_group, load_legacy, scan
 from kvactors.tiers.runner import JobRunner, Outcome, RunningJob
@@ -65,7 +65,7 @@ class DiskTier(SecondaryTier):
     or being written) exceed the capacity. A file's bytes are freed when its last
     block leaves the tier (the file is deleted then): until that, the slots of its
     evicted blocks still count, so a file kept by one recently used block holds
-    the room of all its blocks. A store's file is at most a quarter of the capacity.
+    the room of all its blocks.
 
     ``io_workers`` threads (named ``kvactors-disk-<name>-N``) do the I/O;
     ``submit_store``/``submit_load`` return at once and every job is reported
@@ -355,16 +355,15 @@ class DiskTier(SecondaryTier):
         return failed
 
     def _groups(self, keys: Sequence[OffloadKey], positions: list[int]) -> Iterable[list[int]]:
-        """``positions`` split into groups of at most ``MAX_KEYS`` keys and a quarter of the capacity
-        (a single key may exceed it; its store then fails if it exceeds the capacity)."""
-        limit = self.capacity_bytes // 4
+        """``positions`` split into groups of at most ``MAX_KEYS`` keys whose file fits the capacity
+        (a single key may not; its store then fails)."""
         group: list[int] = []
-        size = 0
+        size = ALIGN
         for i in positions:
-            step = self._row_bytes + 18 + len(keys[i])  # payload and table entry
-            if group and (len(group) >= MAX_KEYS or size + step + 4096 > limit):
+            step = self._row_bytes + ENTRY_BYTES + len(keys[i])
+            if group and (len(group) >= MAX_KEYS or size + step > self.capacity_bytes):
                 yield group
-                group, size = [], 0
+                group, size = [], ALIGN
             group.append(i)
             size += step
         if group:

@@ -43,6 +43,8 @@ MAX_HEAD_BYTES = 64 << 20
 _HEAD = struct.Struct("<4sIII")
 _ENTRY = struct.Struct("<QQH")
 _DIGEST = struct.Struct("<Q")
+ENTRY_BYTES = _ENTRY.size
+"""Bytes of a table entry, besides its key."""
 
 
 @dataclass(frozen=True, slots=True)
