@@ -27,8 +27,12 @@ from dataclasses import dataclass
 import xxhash
 
 from kvactors.tiers.codec import CorruptRecordError
+from kvactors.tiers.codec import checksum as key_checksum  # XXH3-64 of key then payload, as in KVA2
 from kvactors.tiers.disk_files import O_CLOEXEC, O_NOFOLLOW
 from kvactors.types import OffloadKey
+
+__all__ = ["ALIGN", "ENTRY_BYTES", "GROUP_MAGIC", "GROUP_SUFFIX", "MAX_KEYS", "GroupTable", "data_offset",
+           "decode_head", "encode_head", "group_size", "key_checksum", "read_run", "read_table", "write_group"]
 
 GROUP_MAGIC = b"KVA3"
 GROUP_SUFFIX = ".kvg"
@@ -57,13 +61,6 @@ class GroupTable:
     block_bytes: int
     head_bytes: bytes  # head, table and digest: a reader compares it to find the same file
     file_size: int
-
-
-def key_checksum(key: OffloadKey, payload: bytes | memoryview) -> int:
-    """XXH3-64 of ``key`` then ``payload``."""
-    digest = xxhash.xxh3_64(key)
-    digest.update(payload)
-    return digest.intdigest()
 
 
 def data_offset(keys: Sequence[OffloadKey]) -> int:
