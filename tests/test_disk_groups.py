@@ -234,7 +234,7 @@ def test_two_jobs_storing_overlapping_keys(harness) -> None:  # type: ignore[no-
 
 @pytest.mark.timeout(60)
 def test_capacity_never_exceeded_under_a_stress_of_stores_loads_and_evictions(harness) -> None:  # type: ignore[no-untyped-def]
-    cap = 6 * group_size([b"s000-0"] * 3, BLOCK)
+    cap = 6 * group_size([b"s000-0-0"] * 3, BLOCK)
     h = harness(capacity_bytes=cap, io_workers=4, rows=64)
     stop = threading.Event()
     peak = [0]
@@ -249,15 +249,16 @@ def test_capacity_never_exceeded_under_a_stress_of_stores_loads_and_evictions(ha
     stored: list[list[OffloadKey]] = []
     try:
         for step in range(120):
-            keys = [b"s%03d-%d" % (step, j) for j in range(rng.randint(1, 4))]
-            pending = [h.submit(keys, [j for j in range(len(keys))], False)]
-            if stored:
-                old = rng.choice(stored)
-                pending.append(h.submit(old, [32 + j for j in range(len(old))], True))
-            stored.append(keys)
+            pending: dict[int, bool] = {}  # job id -> is a store
+            for part in range(2):  # two stores at once, and a load of an earlier one
+                keys = [b"s%03d-%d-%d" % (step, part, j) for j in range(rng.randint(1, 4))]
+                pending[h.submit(keys, [8 * part + j for j in range(len(keys))], False)] = True
+                stored.append(keys)
+            old = rng.choice(stored[:-2] or stored)
+            pending[h.submit(old, [32 + j for j in range(len(old))], True)] = False
             for _ in pending:
                 result = h.results.get(timeout=WAIT)
-                assert result.success or result.job_id != pending[0], result.error  # loads may miss (evicted)
+                assert result.success or not pending[result.job_id], result.error  # loads may miss (evicted)
     finally:
         stop.set()
         watcher.join(WAIT)
