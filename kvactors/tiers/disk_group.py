@@ -181,12 +181,10 @@ def _skip(bufs: Sequence[bytes | memoryview], skip: int) -> list[memoryview]:
     return rest
 
 
-def read_run(fd: int, offset: int, rows: Sequence[memoryview]) -> int:
-    """``preadv`` the payloads at ``offset`` (consecutive slots) into ``rows``; the bytes read.
-
-    Fewer bytes than the rows hold means the file ends early (it was truncated).
+def read_run(fd: int, offset: int, rows: Sequence[memoryview], need: int) -> int:
+    """``preadv`` the payloads at ``offset`` (consecutive slots) into ``rows`` (``need`` bytes in
+    all); the bytes read. Fewer than ``need`` means the file ends early (it was truncated).
     """
-    need = sum(r.nbytes for r in rows)
     got = os.preadv(fd, rows, offset)
     while 0 < got < need:  # short read: go on, from where it stopped
         n = os.preadv(fd, _skip(rows, got), offset + got)

@@ -118,9 +118,9 @@ def _read_verify(fd: int, file: DiskFile, run: Sequence[Item], failed: dict[int,
     (its row still in the CPU's cache). A read that fails for several keys is retried key
     by key, so that a bad key fails alone."""
     start = run[0][1].offset
-    views = [view for *_, view in run]
+    block = file.block_bytes
     try:
-        got = read_run(fd, start, views)
+        end = start + read_run(fd, start, [view for *_, view in run], len(run) * block)
     except OSError as exc:
         if len(run) == 1:
             failed[run[0][0]] = f"DiskTierError: unreadable file {file.name}: {describe(exc)}"
@@ -129,8 +129,8 @@ def _read_verify(fd: int, file: DiskFile, run: Sequence[Item], failed: dict[int,
                 _read_verify(fd, file, [item], failed)
         return
     for i, slot, key, view in run:
-        if slot.offset + view.nbytes > start + got:
-            failed[i] = (f"DiskTierError: corrupt file {file.name}: truncated, file is {start + got} "
+        if slot.offset + block > end:
+            failed[i] = (f"DiskTierError: corrupt file {file.name}: truncated, file is {end} "
                          f"bytes, expected {file.size}")
         elif key_checksum(key, view) != slot.checksum:
             failed[i] = f"DiskTierError: block {key.hex()[:32]}: corrupt file {file.name}: checksum mismatch"
