@@ -250,6 +250,39 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
             "file_read_rows_gbps": rows_read, "disk_read_rows_ratio": load / rows_read}
 
 
+def disk_only(args: argparse.Namespace, requests: int, per_request: int, block_bytes: int, trials: int) -> int:
+    """``--disk-only``: :func:`disk_bench` alone, on a plain tensor of random rows; prints the disk
+    rows of the table, and with ``--json`` the same JSON names as a whole run (the others null)."""
+    blocks = requests * per_request
+    pool = torch.randint(0, 256, (64, block_bytes), dtype=torch.uint8).repeat((blocks + 63) // 64, 1)[:blocks]
+    pool = (pool + torch.arange(blocks).to(torch.uint8)[:, None]).contiguous()  # rows differ
+    disk = disk_bench(pool, requests, per_request, trials)
+    engine_names = ("offload_gbps", "onboard_gbps", "baseline_copy_gbps", "baseline_offload_dir_gbps",
+                    "baseline_onboard_dir_gbps", "offload_ratio", "onboard_ratio")
+    result: dict[str, Any] = {**dict.fromkeys(engine_names), "disk_write_ratio": None, "disk_read_ratio": None,
+                              **disk, "blocks_per_copy_run": None,
+                              "config": {"requests": requests, "blocks_per_request": per_request,
+                                         "block_bytes": block_bytes, "total_bytes": blocks * block_bytes,
+                                         "trials": trials, "disk_only": True, "cpus": os.cpu_count()}}
+    print(f"DiskTier bench: {requests} jobs x {per_request} blocks x {block_bytes >> 10} KiB, median of {trials}")
+    if disk.get("disk_tier_available"):
+        rows = [("plain files write (old: file obj)", "old_file_write_gbps", None),
+                ("plain files write (raw fd, buffer)", "file_write_gbps", None),
+                ("DiskTier store", "disk_store_gbps", ("disk_write_ratio", "old_disk_write_ratio")),
+                ("plain files read (old: file obj)", "old_file_read_gbps", None),
+                ("plain files read (readinto buffer)", "file_read_gbps", None),
+                ("plain files read into pool rows", "file_read_rows_gbps", None),
+                ("DiskTier load", "disk_load_gbps", ("disk_read_ratio", "old_disk_read_ratio"))]
+        for label, name, ratios in rows:
+            extra = "" if ratios is None else (f"{disk[ratios[0]]:9.2f}{disk[ratios[1]]:9.2f} (new, old baseline)")
+            print(f"{label:<34}{disk[name]:9.2f}{extra}")
+    else:
+        print(f"disk: {disk['disk_note']}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -259,13 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     parser.add_argument("--requests", type=int, default=None, help="requests per pass (default 256, quick 64)")
     parser.add_argument("--blocks-per-request", type=int, default=16)
+    parser.add_argument("--disk-only", action="store_true",
+                        help="only the disk part (DiskTier vs plain files); the other figures are null")
     parser.add_argument("--block-kib", type=int, default=256)
     parser.add_argument("--window", type=int, default=8, help="requests in flight")
     parser.add_argument("--copy-workers", type=int, default=1)
     parser.add_argument("--trials", type=int, default=None, help="default 7, quick 5")
     parser.add_argument("--disk-requests", type=int, default=None, help="default 64, quick 16")
-    parser.add_argument("--disk-only", action="store_true",
-                        help="skip the TransferEngine part (its figures are null); the disk part alone")
     args = parser.parse_args(argv)
 
     requests = args.requests or (64 if args.quick else 256)
@@ -275,21 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     block_bytes = args.block_kib * 1024
     total_blocks = requests * per_request
     nbytes = total_blocks * block_bytes
+    if args.disk_only:
+        return disk_only(args, min(disk_requests, requests), per_request, block_bytes, trials)
 
     # Random bytes, cheaply: 64 random rows, repeated, each row shifted by its index (so rows differ).
     seed_rows = torch.randint(0, 256, (64, block_bytes), dtype=torch.uint8)
     device = seed_rows.repeat((total_blocks + 63) // 64, 1)[:total_blocks].contiguous()
     device += torch.arange(total_blocks).to(torch.uint8)[:, None]
-    if args.disk_only:
-        disk_blocks = min(disk_requests, requests) * per_request
-        disk = disk_bench(device[:disk_blocks].clone(), min(disk_requests, requests), per_request, trials)
-        return report(args, disk, requests, per_request, trials, nbytes, None)
     reference = device.clone()
-    offload_t: list[float] = []
-    onboard_t: list[float] = []
-    base_off_t: list[float] = []
-    base_on_t: list[float] = []
-    per_run: list[float] = []
+    offload_t, onboard_t, base_off_t, base_on_t, per_run = [], [], [], [], []
     with TieringManager.start(num_blocks=total_blocks, block_bytes=block_bytes) as manager:
         pool = manager.pool
         with TransferEngine(manager, device, copy_workers=args.copy_workers) as engine:
@@ -303,33 +330,25 @@ def main(argv: list[str] | None = None) -> int:
                 onboard_t.append(t_on)
                 per_run.append(blocks_per_run)
         disk = disk_bench(pool, min(disk_requests, requests), per_request, trials)
-    engine = {"offload_t": offload_t, "onboard_t": onboard_t, "base_off_t": base_off_t, "base_on_t": base_on_t,
-              "per_run": per_run}
-    return report(args, disk, requests, per_request, trials, nbytes, engine)
 
-
-def report(args: argparse.Namespace, disk: dict[str, Any], requests: int, per_request: int, trials: int,
-           nbytes: int, engine: dict[str, list[float]] | None) -> int:
-    """Print the table (and the JSON line); ``engine`` is None with ``--disk-only`` (its figures null)."""
-
-    def med_gbps(name: str) -> float | None:
-        return None if engine is None else gbps(nbytes, statistics.median(engine[name]))
-
-    offload, onboard = med_gbps("offload_t"), med_gbps("onboard_t")
-    base_off, base_on = med_gbps("base_off_t"), med_gbps("base_on_t")
+    offload = gbps(nbytes, statistics.median(offload_t))
+    onboard = gbps(nbytes, statistics.median(onboard_t))
+    base_off = gbps(nbytes, statistics.median(base_off_t))
+    base_on = gbps(nbytes, statistics.median(base_on_t))
+    baseline = (base_off + base_on) / 2
     result: dict[str, Any] = {
         "offload_gbps": offload,
         "onboard_gbps": onboard,
-        "baseline_copy_gbps": None if base_off is None or base_on is None else (base_off + base_on) / 2,
+        "baseline_copy_gbps": baseline,
         "baseline_offload_dir_gbps": base_off,
         "baseline_onboard_dir_gbps": base_on,
-        "offload_ratio": None if offload is None or base_off is None else offload / base_off,
-        "onboard_ratio": None if onboard is None or base_on is None else onboard / base_on,
+        "offload_ratio": offload / base_off,
+        "onboard_ratio": onboard / base_on,
         "disk_write_ratio": None,
         "disk_read_ratio": None,
         **disk,
-        "blocks_per_copy_run": None if engine is None else statistics.median(engine["per_run"]),
-        "config": {"requests": requests, "blocks_per_request": per_request, "block_bytes": args.block_kib * 1024,
+        "blocks_per_copy_run": statistics.median(per_run),
+        "config": {"requests": requests, "blocks_per_request": per_request, "block_bytes": block_bytes,
                    "total_bytes": nbytes, "window": args.window, "copy_workers": args.copy_workers,
                    "trials": trials, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
     }
@@ -341,12 +360,11 @@ def report(args: argparse.Namespace, disk: dict[str, Any], requests: int, per_re
           f"= {nbytes / 2**20:.0f} MiB per pass, window {args.window}, {args.copy_workers} copy workers, "
           f"median of {trials}")
     print(f"{'path':<34}{'GB/s':>9}{'ratio':>9}")
-    if engine is not None:
-        print(f"{'baseline copy_ device->pool':<34}{fmt(base_off):>9}")
-        print(f"{'baseline copy_ pool->device':<34}{fmt(base_on):>9}")
-        print(f"{'engine offload':<34}{fmt(offload):>9}{fmt(result['offload_ratio']):>9}")
-        print(f"{'engine onboard':<34}{fmt(onboard):>9}{fmt(result['onboard_ratio']):>9}")
-        print(f"{'blocks per coalesced copy':<34}{fmt(result['blocks_per_copy_run']):>9}")
+    print(f"{'baseline copy_ device->pool':<34}{fmt(base_off):>9}")
+    print(f"{'baseline copy_ pool->device':<34}{fmt(base_on):>9}")
+    print(f"{'engine offload':<34}{fmt(offload):>9}{fmt(result['offload_ratio']):>9}")
+    print(f"{'engine onboard':<34}{fmt(onboard):>9}{fmt(result['onboard_ratio']):>9}")
+    print(f"{'blocks per coalesced copy':<34}{fmt(result['blocks_per_copy_run']):>9}")
     if disk.get("disk_tier_available"):
         print(f"{'plain files write (old: file obj)':<34}{fmt(disk['old_file_write_gbps']):>9}")
         print(f"{'plain files write (raw fd, buffer)':<34}{fmt(disk['file_write_gbps']):>9}")
