@@ -114,6 +114,39 @@ def _settle_writeback() -> None:
         os.sync()
 
 
+def disk_only(args: argparse.Namespace, requests: int, per_request: int, block_bytes: int, trials: int) -> int:
+    """``--disk-only``: :func:`disk_bench` alone, on a plain tensor of random rows; prints the disk
+    rows of the table, and with ``--json`` the same JSON names as a whole run (the others null)."""
+    blocks = requests * per_request
+    pool = torch.randint(0, 256, (64, block_bytes), dtype=torch.uint8).repeat((blocks + 63) // 64, 1)[:blocks]
+    pool = (pool + torch.arange(blocks).to(torch.uint8)[:, None]).contiguous()  # rows differ
+    disk = disk_bench(pool, requests, per_request, trials)
+    engine_names = ("offload_gbps", "onboard_gbps", "baseline_copy_gbps", "baseline_offload_dir_gbps",
+                    "baseline_onboard_dir_gbps", "offload_ratio", "onboard_ratio")
+    result: dict[str, Any] = {**dict.fromkeys(engine_names), "disk_write_ratio": None, "disk_read_ratio": None,
+                              **disk, "blocks_per_copy_run": None,
+                              "config": {"requests": requests, "blocks_per_request": per_request,
+                                         "block_bytes": block_bytes, "total_bytes": blocks * block_bytes,
+                                         "trials": trials, "disk_only": True, "cpus": os.cpu_count()}}
+    print(f"DiskTier bench: {requests} jobs x {per_request} blocks x {block_bytes >> 10} KiB, median of {trials}")
+    if disk.get("disk_tier_available"):
+        rows = [("plain files write (old: file obj)", "old_file_write_gbps", None),
+                ("plain files write (raw fd, buffer)", "file_write_gbps", None),
+                ("DiskTier store", "disk_store_gbps", ("disk_write_ratio", "old_disk_write_ratio")),
+                ("plain files read (old: file obj)", "old_file_read_gbps", None),
+                ("plain files read (readinto buffer)", "file_read_gbps", None),
+                ("plain files read into pool rows", "file_read_rows_gbps", None),
+                ("DiskTier load", "disk_load_gbps", ("disk_read_ratio", "old_disk_read_ratio"))]
+        for label, name, ratios in rows:
+            extra = "" if ratios is None else (f"{disk[ratios[0]]:9.2f}{disk[ratios[1]]:9.2f} (new, old baseline)")
+            print(f"{label:<34}{disk[name]:9.2f}{extra}")
+    else:
+        print(f"disk: {disk['disk_note']}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int) -> dict[str, Any]:
     try:
         from kvactors.tiers.disk import DiskTier  # type: ignore[import-not-found,unused-ignore]
@@ -248,39 +281,6 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
             "old_file_write_gbps": old_write, "old_file_read_gbps": old_read,
             "old_disk_write_ratio": store / old_write, "old_disk_read_ratio": load / old_read,
             "file_read_rows_gbps": rows_read, "disk_read_rows_ratio": load / rows_read}
-
-
-def disk_only(args: argparse.Namespace, requests: int, per_request: int, block_bytes: int, trials: int) -> int:
-    """``--disk-only``: :func:`disk_bench` alone, on a plain tensor of random rows; prints the disk
-    rows of the table, and with ``--json`` the same JSON names as a whole run (the others null)."""
-    blocks = requests * per_request
-    pool = torch.randint(0, 256, (64, block_bytes), dtype=torch.uint8).repeat((blocks + 63) // 64, 1)[:blocks]
-    pool = (pool + torch.arange(blocks).to(torch.uint8)[:, None]).contiguous()  # rows differ
-    disk = disk_bench(pool, requests, per_request, trials)
-    engine_names = ("offload_gbps", "onboard_gbps", "baseline_copy_gbps", "baseline_offload_dir_gbps",
-                    "baseline_onboard_dir_gbps", "offload_ratio", "onboard_ratio")
-    result: dict[str, Any] = {**dict.fromkeys(engine_names), "disk_write_ratio": None, "disk_read_ratio": None,
-                              **disk, "blocks_per_copy_run": None,
-                              "config": {"requests": requests, "blocks_per_request": per_request,
-                                         "block_bytes": block_bytes, "total_bytes": blocks * block_bytes,
-                                         "trials": trials, "disk_only": True, "cpus": os.cpu_count()}}
-    print(f"DiskTier bench: {requests} jobs x {per_request} blocks x {block_bytes >> 10} KiB, median of {trials}")
-    if disk.get("disk_tier_available"):
-        rows = [("plain files write (old: file obj)", "old_file_write_gbps", None),
-                ("plain files write (raw fd, buffer)", "file_write_gbps", None),
-                ("DiskTier store", "disk_store_gbps", ("disk_write_ratio", "old_disk_write_ratio")),
-                ("plain files read (old: file obj)", "old_file_read_gbps", None),
-                ("plain files read (readinto buffer)", "file_read_gbps", None),
-                ("plain files read into pool rows", "file_read_rows_gbps", None),
-                ("DiskTier load", "disk_load_gbps", ("disk_read_ratio", "old_disk_read_ratio"))]
-        for label, name, ratios in rows:
-            extra = "" if ratios is None else (f"{disk[ratios[0]]:9.2f}{disk[ratios[1]]:9.2f} (new, old baseline)")
-            print(f"{label:<34}{disk[name]:9.2f}{extra}")
-    else:
-        print(f"disk: {disk['disk_note']}")
-    if args.json:
-        print(json.dumps(result))
-    return 0
 
 
 # ---------------------------------------------------------------- main
