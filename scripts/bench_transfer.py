@@ -115,6 +115,39 @@ def _settle_writeback() -> None:
         os.sync()
 
 
+def disk_only(args: argparse.Namespace, requests: int, per_request: int, block_bytes: int, trials: int) -> int:
+    """``--disk-only``: :func:`disk_bench` alone, on a plain tensor of random rows; prints the disk
+    rows of the table, and with ``--json`` the same JSON names as a whole run (the others null)."""
+    blocks = requests * per_request
+    pool = torch.randint(0, 256, (64, block_bytes), dtype=torch.uint8).repeat((blocks + 63) // 64, 1)[:blocks]
+    pool = (pool + torch.arange(blocks).to(torch.uint8)[:, None]).contiguous()  # rows differ
+    disk = disk_bench(pool, requests, per_request, trials)
+    engine_names = ("offload_gbps", "onboard_gbps", "baseline_copy_gbps", "baseline_offload_dir_gbps",
+                    "baseline_onboard_dir_gbps", "offload_ratio", "onboard_ratio")
+    result: dict[str, Any] = {**dict.fromkeys(engine_names), "disk_write_ratio": None, "disk_read_ratio": None,
+                              **disk, "blocks_per_copy_run": None,
+                              "config": {"requests": requests, "blocks_per_request": per_request,
+                                         "block_bytes": block_bytes, "total_bytes": blocks * block_bytes,
+                                         "trials": trials, "disk_only": True, "cpus": os.cpu_count()}}
+    print(f"DiskTier bench: {requests} jobs x {per_request} blocks x {block_bytes >> 10} KiB, median of {trials}")
+    if disk.get("disk_tier_available"):
+        rows = [("plain files write (old: file obj)", "old_file_write_gbps", None),
+                ("plain files write (raw fd, buffer)", "file_write_gbps", None),
+                ("DiskTier store", "disk_store_gbps", ("disk_write_ratio", "old_disk_write_ratio")),
+                ("plain files read (old: file obj)", "old_file_read_gbps", None),
+                ("plain files read (readinto buffer)", "file_read_gbps", None),
+                ("plain files read into pool rows", "file_read_rows_gbps", None),
+                ("DiskTier load", "disk_load_gbps", ("disk_read_ratio", "old_disk_read_ratio"))]
+        for label, name, ratios in rows:
+            extra = "" if ratios is None else (f"{disk[ratios[0]]:9.2f}{disk[ratios[1]]:9.2f} (new, old baseline)")
+            print(f"{label:<34}{disk[name]:9.2f}{extra}")
+    else:
+        print(f"disk: {disk['disk_note']}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int) -> dict[str, Any]:
     try:
         from kvactors.tiers.disk import DiskTier  # type: ignore[import-not-found,unused-ignore]
@@ -368,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     parser.add_argument("--requests", type=int, default=None, help="requests per pass (default 256, quick 64)")
     parser.add_argument("--blocks-per-request", type=int, default=16)
+    parser.add_argument("--disk-only", action="store_true",
+                        help="only the disk part (DiskTier vs plain files); the other figures are null")
     parser.add_argument("--block-kib", type=int, default=256)
     parser.add_argument("--window", type=int, default=8, help="requests in flight")
     parser.add_argument("--copy-workers", type=int, default=1)
@@ -384,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     block_bytes = args.block_kib * 1024
     total_blocks = requests * per_request
     nbytes = total_blocks * block_bytes
+    if args.disk_only:
+        return disk_only(args, min(disk_requests, requests), per_request, block_bytes, trials)
 
     # Random bytes, cheaply: 64 random rows, repeated, each row shifted by its index (so rows differ).
     seed_rows = torch.randint(0, 256, (64, block_bytes), dtype=torch.uint8)

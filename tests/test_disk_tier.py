@@ -8,6 +8,7 @@ import errno
 import itertools
 import os
 import queue
+import re
 import shutil
 import stat
 import threading
@@ -18,7 +19,8 @@ import pytest
 import torch
 
 from kvactors.tiers import codec
-from kvactors.tiers.disk import SUFFIX, DiskTier, file_name
+from kvactors.tiers.disk import GROUP_SUFFIX, SUFFIX, DiskTier, file_name
+from kvactors.tiers.disk_group import group_size
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 N_ROWS = 16
@@ -30,7 +32,15 @@ _job_ids = itertools.count(1)
 
 
 def record_size(key: OffloadKey, block: int = BLOCK) -> int:
-    return codec.HEADER_SIZE + len(key) + block
+    """The bytes of a group file holding ``key`` alone."""
+    return group_size([key], block)
+
+
+def where(h: Harness, key: OffloadKey) -> tuple[Path, int, int]:
+    """The file holding ``key``, its payload's offset and length (``DiskTier.locate``)."""
+    found = h.tier.locate(key)
+    assert found is not None, key
+    return Path(found[0]), found[1], found[2]
 
 
 class Harness:
@@ -88,7 +98,7 @@ def keys_of(n: int, prefix: bytes = b"k") -> list[OffloadKey]:
 
 
 def block_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.name.endswith(SUFFIX))
+    return sorted(p for p in root.iterdir() if p.name.endswith((SUFFIX, GROUP_SUFFIX)))
 
 
 def disk_bytes(root: Path) -> int:
@@ -137,7 +147,7 @@ def test_store_of_present_key_skips_write(make, tmp_path: Path) -> None:
     h = make()
     key = b"same"
     assert h.store([key], [0]).success
-    path = tmp_path / "tier" / file_name(key)
+    path, _, _ = where(h, key)
     inode = path.stat().st_ino
     assert h.store([key], [1]).success  # different row: not rewritten
     assert path.stat().st_ino == inode
@@ -182,32 +192,33 @@ def test_dir_created_0700_and_files_0600(make, tmp_path: Path) -> None:
     root = tmp_path / "deep" / "tier"
     h = make(root)
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
-    assert h.store(keys_of(2), [0, 1]).success
+    assert h.store(keys_of(2), [0, 1]).success  # one job: one file
+    assert h.store([b"other"], [2]).success
     files = block_files(root)
     assert len(files) == 2
     for f in files:
         assert stat.S_IMODE(f.stat().st_mode) == 0o600
 
 
-def test_odd_keys_stay_inside_root_with_hex_names(make, tmp_path: Path) -> None:
+def test_odd_keys_stay_inside_root(make, tmp_path: Path) -> None:
     root = tmp_path / "tier"
     h = make(root)
     odd = [b"../../x", b"\x00/", b"/etc/passwd", b"."]
     assert h.store(odd, range(4)).success
-    names = {p.name for p in root.iterdir()}
-    assert names == {k.hex() + SUFFIX for k in odd}
+    (name,) = [p.name for p in root.iterdir()]  # the keys are in the file's table, not its name
+    assert re.fullmatch(r"g-[0-9a-f]+-[0-9]+" + re.escape(GROUP_SUFFIX), name)
     assert not (tmp_path / "x").exists()
     h.pool[:4].zero_()
     assert h.load(odd, range(4, 8)).success
 
 
-def test_long_key_uses_hashed_name(make, tmp_path: Path) -> None:
+def test_long_key_round_trip_short_name(make, tmp_path: Path) -> None:
     h = make()
     key = bytes(range(256)) * 2
     expected = h.pool[3].clone()
     assert h.store([key], [3]).success
     (name,) = [p.name for p in block_files(tmp_path / "tier")]
-    assert name == file_name(key) and name.startswith("h-") and len(name) < 200
+    assert len(name) < 100
     h.pool.zero_()
     assert h.load([key], [0]).success
     assert torch.equal(h.pool[0], expected)
@@ -217,7 +228,7 @@ def test_no_temp_files_left_and_leftovers_removed_on_open(make, tmp_path: Path) 
     root = tmp_path / "tier"
     h = make(root)
     assert h.store(keys_of(4), range(4)).success
-    assert all(p.name.endswith(SUFFIX) for p in root.iterdir())
+    assert [p.name.endswith(GROUP_SUFFIX) for p in root.iterdir()] == [True]
     h.tier.shutdown()
     (root / ".tmp-deadbeef").write_bytes(b"partial")
     (root / "unrelated.txt").write_bytes(b"not ours")
@@ -303,7 +314,7 @@ def test_restart_finds_blocks_byte_exact(make, tmp_path: Path) -> None:
 
     h2 = make(root, seed=1)
     assert h2.tier.lookup([*keys, b"other"], CTX) == [HIT] * 6 + [MISS]
-    assert h2.tier.used_bytes == 6 * record_size(keys[0])
+    assert h2.tier.used_bytes == group_size(keys, BLOCK) == disk_bytes(root)
     assert h2.load(keys, range(10, 16)).success
     assert torch.equal(h2.pool[10:16], original)
     assert h2.tier.take_events() == []
@@ -315,7 +326,7 @@ def test_restart_over_capacity_evicts_oldest(make, tmp_path: Path) -> None:
     keys = keys_of(4)
     for i, key in enumerate(keys):
         assert h1.store([key], [i]).success
-        path = root / file_name(key)
+        path, _, _ = where(h1, key)
         os.utime(path, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))  # distinct, increasing mtimes
     h1.tier.shutdown()
     h2 = make(root, capacity_bytes=2 * record_size(keys[0]))
@@ -326,15 +337,60 @@ def test_restart_over_capacity_evicts_oldest(make, tmp_path: Path) -> None:
 def test_restart_discards_invalid_files(make, tmp_path: Path) -> None:
     root = tmp_path / "tier"
     h1 = make(root)
-    keys = keys_of(3)
-    assert h1.store(keys, range(3)).success
+    keys = keys_of(7)
+    for i, key in enumerate(keys):  # one file each
+        assert h1.store([key], [i]).success
+    paths = [where(h1, key)[0] for key in keys]
     h1.tier.shutdown()
-    (root / file_name(keys[0])).write_bytes(b"garbage")  # bad header
-    # A valid record under another key's name.
-    os.replace(root / file_name(keys[1]), root / file_name(b"elsewhere"))
+    paths[0].write_bytes(b"garbage")  # bad head
+    data = bytearray(paths[1].read_bytes())
+    data[20] ^= 0x01  # a byte of the table: its checksum fails
+    paths[1].write_bytes(bytes(data))
+    with open(paths[2], "ab") as f:  # longer than its table says
+        f.write(b"\0")
+    with open(paths[3], "r+b") as f:  # cut short
+        f.truncate(paths[3].stat().st_size - 1)
+    os.replace(paths[4], root / file_name(keys[4]))  # a group file under a KVA2 name
+    # A valid KVA2 record, but under another key's name.
+    (root / file_name(b"elsewhere")).write_bytes(codec.encode(keys[5], h1.pool[5].numpy().tobytes()))
     h2 = make(root)
-    assert h2.tier.lookup([*keys, b"elsewhere"], CTX) == [MISS] * 2 + [HIT, MISS]
-    assert [p.name for p in block_files(root)] == [file_name(keys[2])]
+    assert h2.tier.lookup([*keys, b"elsewhere"], CTX) == [MISS] * 5 + [HIT, HIT, MISS]
+    assert block_files(root) == sorted(paths[5:])
+    assert h2.tier.used_bytes == disk_bytes(root) == 2 * record_size(keys[0])
+
+
+def test_restart_reads_kva2_files_of_the_old_version(make, tmp_path: Path) -> None:
+    """A directory written by the one-file-per-block code loads after an upgrade."""
+    root = tmp_path / "tier"
+    root.mkdir(mode=0o700)
+    gen = torch.Generator().manual_seed(5)
+    old = torch.randint(0, 256, (3, BLOCK), dtype=torch.uint8, generator=gen)
+    long_key = bytes(range(256)) * 2  # its old file name is a hash
+    old_keys = [b"old-a", b"old-b", long_key]
+    for key, row in zip(old_keys, old, strict=True):
+        (root / file_name(key)).write_bytes(codec.encode(key, row.numpy().tobytes()))  # the KVA2 record
+    h = make(root, capacity_bytes=3 * (codec.HEADER_SIZE + len(long_key) + BLOCK) + 2 * record_size(b"new"))
+    assert h.tier.lookup(old_keys, CTX) == [HIT] * 3
+    assert h.tier.used_bytes == disk_bytes(root)
+    assert h.store([b"new"], [0]).success  # new blocks go to group files beside them
+    res = h.load([*old_keys, b"new"], [4, 5, 6, 7])
+    assert res.success, res.error
+    assert torch.equal(h.pool[4:7], old) and torch.equal(h.pool[7], h.pool[0])
+    # A damaged old file fails its key alone, and goes.
+    damaged = root / file_name(b"old-b")
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    res = h.load(old_keys, [4, 5, 6])
+    assert not res.success and res.successful_keys == (b"old-a", long_key)
+    assert "checksum" in (res.error or "") and not damaged.exists()
+    # Old files are evicted per key, like the others; the disk stays within the capacity.
+    h.tier.take_events()
+    for i in range(3):
+        assert h.store([b"more%d" % i], [i]).success
+        assert disk_bytes(root) <= h.tier.capacity_bytes
+    assert set(flatten(h.tier.take_events(), removed=True)) >= {b"old-a"}
+    assert not (root / file_name(b"old-a")).exists()
 
 
 def test_restart_with_other_block_size_discards(make, tmp_path: Path) -> None:
@@ -353,13 +409,13 @@ def test_restart_with_other_block_size_discards(make, tmp_path: Path) -> None:
 def _corrupt_then_expect_miss(h: Harness, root: Path, key: OffloadKey, damage) -> str:
     assert h.store([key], [0]).success
     h.tier.take_events()
-    path = root / file_name(key)
+    path, _, _ = where(h, key)
     damage(path)
     h.pool[5].fill_(7)
     res = h.load([key], [5])
     assert not res.success
     assert h.tier.lookup([key], CTX) == [MISS]
-    assert not path.exists()
+    assert not path.exists()  # its only key left: the file went with it
     assert flatten(h.tier.take_events(), removed=True) == [key]
     h.assert_no_more_reports()
     return res.error or ""
@@ -376,12 +432,12 @@ def test_flipped_byte_fails_load_then_miss(make, tmp_path: Path) -> None:
     assert "checksum" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", flip)
 
 
-def test_flipped_key_byte_fails_load(make, tmp_path: Path) -> None:
+def test_flipped_table_byte_fails_load(make, tmp_path: Path) -> None:
     h = make()
 
     def flip(path: Path) -> None:
         data = bytearray(path.read_bytes())
-        data[codec.HEADER_SIZE] ^= 0x01
+        data[16 + 18] ^= 0x01  # the first byte of the key in the table
         path.write_bytes(data)
 
     assert "corrupt" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", flip)
@@ -412,16 +468,61 @@ def test_deleted_file_fails_load_then_miss(make, tmp_path: Path) -> None:
     assert "missing" in _corrupt_then_expect_miss(h, tmp_path / "tier", b"key", Path.unlink)
 
 
-def test_one_bad_block_fails_whole_job(make, tmp_path: Path) -> None:
+def test_one_bad_block_in_a_group_fails_alone(make, tmp_path: Path) -> None:
+    """A flipped payload byte of one key of a file: that key fails and leaves, the others of
+    the same file load in the same job, byte-exact, and stay."""
     h = make()
     keys = keys_of(4)
+    original = h.pool[:4].clone()
     assert h.store(keys, range(4)).success
-    with open(tmp_path / "tier" / file_name(keys[2]), "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+    path, offset, length = where(h, keys[2])
+    assert {where(h, k)[0] for k in keys} == {path}  # one file
+    with open(path, "r+b") as f:
+        f.seek(offset + length - 1)
+        byte = f.read(1)
+        f.seek(offset + length - 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    h.tier.take_events()
+    h.pool[4:8].zero_()
     res = h.load(keys, range(4, 8))
-    assert not res.success
+    assert not res.success and "checksum" in (res.error or "")
+    assert res.successful_keys == (keys[0], keys[1], keys[3])
+    for i in (0, 1, 3):
+        assert torch.equal(h.pool[4 + i], original[i])
     assert h.tier.lookup(keys, CTX) == [HIT, HIT, MISS, HIT]
+    assert flatten(h.tier.take_events(), removed=True) == [keys[2]]
+    assert path.exists() and h.tier.used_bytes == disk_bytes(tmp_path / "tier")  # the dead slot still counts
+    assert h.load([keys[0], keys[1], keys[3]], range(8, 11)).success
+
+
+def test_group_cut_in_the_middle_loads_the_keys_before_the_cut(make, tmp_path: Path) -> None:
+    h = make()
+    keys = keys_of(6)
+    original = h.pool[:6].clone()
+    assert h.store(keys, range(6)).success
+    path, offset, length = where(h, keys[3])
+    with open(path, "r+b") as f:
+        f.truncate(offset + length // 2)  # in the middle of key 3's payload
+    h.pool[8:14].zero_()
+    res = h.load(list(reversed(keys)), range(8, 14))
+    assert not res.success and "truncated" in (res.error or "")
+    assert set(res.successful_keys or ()) == set(keys[:3])
+    for i in range(3):
+        assert torch.equal(h.pool[13 - i], original[i])
+    assert h.tier.lookup(keys, CTX) == [HIT] * 3 + [MISS] * 3
+    h.assert_no_more_reports()
+
+
+def test_file_removed_under_a_group_fails_its_keys_only(make, tmp_path: Path) -> None:
+    h = make()
+    assert h.store([b"a", b"b"], [0, 1]).success
+    assert h.store([b"c"], [2]).success
+    where(h, b"a")[0].unlink()
+    res = h.load([b"a", b"b", b"c"], [4, 5, 6])
+    assert not res.success and "missing" in (res.error or "")
+    assert res.successful_keys == (b"c",)
+    assert h.tier.lookup([b"a", b"b", b"c"], CTX) == [MISS, MISS, HIT]
+    assert h.tier.used_bytes == disk_bytes(tmp_path / "tier") == record_size(b"c")
 
 
 # ---------------------------------------------------------------- I/O errors
@@ -589,17 +690,21 @@ def test_short_reads_and_writes_still_byte_exact(make, monkeypatch) -> None:
     h = make()
     keys = keys_of(3)
     original = h.pool[:3].clone()
-    real_readv, real_writev = os.readv, os.writev
+    real_preadv, real_writev, real_pwritev = os.preadv, os.writev, os.pwritev
 
-    def short_readv(fd: int, buffers: Sequence[memoryview]) -> int:
-        return real_readv(fd, [memoryview(buffers[0])[:1000]])
+    def short_preadv(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return real_preadv(fd, [memoryview(buffers[0])[:1000]], offset)
 
     def short_writev(fd: int, buffers: Sequence[bytes]) -> int:
         return real_writev(fd, [memoryview(buffers[0])[:5]])
 
+    def short_pwritev(fd: int, buffers: Sequence[bytes], offset: int) -> int:
+        return real_pwritev(fd, [memoryview(buffers[0])[:777]], offset)
+
     monkeypatch.setattr(os, "writev", short_writev)
+    monkeypatch.setattr(os, "pwritev", short_pwritev)
     assert h.store(keys, range(3)).success
-    monkeypatch.setattr(os, "readv", short_readv)
+    monkeypatch.setattr(os, "preadv", short_preadv)
     h.pool.zero_()
     assert h.load(keys, range(3, 6)).success
     assert torch.equal(h.pool[3:6], original)

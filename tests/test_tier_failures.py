@@ -40,7 +40,6 @@ from kvactors.core.quarantine import PromotionQuarantine
 from kvactors.testing import SimRuntime
 from kvactors.testing.tiers import pattern
 from kvactors.tiers import codec
-from kvactors.tiers.disk import file_name
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 BLOCK = 4096
@@ -102,21 +101,26 @@ def _fd_path(fd: int) -> str:
 
 
 DISK_DAMAGE = ("eio", "eacces", "directory", "symlink", "missing", "empty", "truncated", "other_format",
-               "key_mismatch", "checksum")
+               "key_mismatch", "checksum", "eio_in_group", "truncated_in_group", "checksum_in_group")
+"""Kinds ending ``_in_group`` damage B inside a file that holds A, C and B (in that order);
+the others damage a file that holds B alone (each key is stored on its own first)."""
 
 
-def damage_file(kind: str, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    victim = root / file_name(B)
-    other = root / file_name(A)
-    if kind == "eio":
-        readv = os.readv
+def damage_file(kind: str, tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    found, other = tier.locate(B), tier.locate(A)
+    assert found is not None and other is not None
+    victim, offset, length = Path(found[0]), found[1], found[2]
+    kind = kind.removesuffix("_in_group")
+    if kind == "eio":  # a read that covers B's bytes fails
+        preadv = os.preadv
 
-        def failing_readv(fd: int, buffers: Sequence[memoryview]) -> int:
-            if _fd_path(fd) == str(victim):
+        def failing_preadv(fd: int, buffers: Sequence[memoryview], at: int) -> int:
+            size = sum(memoryview(b).nbytes for b in buffers)
+            if _fd_path(fd) == str(victim) and at <= offset < at + size:
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return readv(fd, buffers)
+            return preadv(fd, buffers, at)
 
-        monkeypatch.setattr(os, "readv", failing_readv)
+        monkeypatch.setattr(os, "preadv", failing_preadv)
     elif kind == "eacces":  # chmod 000 does not deny root: refuse the open itself
         real_open = os.open
 
@@ -129,24 +133,25 @@ def damage_file(kind: str, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     elif kind == "directory":
         victim.unlink()
         victim.mkdir()
-    elif kind == "symlink":  # to a valid record of another key
+    elif kind == "symlink":  # to a valid file of another key
         victim.unlink()
-        victim.symlink_to(other)
+        victim.symlink_to(other[0])
     elif kind == "missing":
         victim.unlink()
     elif kind == "empty":
         victim.write_bytes(b"")
-    elif kind == "truncated":
+    elif kind == "truncated":  # in the middle of B's payload (the file's last)
         data = victim.read_bytes()
-        victim.write_bytes(data[: len(data) // 2])
-    elif kind == "other_format":  # a record of another version: same layout, other magic
+        assert len(data) == offset + length
+        victim.write_bytes(data[: offset + length // 2])
+    elif kind == "other_format":  # a file of another version: same layout, other magic
         data = victim.read_bytes()
         victim.write_bytes(b"KVA1" + data[4:])
-    elif kind == "key_mismatch":  # the file holds another key's record
-        shutil.copyfile(other, victim)
+    elif kind == "key_mismatch":  # the file holds another key's block
+        shutil.copyfile(other[0], victim)
     elif kind == "checksum":
         data = bytearray(victim.read_bytes())
-        data[-1] ^= 0xFF
+        data[offset + length - 1] ^= 0xFF
         victim.write_bytes(bytes(data))
     else:
         raise AssertionError(kind)
@@ -160,9 +165,14 @@ def test_disk_block_that_cannot_be_read_is_a_miss_for_that_key_only(
     tier = DiskTier(root, capacity_bytes=1 << 24)
     with TieringManager.start(num_blocks=8, block_bytes=BLOCK, secondary_tiers=[tier],
                               transfer_timeout_s=TIMEOUT_S) as manager:
-        store_and_forget(manager, KEYS)
+        if kind.endswith("_in_group"):
+            store_and_forget(manager, (A, C, B))
+            assert len({found[0] for found in map(tier.locate, KEYS) if found}) == 1  # one file
+        else:
+            for key in KEYS:
+                store_and_forget(manager, [key])
         assert all(key in tier for key in KEYS)
-        damage_file(kind, root, monkeypatch)
+        damage_file(kind, tier, monkeypatch)
         promote_and_check(manager, B, "disk")
         assert B not in tier and A in tier and C in tier
 
@@ -174,7 +184,7 @@ def test_disk_store_that_fails_for_one_key_stores_the_others(tmp_path: Path, mon
     payload_b = pattern(B, BLOCK).numpy().tobytes()
 
     def failing_writev(fd: int, buffers: Sequence[bytes | memoryview]) -> int:
-        if bytes(buffers[1]) == payload_b:
+        if any(bytes(buf) == payload_b for buf in buffers[1:]):  # a file that would hold B
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return writev(fd, buffers)
 

@@ -1,11 +1,12 @@
-"""``DiskTier``: blocks as files in one local directory.
+"""``DiskTier``: blocks in group files in one local directory.
 
-The file layout (one record of :mod:`kvactors.tiers.codec` per block, written
-under a temporary name and renamed once complete) is
-:mod:`kvactors.tiers.disk_files`. The index (key -> file, LRU order, bytes
-used) lives in memory; it is rebuilt from the directory when a tier is
-constructed, so blocks survive a restart of the process. Lookups never touch
-the disk.
+The file formats are :mod:`kvactors.tiers.disk_group` (``KVA3``: the blocks of one
+store in one file, written under a temporary name and renamed once complete) and,
+read only, :mod:`kvactors.tiers.disk_files` (``KVA2``: one file per block, written by
+earlier versions). The index (key -> file and slot, LRU order, bytes used) is a
+:class:`~kvactors.tiers.disk_index.DiskIndex` in memory; it is rebuilt from the
+directory when a tier is constructed, so blocks survive a restart of the process.
+Lookups never touch the disk.
 
 Threading: the tier's methods are called on its actor's thread (or, for its
 ``inline_calls``, on the thread that sends them), one at a time; the file I/O
@@ -13,19 +14,17 @@ runs on the workers of a :class:`~kvactors.tiers.runner.JobRunner`,
 concurrently with those methods and with each other. One lock guards the
 index, the byte accounting, the pins and the event list; it is held for index
 updates and for the cheap metadata calls that must agree with the index
-(``os.replace`` of a finished file, ``os.unlink`` of an evicted one), never
-for reading or writing block data.
+(``os.replace`` of a finished file, ``os.unlink`` of a file whose last key left),
+never for reading or writing block data.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,49 +33,39 @@ from kvactors.core.arguments import check_int
 from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers.base import ReportFn, SecondaryTier
-from kvactors.tiers.disk_files import (
-    MAX_NAME_CHARS,
-    SUFFIX,
-    TMP_PREFIX,
-    DiskTierError,
-    describe,
-    file_name,
-    fsync_dir,
-    read_key,
-    read_record_into,
-    write_record,
-)
+from kvactors.tiers.disk_files import MAX_NAME_CHARS, SUFFIX, TMP_PREFIX, DiskTierError, describe, file_name, fsync_dir
+from kvactors.tiers.disk_group import ALIGN, ENTRY_BYTES, GROUP_SUFFIX, MAX_KEYS, encode_head, key_checksum, write_group
+from kvactors.tiers.disk_index import DiskFile, DiskIndex
+from kvactors.tiers.disk_read import Item, load_group, load_legacy, scan
 from kvactors.tiers.runner import JobRunner, Outcome, RunningJob
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 if TYPE_CHECKING:
     from kvactors.logs import EventLogger
 
-__all__ = ["MAX_NAME_CHARS", "SUFFIX", "TMP_PREFIX", "DiskTier", "DiskTierError", "file_name"]
+__all__ = ["GROUP_SUFFIX", "MAX_NAME_CHARS", "SUFFIX", "TMP_PREFIX", "DiskTier", "DiskTierError", "file_name"]
 
 _MIN_CHUNK_BYTES = 4 << 20
-"""A job is split across workers in chunks of at least this many record bytes:
+"""A job is split across workers in chunks of at least this many payload bytes:
 below it, the per-chunk overhead costs more than the parallelism wins."""
 
 _SHUTDOWN_DRAIN_S = 1.0
 """How long :meth:`DiskTier.shutdown` lets running and queued jobs finish before cancelling."""
 
-
-@dataclass(slots=True)
-class _Entry:
-    name: str
-    size: int
-
-
 class DiskTier(SecondaryTier):
     """A bounded secondary tier in one directory on local disk.
 
-    ``root`` is created if missing (mode 0700); block files are created with
-    mode 0600. ``capacity_bytes`` bounds the bytes of the tier's block files
-    (each is ``codec.HEADER_SIZE + len(key) + block_bytes``); storing past it
-    evicts the least recently used blocks (stored, loaded, touched or hit by a
-    lookup) first, and a block larger than the capacity fails its store. At no
-    moment do the tier's files (finished or being written) exceed the capacity.
+    ``root`` is created if missing (mode 0700); files are created with mode 0600.
+    Each store job (each worker's chunk of it) writes its new blocks into one
+    group file (:mod:`kvactors.tiers.disk_group`: a checksummed table of its keys,
+    then the payloads). ``capacity_bytes`` bounds the bytes of the tier's files;
+    storing past it evicts the least recently used blocks (stored, loaded, touched
+    or hit by a lookup) first, per key, never one being loaded, and a block larger
+    than the capacity fails its store. At no moment do the tier's files (finished
+    or being written) exceed the capacity. A file's bytes are freed when its last
+    block leaves the tier (the file is deleted then): until that, the slots of its
+    evicted blocks still count, so a file kept by one recently used block holds
+    the room of all its blocks.
 
     ``io_workers`` threads (named ``kvactors-disk-<name>-N``) do the I/O;
     ``submit_store``/``submit_load`` return at once and every job is reported
@@ -87,12 +76,18 @@ class DiskTier(SecondaryTier):
     process but not of the machine.
 
     A new tier on the same ``root`` finds the blocks stored before (recency
-    then follows the files' modification times); files that are not valid
-    records are deleted. A block whose file is missing, short or fails its
-    checksum fails the load and is removed from the tier: a later lookup is a
-    miss, and bad bytes are never reported as a success. So does a block whose
-    read fails for any other reason (an I/O error, a directory or a symlink
-    where its file was, a file it may not open, a record of another format).
+    then follows the files' modification times), in group files and in the
+    one-file-per-block ``KVA2`` files of earlier versions; files that are not
+    valid (a table that fails its checksum or disagrees with the file's size, a
+    temporary file left by a crash) are deleted. A block evicted from a file that
+    still held other blocks may reappear after a restart (its bytes were still
+    there; they are verified when loaded, as always). A block whose bytes are
+    missing, short or fail their checksum fails the load and is removed from the
+    tier: a later lookup is a miss, and bad bytes are never reported as a success.
+    So does a block whose read fails for any other reason (an I/O error, a
+    directory or a symlink where its file was, a file it may not open, a file
+    whose table changed); the other blocks of the same file still load if their
+    own bytes verify.
 
     Jobs end per key: a key that fails (its read or write, or the directory
     sync of ``fsync=True``) fails alone, the job's other keys are still done,
@@ -132,17 +127,13 @@ class DiskTier(SecondaryTier):
         self._log: EventLogger = component_logger("tiers.disk", tier=name)
 
         self._lock = threading.Lock()
-        # LRU first. Guarded by _lock, like everything below.
-        self._index: collections.OrderedDict[OffloadKey, _Entry] = collections.OrderedDict()
-        self._used = 0  # bytes of indexed files
-        self._reserved = 0  # bytes of files being written
-        self._pins: collections.Counter[OffloadKey] = collections.Counter()  # keys being loaded
+        self._index = DiskIndex(capacity_bytes, self._unlink_quietly)  # guarded by _lock, like _events
         self._events: list[tuple[bool, list[OffloadKey]]] = []
         self._flat = memoryview(b"")  # the pool's bytes, flat (set by attach)
         self._row_bytes = 0
-        # Unique temp names without a syscall per file: a random tag per tier, then a counter.
-        self._tmp_tag = uuid.uuid4().hex[:16]
-        self._tmp_seq = itertools.count()
+        # Unique file names without a syscall per file: a random tag per tier, then a counter.
+        self._tag = uuid.uuid4().hex[:16]
+        self._seq = itertools.count()
 
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._scan()
@@ -154,9 +145,9 @@ class DiskTier(SecondaryTier):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the block files in the index (files being written not included)."""
+        """Bytes of the files holding blocks of the index (files being written not included)."""
         with self._lock:
-            return self._used
+            return self._index.used
 
     def __len__(self) -> int:
         """Number of blocks in the tier."""
@@ -167,6 +158,18 @@ class DiskTier(SecondaryTier):
         with self._lock:
             return key in self._index
 
+    def locate(self, key: OffloadKey) -> tuple[str, int, int] | None:
+        """Diagnostics (and tests): ``(path, offset, length)`` of ``key``'s payload, or None.
+
+        The file may hold other blocks too; its format follows from its suffix
+        (``GROUP_SUFFIX``: a group file, ``SUFFIX``: a ``KVA2`` record).
+        """
+        with self._lock:
+            slot = self._index.get(key)
+            if slot is None:
+                return None
+            return self._path(slot.file.name), slot.offset, slot.file.block_bytes
+
     def _path(self, name: str) -> str:
         return self._prefix + name  # names never hold a separator (see file_name)
 
@@ -174,38 +177,13 @@ class DiskTier(SecondaryTier):
 
     def _scan(self) -> None:
         """Rebuild the index from the directory (constructor only: no other thread yet)."""
-        found: list[tuple[int, OffloadKey, _Entry]] = []
-        discarded = 0
-        with os.scandir(self.root) as it:
-            for dirent in it:
-                fname = dirent.name
-                if fname.startswith(TMP_PREFIX):
-                    self._unlink_quietly(fname)
-                    continue
-                if not fname.endswith(SUFFIX) or not dirent.is_file(follow_symlinks=False):
-                    continue
-                try:
-                    st = dirent.stat(follow_symlinks=False)
-                    key = read_key(self._path(fname), fname, st.st_size)
-                except (OSError, codec.CorruptRecordError):
-                    key = None
-                if key is None:
-                    discarded += 1
-                    self._unlink_quietly(fname)
-                    continue
-                found.append((st.st_mtime_ns, key, _Entry(fname, st.st_size)))
-        found.sort(key=lambda item: item[0])
-        for _, key, entry in found:
-            self._index[key] = entry
-            self._used += entry.size
-        evicted = 0
-        while self._used > self.capacity_bytes:
-            key, entry = self._index.popitem(last=False)
-            self._used -= entry.size
-            self._unlink_quietly(entry.name)
-            evicted += 1
+        found, discarded = scan(self.root, self._unlink_quietly)
+        for file, entries in found:  # oldest first: a key in two files ends in the newer one
+            if not self._index.add(file, entries, replace=True):
+                self._unlink_quietly(file.name)
+        evicted = len(self._index.shrink())
         self._log.debug(
-            "tier_opened", root=self.root, blocks=len(self._index), used_bytes=self._used,
+            "tier_opened", root=self.root, blocks=len(self._index), used_bytes=self._index.used,
             discarded=discarded, evicted=evicted,
         )
 
@@ -233,32 +211,21 @@ class DiskTier(SecondaryTier):
         self._flat = pool.numpy().data.cast("B")
         self._row_bytes = block_bytes
         with self._lock:
-            stale = [k for k, e in self._index.items() if e.size != codec.HEADER_SIZE + len(k) + block_bytes]
-            for key in stale:
-                entry = self._index.pop(key)
-                self._used -= entry.size
-                self._unlink_quietly(entry.name)
+            stale = self._index.remove_files(lambda f: f.block_bytes != block_bytes)
         if stale:
             self._log.warning("blocks_discarded", reason="block size differs", blocks=len(stale))
 
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """HIT for keys in the index (their recency is refreshed), else MISS. No disk I/O."""
-        out: list[LookupResult] = []
         with self._lock:
-            for key in keys:
-                if key in self._index:
-                    self._index.move_to_end(key)
-                    out.append(LookupResult.HIT)
-                else:
-                    out.append(LookupResult.MISS)
-        return out
+            touch = self._index.touch
+            return [LookupResult.HIT if touch(key) else LookupResult.MISS for key in keys]
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         """Refresh the recency of the keys present."""
         with self._lock:
             for key in keys:
-                if key in self._index:
-                    self._index.move_to_end(key)
+                self._index.touch(key)
 
     def take_events(self) -> list[OffloadingEvent]:
         """Keys stored and removed since the last call, in order; thread-safe."""
@@ -272,7 +239,7 @@ class DiskTier(SecondaryTier):
         Keys already present are not rewritten (their recency is refreshed).
         Each key succeeds when it is in the tier; the report names them.
         """
-        self._submit(job, self._store_one)
+        self._submit(job, load=False)
 
     def submit_load(self, job: TransferJob) -> None:
         """Read and verify ``job.keys`` into ``pool[job.block_ids]`` on the workers; returns at once.
@@ -281,7 +248,7 @@ class DiskTier(SecondaryTier):
         is missing, cannot be read or fails verification fails alone (the
         others still load; the report names them) and leaves the tier.
         """
-        self._submit(job, self._load_one)
+        self._submit(job, load=True)
 
     def drain(self, timeout: float | None) -> None:
         """Return once every submitted job has been reported, or after ``timeout`` seconds."""
@@ -299,22 +266,22 @@ class DiskTier(SecondaryTier):
 
     # ------------------------------------------------------------ job plumbing
 
-    def _submit(self, job: TransferJob, do_one: Callable[[OffloadKey, int], bool]) -> None:
+    def _submit(self, job: TransferJob, *, load: bool) -> None:
         n = len(job.keys)
         if n != len(job.block_ids):
             self._runner.fail(job, f"job has {n} keys but {len(job.block_ids)} block ids")
             return
         if self.pool is None or self._report is None:
             raise RuntimeError(f"tier {self.name!r} is not attached")
-        record = codec.HEADER_SIZE + self.block_bytes
-        chunks = max(1, min(n, self._io_workers, (n * record) // _MIN_CHUNK_BYTES))
+        chunks = max(1, min(n, self._io_workers, (n * self.block_bytes) // _MIN_CHUNK_BYTES))
         pinned = list(job.keys) if job.is_promotion else []
         if pinned:
             with self._lock:
-                self._pins.update(pinned)
+                self._index.pin(pinned)
+        do_chunk = self._load_chunk if load else self._store_chunk
 
         def work(running: RunningJob, lo: int, hi: int) -> Outcome:
-            return self._run_chunk(running.job, do_one, lo, hi)
+            return Outcome(do_chunk(running.job, lo, hi))
 
         def release(lo: int, hi: int) -> None:
             self._unpin(pinned[lo:hi])
@@ -324,41 +291,9 @@ class DiskTier(SecondaryTier):
             self._runner.fail(job, f"tier {self.name!r} is shut down")
 
     def _unpin(self, keys: list[OffloadKey]) -> None:
-        if not keys:
-            return
-        with self._lock:
-            self._pins.subtract(keys)
-            for key in keys:
-                if self._pins[key] <= 0:
-                    del self._pins[key]
-
-    def _run_chunk(self, job: TransferJob, do_one: Callable[[OffloadKey, int], bool], lo: int, hi: int) -> Outcome:
-        """Do keys ``lo:hi`` of the job, each on its own: one key's failure fails that key only."""
-        failed: dict[int, str] = {}
-        written: list[int] = []
-        keys, rows = job.keys, job.block_ids
-        i = lo
-        try:
-            for i in range(lo, hi):
-                try:
-                    if do_one(keys[i], rows[i]):
-                        written.append(i)
-                except Exception as exc:
-                    failed[i] = describe(exc)
-            i = hi
-        finally:
-            for j in range(i, hi):  # a BaseException stopped the loop: the rest never ran
-                failed.setdefault(j, "worker interrupted")
-        if self.fsync and written:
-            try:
-                fsync_dir(self.root)
-            except Exception as exc:
-                # The new files may not survive a crash, as their store promised: not stored.
-                reason = f"directory sync failed: {describe(exc)}"
-                for j in written:
-                    self._forget(keys[j])
-                    failed[j] = reason
-        return Outcome(failed)
+        if keys:
+            with self._lock:
+                self._index.unpin(keys)
 
     def _emit(self, keys: Iterable[OffloadKey], removed: bool) -> None:
         """Record an event; caller holds the lock. Adjacent events of one kind merge."""
@@ -369,94 +304,140 @@ class DiskTier(SecondaryTier):
             if batch:
                 self._events.append((removed, batch))
 
-    # --------------------------------------------------------------- store
-
-    def _reserve(self, size: int) -> None:
-        """Make room for ``size`` more bytes, evicting LRU unpinned blocks; caller holds the lock."""
-        if size > self.capacity_bytes:
-            raise DiskTierError(f"block record of {size} bytes exceeds capacity_bytes={self.capacity_bytes}")
-        evicted: list[OffloadKey] = []
-        try:
-            while self._used + self._reserved + size > self.capacity_bytes:
-                victim = next((k for k in self._index if k not in self._pins), None)
-                if victim is None:
-                    raise DiskTierError(
-                        f"no room: {self._reserved} bytes being written and every stored block is being read"
-                    )
-                entry = self._index.pop(victim)
-                self._used -= entry.size
-                # Unlinked under the lock so that bytes on disk never exceed the capacity.
-                self._unlink_quietly(entry.name)
-                evicted.append(victim)
-        finally:
-            self._emit(evicted, removed=True)
-        self._reserved += size
-
-    def _store_one(self, key: OffloadKey, row: int) -> bool:
-        """Store one block; returns whether a new file was written. Raises if the key is not stored."""
-        size = codec.HEADER_SIZE + len(key) + self.block_bytes
-        with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
-                return False
-            self._reserve(size)
-        final = file_name(key)
-        tmp = self._path(f"{TMP_PREFIX}{self._tmp_tag}-{next(self._tmp_seq)}")
-        renamed = False
-        try:
-            write_record(tmp, key, self._row(row), fsync=self.fsync)  # a zero-copy view of the pinned row
-            with self._lock:
-                if key in self._index:  # another job stored it meanwhile
-                    self._index.move_to_end(key)
-                else:
-                    os.replace(tmp, self._path(final))
-                    renamed = True
-                    self._reserved -= size
-                    self._used += size
-                    self._index[key] = _Entry(final, size)
-                    self._emit((key,), removed=False)
-        finally:
-            if not renamed:
-                # Unlink before releasing the reservation: the bytes stay counted while on disk.
-                self._unlink_quietly(os.path.basename(tmp))
-                with self._lock:
-                    self._reserved -= size
-        return renamed
-
-    # ---------------------------------------------------------------- load
-
-    def _load_one(self, key: OffloadKey, row: int) -> bool:
-        """Read and verify one block into its row. Any failure removes the block from the
-        tier (its file goes too, if it can), so a later lookup is a miss; then raises."""
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is not None:
-                self._index.move_to_end(key)
-        if entry is None:
-            raise DiskTierError(f"block {key.hex()[:32]} is not in tier {self.name!r}")
-        try:
-            self._read_into(key, row, entry)
-        except codec.CorruptRecordError as exc:
-            self._drop(key, entry)
-            raise DiskTierError(f"block {key.hex()[:32]}: corrupt file {entry.name}: {exc}") from None
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            self._drop(key, entry)
-            raise DiskTierError(f"block {key.hex()[:32]}: file is missing: {describe(exc)}") from None
-        except Exception as exc:
-            # EIO, a directory or a symlink in the file's place, EACCES, ...: this block cannot be
-            # read, and asking again would fail again: it leaves the tier.
-            self._drop(key, entry)
-            raise DiskTierError(f"block {key.hex()[:32]}: unreadable file {entry.name}: {describe(exc)}") from None
-        return False  # no file written
-
     def _row(self, row: int) -> memoryview:
         """A zero-copy view of pool row ``row``."""
         size = self._row_bytes
         return self._flat[row * size : (row + 1) * size]
 
-    def _read_into(self, key: OffloadKey, row: int, entry: _Entry) -> None:
-        head = self._buffer(codec.HEADER_SIZE + len(key) + 1)
-        read_record_into(self._path(entry.name), key, head, self._row(row))
+    # --------------------------------------------------------------- store
+
+    def _store_chunk(self, job: TransferJob, lo: int, hi: int) -> dict[int, str]:
+        """Store keys ``lo:hi`` of the job in one group file (or a few: see ``_groups``).
+
+        A group whose write fails is retried one key per file, so that a key fails alone.
+        Returns the failed positions.
+        """
+        keys = job.keys
+        new: list[int] = []
+        with self._lock:
+            seen: set[OffloadKey] = set()
+            for i in range(lo, hi):
+                if keys[i] not in seen and not self._index.touch(keys[i]):
+                    new.append(i)
+                seen.add(keys[i])
+        failed: dict[int, str] = {}
+        written: list[int] = []
+        for group in self._groups(keys, new):
+            try:
+                self._store_group(job, group)
+                written.extend(group)
+            except Exception as exc:
+                if len(group) == 1:
+                    failed[group[0]] = describe(exc)
+                    continue
+                for i in group:
+                    try:
+                        self._store_group(job, [i])
+                        written.append(i)
+                    except Exception as exc_one:
+                        failed[i] = describe(exc_one)
+        if self.fsync and written:
+            try:
+                fsync_dir(self.root)
+            except Exception as exc:
+                # The new files may not survive a crash, as their store promised: not stored.
+                reason = f"directory sync failed: {describe(exc)}"
+                with self._lock:
+                    for i in written:
+                        if self._index.remove(keys[i]):
+                            self._emit((keys[i],), removed=True)
+                        failed[i] = reason
+        return failed
+
+    def _groups(self, keys: Sequence[OffloadKey], positions: list[int]) -> Iterable[list[int]]:
+        """``positions`` split into groups of at most ``MAX_KEYS`` keys whose file fits the capacity
+        (a single key may not; its store then fails)."""
+        group: list[int] = []
+        size = ALIGN
+        for i in positions:
+            step = self._row_bytes + ENTRY_BYTES + len(keys[i])
+            if group and (len(group) >= MAX_KEYS or size + step > self.capacity_bytes):
+                yield group
+                group, size = [], ALIGN
+            group.append(i)
+            size += step
+        if group:
+            yield group
+
+    def _store_group(self, job: TransferJob, positions: list[int]) -> None:
+        """Write the keys at ``positions`` into one new file; raises if they are not stored.
+
+        Each key is then in the tier: in this file, or in another job's that won the race.
+        """
+        keys = [job.keys[i] for i in positions]
+        views = [self._row(job.block_ids[i]) for i in positions]  # zero-copy views of the pinned rows
+        table = encode_head(keys, [key_checksum(k, v) for k, v in zip(keys, views, strict=True)], self._row_bytes)
+        size = table.file_size
+        with self._lock:
+            evicted: list[OffloadKey] = []
+            try:
+                self._index.reserve(size, evicted)  # unlinks under the lock: the disk never exceeds the capacity
+            finally:
+                self._emit(evicted, removed=True)
+        seq = next(self._seq)
+        final = f"g-{self._tag}-{seq}{GROUP_SUFFIX}"
+        tmp = self._path(f"{TMP_PREFIX}{self._tag}-{seq}")
+        renamed = False
+        try:
+            write_group(tmp, table, views, fsync=self.fsync)
+            with self._lock:
+                entries = [e for e in zip(keys, table.offsets, table.checksums, strict=True) if e[0] not in self._index]
+                if entries:  # else every key was stored by another job meanwhile
+                    os.replace(tmp, self._path(final))
+                    renamed = True
+                    file = DiskFile(final, size, self._row_bytes, head=table.head_bytes)
+                    self._emit(self._index.add(file, entries, reserved=size), removed=False)
+        finally:
+            if not renamed:
+                # Unlink before releasing the reservation: the bytes stay counted while on disk.
+                self._unlink_quietly(os.path.basename(tmp))
+                with self._lock:
+                    self._index.release(size)
+
+    # ---------------------------------------------------------------- load
+
+    def _load_chunk(self, job: TransferJob, lo: int, hi: int) -> dict[int, str]:
+        """Read and verify keys ``lo:hi`` into their rows, one ``open`` per file. A key that fails
+        leaves the tier (its file goes with its last key); returns the failed positions."""
+        failed: dict[int, str] = {}
+        by_file: dict[DiskFile, list[Item]] = {}
+        keys, rows = job.keys, job.block_ids
+        with self._lock:
+            for i in range(lo, hi):
+                slot = self._index.get(keys[i])
+                if slot is None:
+                    failed[i] = f"DiskTierError: block {keys[i].hex()[:32]} is not in tier {self.name!r}"
+                    continue
+                self._index.touch(keys[i])
+                by_file.setdefault(slot.file, []).append((i, slot, keys[i], self._row(rows[i])))
+        for file, items in by_file.items():
+            path = self._path(file.name)
+            if file.legacy:
+                bad: dict[int, str] = {}
+                for i, _, key, view in items:
+                    why = load_legacy(path, file.name, key, self._buffer(codec.HEADER_SIZE + len(key) + 1), view)
+                    if why is not None:
+                        bad[i] = why
+            else:
+                bad = load_group(path, file, items)
+            if bad:
+                with self._lock:
+                    for i, slot, key, _ in items:
+                        if i in bad and self._index.get(key) is slot:  # not replaced meanwhile
+                            self._index.remove(key)
+                            self._emit((key,), removed=True)
+                failed.update(bad)
+        return failed
 
     def _buffer(self, size: int) -> memoryview:
         """This worker's header buffer, reused across reads: no allocation per block."""
@@ -465,22 +446,3 @@ class DiskTier(SecondaryTier):
             buf = bytearray(size)
             self._tls.buf = buf
         return memoryview(buf)[:size]
-
-    def _forget(self, key: OffloadKey) -> None:
-        """Remove ``key``'s block, whatever file it has now."""
-        with self._lock:
-            entry = self._index.get(key)
-        if entry is not None:
-            self._drop(key, entry)
-
-    def _drop(self, key: OffloadKey, entry: _Entry) -> None:
-        """Remove a block found bad, unless it was replaced since ``entry`` was read."""
-        with self._lock:
-            if self._index.get(key) is not entry:
-                return
-            del self._index[key]
-            self._used -= entry.size
-            self._unlink_quietly(entry.name)
-            self._emit((key,), removed=True)
-
-

@@ -1,11 +1,13 @@
-"""The file layout of :class:`~kvactors.tiers.disk.DiskTier`: names, records on disk, raw I/O.
+"""The ``KVA2`` block files of :class:`~kvactors.tiers.disk.DiskTier`, and its shared file helpers.
 
-One file per block, named after its key (``<key hex>.kvb``, or
-``h-<blake2b of key>.kvb`` when the hex name would be too long), holding one
-record of :mod:`kvactors.tiers.codec` (header, key, payload, XXH3-64 checksum). A file
-appears under its final name only once it is complete (temporary file plus
-``os.replace``), so a crash leaves either the whole record or a ``.tmp-*``
-file that the next tier opening the directory deletes.
+Versions before group files (:mod:`kvactors.tiers.disk_group`) wrote one file per
+block, named after its key (``<key hex>.kvb``, or ``h-<blake2b of key>.kvb`` when
+the hex name would be too long), holding one record of :mod:`kvactors.tiers.codec`
+(header, key, payload, XXH3-64 checksum). A tier still finds and reads them (a
+directory survives an upgrade); it no longer writes them. Files appear under their
+final name only once complete (temporary file plus ``os.replace``), so a crash
+leaves either the whole file or a ``.tmp-*`` file that the next tier opening the
+directory deletes.
 
 Plain functions on file descriptors and paths: no state, no locks; thread-safe.
 """
@@ -20,7 +22,7 @@ from kvactors.tiers import codec
 from kvactors.types import OffloadKey
 
 SUFFIX = ".kvb"
-"""Suffix of block files; files without it are not the tier's and are left alone."""
+"""Suffix of ``KVA2`` block files; files with neither it nor the group suffix are left alone."""
 TMP_PREFIX = ".tmp-"
 """Prefix of files being written; leftovers are deleted when a tier opens the directory."""
 MAX_NAME_CHARS = 200
@@ -72,18 +74,6 @@ def read_key(path: str, fname: str, size: int) -> OffloadKey | None:
     return key
 
 
-def write_record(path: str, key: OffloadKey, payload: memoryview, *, fsync: bool) -> None:
-    """Create ``path`` (it must not exist, mode 0600) holding ``key``'s record of ``payload``."""
-    header = codec.encode_header(key, payload)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
-    try:
-        _write_all(fd, header, payload)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def read_record_into(path: str, key: OffloadKey, head: memoryview, row: memoryview) -> None:
     """Read ``key``'s record at ``path`` into ``row`` (the payload) and ``head`` (a scratch
     buffer of ``HEADER_SIZE + len(key) + 1`` bytes), and verify it.
@@ -113,20 +103,6 @@ def fsync_dir(root: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, header: bytes, payload: memoryview) -> None:
-    total = len(header) + payload.nbytes
-    done = os.writev(fd, [header, payload])
-    if done == total:
-        return
-    # Short write (rare on regular files): finish with plain writes.
-    rest = memoryview(header + bytes(payload))[done:]
-    while rest:
-        n = os.write(fd, rest)
-        if n <= 0:
-            raise OSError(f"write returned {n}")
-        rest = rest[n:]
 
 
 def _read_full(fd: int, bufs: list[memoryview], need: int) -> int:

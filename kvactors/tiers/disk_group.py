@@ -1,0 +1,194 @@
+"""Group files of :class:`~kvactors.tiers.disk.DiskTier`: the blocks of one store in one file.
+
+Layout (format ``KVA3``, little-endian)::
+
+    head   magic "KVA3" | count u32 | block bytes u32 | data offset u32
+    table  count x (payload offset u64 | XXH3-64 of key+payload u64 | key length u16 | key)
+    digest XXH3-64 of head and table, u64
+    zeros  up to the data offset (a multiple of ALIGN)
+    data   count payloads of block bytes each, payload i at data offset + i * block bytes
+
+The file is ``data offset + count * block bytes`` bytes long; anything else is not a
+group file. The payloads start on a page boundary, so a block whose size is a multiple
+of the page size maps onto whole page-cache pages. Each key's checksum covers the key
+and its payload: a key fails on its own bytes, the others of the file still verify.
+A file is written under a temporary name and renamed once complete.
+
+Plain functions on descriptors and paths: no state, no locks; thread-safe.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from kvactors.tiers.codec import CorruptRecordError
+from kvactors.tiers.codec import checksum as key_checksum  # XXH3-64 of key then payload, as in KVA2
+from kvactors.tiers.disk_files import O_CLOEXEC, O_NOFOLLOW
+from kvactors.types import OffloadKey
+
+__all__ = ["ALIGN", "ENTRY_BYTES", "GROUP_MAGIC", "GROUP_SUFFIX", "MAX_KEYS", "GroupTable", "data_offset",
+           "decode_head", "encode_head", "group_size", "key_checksum", "read_run", "read_table", "write_group"]
+
+GROUP_MAGIC = b"KVA3"
+GROUP_SUFFIX = ".kvg"
+"""Suffix of group files (their names are otherwise arbitrary: the table holds the keys)."""
+ALIGN = 4096
+"""The data offset is a multiple of this (a page)."""
+MAX_KEYS = 1000
+"""Keys per file at most: head and payloads go out in one ``writev`` (IOV_MAX is 1024)."""
+MAX_HEAD_BYTES = 64 << 20
+"""A data offset above this is not believed (a garbage file would make a reader allocate it)."""
+
+_HEAD = struct.Struct("<4sIII")
+_ENTRY = struct.Struct("<QQH")
+_DIGEST = struct.Struct("<Q")
+ENTRY_BYTES = _ENTRY.size
+"""Bytes of a table entry, besides its key."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupTable:
+    """What a group file's head says: its keys with their payload offsets and checksums."""
+
+    keys: tuple[OffloadKey, ...]
+    offsets: tuple[int, ...]
+    checksums: tuple[int, ...]
+    block_bytes: int
+    head_bytes: bytes  # head, table and digest: a reader compares it to find the same file
+    file_size: int
+
+
+def data_offset(keys: Sequence[OffloadKey]) -> int:
+    """Where the payloads of a group file of ``keys`` begin."""
+    head = _HEAD.size + sum(_ENTRY.size + len(k) for k in keys) + _DIGEST.size
+    return -(-head // ALIGN) * ALIGN
+
+
+def group_size(keys: Sequence[OffloadKey], block_bytes: int) -> int:
+    """The bytes of a group file holding ``keys`` of ``block_bytes`` each."""
+    return data_offset(keys) + len(keys) * block_bytes
+
+
+def encode_head(keys: Sequence[OffloadKey], checksums: Sequence[int], block_bytes: int) -> GroupTable:
+    """The head, table and digest of a group file (padding not included)."""
+    if not 0 < len(keys) <= MAX_KEYS:
+        raise ValueError(f"a group file holds 1 to {MAX_KEYS} keys, got {len(keys)}")
+    start = data_offset(keys)
+    offsets = tuple(start + i * block_bytes for i in range(len(keys)))
+    parts = [_HEAD.pack(GROUP_MAGIC, len(keys), block_bytes, start)]
+    for key, off, digest in zip(keys, offsets, checksums, strict=True):
+        parts.append(_ENTRY.pack(off, digest, len(key)))
+        parts.append(key)
+    body = b"".join(parts)
+    head = body + _DIGEST.pack(xxhash.xxh3_64_intdigest(body))
+    return GroupTable(tuple(keys), offsets, tuple(checksums), block_bytes, head, start + len(keys) * block_bytes)
+
+
+def decode_head(data: bytes, file_size: int) -> GroupTable:
+    """Parse and check a group file's first bytes (at least up to its digest) against its size.
+
+    Raises ``CorruptRecordError`` when the magic, the digest, the offsets or the size disagree.
+    """
+    if len(data) < _HEAD.size:
+        raise CorruptRecordError(f"group head truncated: {len(data)} bytes")
+    magic, count, block_bytes, start = _HEAD.unpack_from(data)
+    if magic != GROUP_MAGIC:
+        raise CorruptRecordError("bad magic")
+    if not 0 < count <= MAX_KEYS or block_bytes <= 0 or start % ALIGN:
+        raise CorruptRecordError(f"bad group head: {count} keys of {block_bytes} bytes at {start}")
+    keys: list[OffloadKey] = []
+    offsets: list[int] = []
+    checksums: list[int] = []
+    pos = _HEAD.size
+    for i in range(count):
+        if pos + _ENTRY.size > len(data):
+            raise CorruptRecordError("group table truncated")
+        off, digest, key_len = _ENTRY.unpack_from(data, pos)
+        pos += _ENTRY.size
+        key = data[pos : pos + key_len]
+        pos += key_len
+        if len(key) != key_len or off != start + i * block_bytes:
+            raise CorruptRecordError("bad group table entry")
+        keys.append(key)
+        offsets.append(off)
+        checksums.append(digest)
+    if pos + _DIGEST.size > len(data):
+        raise CorruptRecordError("group digest truncated")
+    (digest,) = _DIGEST.unpack_from(data, pos)
+    if xxhash.xxh3_64_intdigest(data[:pos]) != digest:
+        raise CorruptRecordError("group table checksum mismatch")
+    if pos + _DIGEST.size > start or len(set(keys)) != count:
+        raise CorruptRecordError("bad group table")
+    expected = start + count * block_bytes
+    if file_size != expected:
+        raise CorruptRecordError(f"group file is {file_size} bytes, expected {expected}")
+    return GroupTable(tuple(keys), tuple(offsets), tuple(checksums), block_bytes,
+                      bytes(data[: pos + _DIGEST.size]), file_size)
+
+
+def read_table(path: str) -> GroupTable:
+    """Read and check the head of the group file at ``path`` (``OSError``/``CorruptRecordError``)."""
+    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, ALIGN, 0)
+        if len(data) >= _HEAD.size:
+            start = _HEAD.unpack_from(data)[3]
+            if ALIGN < start <= min(size, MAX_HEAD_BYTES):
+                data = os.pread(fd, start, 0)
+        return decode_head(data, size)
+    finally:
+        os.close(fd)
+
+
+def write_group(path: str, table: GroupTable, payloads: Sequence[memoryview], *, fsync: bool) -> None:
+    """Create ``path`` (it must not exist, mode 0600): ``table``'s head, padding, then ``payloads``.
+
+    One ``writev`` of the head and the payload views (the pool rows: no copies).
+    """
+    pad = table.offsets[0] - len(table.head_bytes)
+    bufs: list[bytes | memoryview] = [table.head_bytes + bytes(pad), *payloads]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+    try:
+        total = table.file_size
+        done = os.writev(fd, bufs)
+        while done < total:  # short write (rare on regular files): go on from where it stopped
+            n = os.pwritev(fd, _skip(bufs, done), done)
+            if n <= 0:
+                raise OSError(f"write returned {n}")
+            done += n
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _skip(bufs: Sequence[bytes | memoryview], skip: int) -> list[memoryview]:
+    """``bufs`` without their first ``skip`` bytes."""
+    rest: list[memoryview] = []
+    for b in bufs:
+        view = memoryview(b)
+        if skip >= view.nbytes:
+            skip -= view.nbytes
+        else:
+            rest.append(view[skip:])
+            skip = 0
+    return rest
+
+
+def read_run(fd: int, offset: int, rows: Sequence[memoryview], need: int) -> int:
+    """``preadv`` the payloads at ``offset`` (consecutive slots) into ``rows`` (``need`` bytes in
+    all); the bytes read. Fewer than ``need`` means the file ends early (it was truncated).
+    """
+    got = os.preadv(fd, rows, offset)
+    while 0 < got < need:  # short read: go on, from where it stopped
+        n = os.preadv(fd, _skip(rows, got), offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got

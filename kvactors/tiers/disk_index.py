@@ -1,0 +1,173 @@
+"""The index of a :class:`~kvactors.tiers.disk.DiskTier`: keys, files, LRU order, bytes, pins.
+
+Each key lives in one slot of one file; a file holds one or more slots (a group file)
+or exactly one (a ``KVA2`` block file of an older version). Eviction is per key, least
+recently used first; a file's bytes are counted from the moment it is reserved until
+its last live key leaves the index, when it is unlinked. Slots whose key left (evicted,
+dropped, or stored by another job first) are dead: they still count, until their file goes.
+
+A plain class: no threads, no locks. Not thread-safe: the tier calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvactors.types import OffloadKey
+
+
+class NoRoomError(RuntimeError):
+    """No room for a file: it is larger than the capacity, or every key that could go is pinned."""
+
+
+@dataclass(slots=True, eq=False)
+class DiskFile:
+    """One file of the tier. ``head`` is a group file's head and table (a reader checks that the
+    file still begins with it); empty for a ``KVA2`` block file (``legacy``)."""
+
+    name: str
+    size: int
+    block_bytes: int
+    head: bytes = b""
+    legacy: bool = False
+    live: int = field(default=0)  # keys of the index in this file
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where a key's payload is: its file, the payload's offset, the XXH3-64 of key and payload
+    (0 for a ``KVA2`` file, whose record carries its own)."""
+
+    file: DiskFile
+    offset: int
+    checksum: int
+
+
+Entry = tuple[OffloadKey, int, int]
+"""``(key, payload offset, checksum)``: one slot of a file being added."""
+
+
+class DiskIndex:
+    """Keys -> slots in LRU order (least recent first), the bytes of the files, the pins.
+
+    ``unlink(name)`` is called for each file whose last key leaves, at that moment (its bytes
+    are no longer counted once it returns). ``capacity`` bounds ``used + reserved``.
+    """
+
+    def __init__(self, capacity: int, unlink: Callable[[str], None]) -> None:
+        self.capacity = capacity
+        self._unlink = unlink
+        self._slots: collections.OrderedDict[OffloadKey, Slot] = collections.OrderedDict()
+        self._pins: collections.Counter[OffloadKey] = collections.Counter()
+        self.used = 0  # bytes of the files that hold keys of the index
+        self.reserved = 0  # bytes of files being written
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    def get(self, key: OffloadKey) -> Slot | None:
+        return self._slots.get(key)
+
+    def touch(self, key: OffloadKey) -> bool:
+        """Make ``key`` the most recent; whether it is present."""
+        if key in self._slots:
+            self._slots.move_to_end(key)
+            return True
+        return False
+
+    def files(self) -> Iterator[DiskFile]:
+        """Each file of the index once."""
+        return iter({id(s.file): s.file for s in self._slots.values()}.values())
+
+    # -------------------------------------------------------------- changes
+
+    def add(self, file: DiskFile, entries: Iterable[Entry], *, reserved: int = 0,
+            replace: bool = False) -> list[OffloadKey]:
+        """Index ``file`` with the keys of ``entries`` (the most recent, in order); the keys indexed.
+
+        A key already present keeps its slot (``replace=False``: another job stored it first)
+        or moves here (``replace=True``: a restart, files oldest first). ``reserved`` bytes
+        leave the reservation. With no key indexed, nothing else changes (the caller removes
+        the file); otherwise the file's size is counted.
+        """
+        added: list[OffloadKey] = []
+        for key, offset, checksum in entries:
+            if key in self._slots:
+                if not replace:
+                    continue
+                self.remove(key)
+            self._slots[key] = Slot(file, offset, checksum)
+            file.live += 1
+            added.append(key)
+        if added:
+            self.reserved -= reserved
+            self.used += file.size
+        return added
+
+    def remove(self, key: OffloadKey) -> bool:
+        """Take ``key`` out; unlink its file if it was the last key there. Whether it was present."""
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return False
+        slot.file.live -= 1
+        if slot.file.live == 0:
+            self._unlink(slot.file.name)
+            self.used -= slot.file.size
+        return True
+
+    def remove_files(self, pred: Callable[[DiskFile], bool]) -> list[OffloadKey]:
+        """Take out every key whose file matches ``pred`` (the files are unlinked); those keys."""
+        keys = [k for k, s in self._slots.items() if pred(s.file)]
+        for key in keys:
+            self.remove(key)
+        return keys
+
+    def reserve(self, size: int, evicted: list[OffloadKey]) -> None:
+        """Count ``size`` more bytes, evicting least recent unpinned keys first (appended to
+        ``evicted``, also when it then raises ``NoRoomError``)."""
+        if size > self.capacity:
+            raise NoRoomError(f"file of {size} bytes exceeds capacity_bytes={self.capacity}")
+        while self.used + self.reserved + size > self.capacity:
+            victim = next((k for k in self._slots if k not in self._pins), None)
+            if victim is None:
+                raise NoRoomError(
+                    f"no room: {self.reserved} bytes being written and every stored block is being read"
+                )
+            self.remove(victim)
+            evicted.append(victim)
+        self.reserved += size
+
+    def release(self, size: int) -> None:
+        """Give back a reservation whose file was not indexed (and is gone from the disk)."""
+        self.reserved -= size
+
+    def shrink(self) -> list[OffloadKey]:
+        """Evict least recent keys until the files fit the capacity (a restart); the keys evicted."""
+        evicted: list[OffloadKey] = []
+        while self.used > self.capacity and self._slots:
+            key = next(iter(self._slots))
+            self.remove(key)
+            evicted.append(key)
+        return evicted
+
+    # -------------------------------------------------------------- pins
+
+    def pin(self, keys: Iterable[OffloadKey]) -> None:
+        """Protect ``keys`` from eviction (counted: each pin needs one unpin)."""
+        self._pins.update(keys)
+
+    def unpin(self, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
+            n = self._pins[key] - 1
+            if n > 0:
+                self._pins[key] = n
+            else:
+                del self._pins[key]
+
+    def pinned(self, key: OffloadKey) -> bool:
+        return key in self._pins

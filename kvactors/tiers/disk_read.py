@@ -1,0 +1,150 @@
+"""Reading the files of a :class:`~kvactors.tiers.disk.DiskTier`: its directory at a
+restart, and blocks into pool rows (group files and ``KVA2`` block files).
+
+Plain functions: no state, no locks; thread-safe. Errors come back as one-line
+reasons per key (what a ``JobResult`` says), never as torn data: a key is
+reported good only once its bytes, in its row, matched its checksum.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+from kvactors.tiers import codec
+from kvactors.tiers.disk_files import O_CLOEXEC, O_NOFOLLOW, SUFFIX, TMP_PREFIX, describe, read_key, read_record_into
+from kvactors.tiers.disk_group import GROUP_SUFFIX, key_checksum, read_run, read_table
+from kvactors.tiers.disk_index import DiskFile, Entry, Slot
+from kvactors.types import OffloadKey
+
+VERIFY_BYTES = 256 << 10
+"""A load reads at most this many bytes per ``preadv`` (at least one block) and verifies them
+at once: hashing a block still in the CPU's cache costs a fraction of hashing it cold."""
+
+_OPEN_READ = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW
+
+Item = tuple[int, Slot, OffloadKey, memoryview]
+"""One key to load: its position in the job, its slot, the key, the view of its row."""
+
+
+def scan(root: str, unlink: Callable[[str], None]) -> tuple[list[tuple[DiskFile, list[Entry]]], int]:
+    """The valid files in ``root``, oldest first, and how many bad ones were unlinked.
+
+    Temporary files (a crash mid-write) and files of the tier's suffixes that are not
+    valid (a group table that fails its checksum or disagrees with the file's size, a
+    ``KVA2`` record whose name, header or size disagree) are unlinked; other files
+    are left alone.
+    """
+    found: list[tuple[int, str, DiskFile, list[Entry]]] = []
+    discarded = 0
+    with os.scandir(root) as it:
+        for dirent in it:
+            fname = dirent.name
+            if fname.startswith(TMP_PREFIX):
+                unlink(fname)
+                continue
+            group = fname.endswith(GROUP_SUFFIX)
+            if not (group or fname.endswith(SUFFIX)) or not dirent.is_file(follow_symlinks=False):
+                continue
+            path = os.path.join(root, fname)
+            try:
+                st = dirent.stat(follow_symlinks=False)
+                opened = _open_group(path, fname) if group else _open_legacy(path, fname, st.st_size)
+            except (OSError, codec.CorruptRecordError):
+                opened = None
+            if opened is None:
+                discarded += 1
+                unlink(fname)
+                continue
+            found.append((st.st_mtime_ns, fname, *opened))
+    found.sort(key=lambda item: (item[0], item[1]))
+    return [(file, entries) for _, _, file, entries in found], discarded
+
+
+def _open_group(path: str, fname: str) -> tuple[DiskFile, list[Entry]]:
+    table = read_table(path)
+    file = DiskFile(fname, table.file_size, table.block_bytes, head=table.head_bytes)
+    return file, list(zip(table.keys, table.offsets, table.checksums, strict=True))
+
+
+def _open_legacy(path: str, fname: str, size: int) -> tuple[DiskFile, list[Entry]] | None:
+    key = read_key(path, fname, size)
+    if key is None:
+        return None
+    head = codec.HEADER_SIZE + len(key)
+    return DiskFile(fname, size, size - head, legacy=True), [(key, head, 0)]
+
+
+def load_group(path: str, file: DiskFile, items: list[Item]) -> dict[int, str]:
+    """Read and verify ``items`` (slots of the group ``file`` at ``path``) into their rows:
+    one ``open``; the failed positions and why.
+
+    The file must still begin with the head it was indexed with and be no longer than
+    it was written; a file cut short fails the keys past the cut only.
+    """
+    try:
+        fd = os.open(path, _OPEN_READ)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        return dict.fromkeys((i for i, *_ in items), f"DiskTierError: file is missing: {describe(exc)}")
+    except Exception as exc:
+        return dict.fromkeys((i for i, *_ in items), f"DiskTierError: unreadable file {file.name}: {describe(exc)}")
+    failed: dict[int, str] = {}
+    try:
+        size = os.fstat(fd).st_size
+        if size > file.size:
+            raise codec.CorruptRecordError(f"file is {size} bytes, expected {file.size}")
+        if os.pread(fd, len(file.head), 0) != file.head:
+            raise codec.CorruptRecordError("its table changed")
+        items.sort(key=lambda item: item[1].offset)
+        step = max(1, VERIFY_BYTES // file.block_bytes)
+        run: list[Item] = []
+        for item in items:
+            if run and (len(run) >= step or item[1].offset != run[-1][1].offset + file.block_bytes):
+                _read_verify(fd, file, run, failed)
+                run = []
+            run.append(item)
+        _read_verify(fd, file, run, failed)
+    except codec.CorruptRecordError as exc:
+        return dict.fromkeys((i for i, *_ in items), f"DiskTierError: corrupt file {file.name}: {exc}")
+    except Exception as exc:
+        return dict.fromkeys((i for i, *_ in items), f"DiskTierError: unreadable file {file.name}: {describe(exc)}")
+    finally:
+        os.close(fd)
+    return failed
+
+
+def _read_verify(fd: int, file: DiskFile, run: Sequence[Item], failed: dict[int, str]) -> None:
+    """One ``preadv`` of consecutive slots into their rows, then each key verified in place
+    (its row still in the CPU's cache). A read that fails for several keys is retried key
+    by key, so that a bad key fails alone."""
+    start = run[0][1].offset
+    block = file.block_bytes
+    try:
+        end = start + read_run(fd, start, [view for *_, view in run], len(run) * block)
+    except OSError as exc:
+        if len(run) == 1:
+            failed[run[0][0]] = f"DiskTierError: unreadable file {file.name}: {describe(exc)}"
+        else:
+            for item in run:
+                _read_verify(fd, file, [item], failed)
+        return
+    for i, slot, key, view in run:
+        if slot.offset + block > end:
+            failed[i] = (f"DiskTierError: corrupt file {file.name}: truncated, file is {end} "
+                         f"bytes, expected {file.size}")
+        elif key_checksum(key, view) != slot.checksum:
+            failed[i] = f"DiskTierError: block {key.hex()[:32]}: corrupt file {file.name}: checksum mismatch"
+
+
+def load_legacy(path: str, name: str, key: OffloadKey, head: memoryview, row: memoryview) -> str | None:
+    """Read and verify the ``KVA2`` record of ``key`` at ``path`` into ``row`` (``head``: a scratch
+    buffer of ``HEADER_SIZE + len(key) + 1`` bytes); None, or why it failed."""
+    try:
+        read_record_into(path, key, head, row)
+    except codec.CorruptRecordError as exc:
+        return f"DiskTierError: block {key.hex()[:32]}: corrupt file {name}: {exc}"
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        return f"DiskTierError: block {key.hex()[:32]}: file is missing: {describe(exc)}"
+    except Exception as exc:
+        return f"DiskTierError: block {key.hex()[:32]}: unreadable file {name}: {describe(exc)}"
+    return None

@@ -1,0 +1,302 @@
+"""DiskTier's group files: the format (``disk_group``), the index (``disk_index``, a plain
+class), and the tier's behaviour that grouping brings (dead slots, overlapping stores,
+capacity under a stress, a crash mid-write)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvactors.tiers import codec
+from kvactors.tiers.disk import TMP_PREFIX, DiskTier
+from kvactors.tiers.disk_group import (
+    ALIGN,
+    decode_head,
+    encode_head,
+    group_size,
+    key_checksum,
+    read_table,
+    write_group,
+)
+from kvactors.tiers.disk_index import DiskFile, DiskIndex, NoRoomError
+from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext, TransferJob
+
+BLOCK = 4096
+CTX = ReqContext("g")
+WAIT = 10.0
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+_ids = itertools.count(1)
+
+
+# ---------------------------------------------------------------- format
+
+
+def test_group_file_round_trip_and_layout(tmp_path: Path) -> None:
+    keys = [b"a", b"bb" * 40, b""]
+    payloads = [memoryview(bytes([i]) * BLOCK) for i in range(3)]
+    table = encode_head(keys, [key_checksum(k, p) for k, p in zip(keys, payloads, strict=True)], BLOCK)
+    path = str(tmp_path / "g.kvg")
+    write_group(path, table, payloads, fsync=True)
+    assert os.path.getsize(path) == table.file_size == group_size(keys, BLOCK)
+    assert table.offsets[0] % ALIGN == 0
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    back = read_table(path)
+    assert back == table
+    data = Path(path).read_bytes()
+    for off, p in zip(back.offsets, payloads, strict=True):
+        assert data[off : off + BLOCK] == p
+
+
+@pytest.mark.parametrize("damage", ["magic", "table", "digest", "longer", "shorter", "empty"])
+def test_group_head_damage_is_rejected(damage: str) -> None:
+    keys = [b"x", b"y"]
+    table = encode_head(keys, [1, 2], BLOCK)
+    head, size = bytearray(table.head_bytes), table.file_size
+    if damage == "magic":
+        head[:4] = codec.MAGIC  # a KVA2 record is no group file
+    elif damage == "table":
+        head[20] ^= 1
+    elif damage == "digest":
+        head[-1] ^= 1
+    elif damage == "longer":
+        size += 1
+    elif damage == "shorter":
+        size -= 1
+    else:
+        head = bytearray()
+    with pytest.raises(codec.CorruptRecordError):
+        decode_head(bytes(head), size)
+
+
+def test_head_larger_than_a_page_is_read_whole(tmp_path: Path) -> None:
+    keys = [bytes([i]) * 300 for i in range(40)]  # a table of ~12 KiB
+    payloads = [memoryview(bytes(64)) for _ in keys]
+    table = encode_head(keys, [key_checksum(k, p) for k, p in zip(keys, payloads, strict=True)], 64)
+    assert table.offsets[0] > ALIGN
+    write_group(str(tmp_path / "g"), table, payloads, fsync=False)
+    assert read_table(str(tmp_path / "g")).keys == tuple(keys)
+
+
+# ---------------------------------------------------------------- index (plain class)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "remove", "touch", "pin", "unpin"]),
+                          st.lists(st.integers(0, 11), min_size=1, max_size=4)), max_size=60),
+       st.integers(1, 8))
+def test_index_counts_exactly_the_files_that_hold_live_keys(ops: list[tuple[str, list[int]]], cap_files: int) -> None:
+    unlinked: list[str] = []
+    index = DiskIndex(cap_files * 100, unlinked.append)
+    files: dict[str, DiskFile] = {}
+    pins: list[OffloadKey] = []
+    seq = itertools.count()
+    for op, ids in ops:
+        keys = [bytes([i]) for i in ids]
+        if op == "store":
+            size = 50 + 10 * len(set(keys))
+            evicted: list[OffloadKey] = []
+            try:
+                index.reserve(size, evicted)
+            except NoRoomError:
+                assert all(index.pinned(k) for k in (bytes([i]) for i in range(12)) if k in index)
+                continue
+            assert not any(index.pinned(k) for k in evicted)
+            f = DiskFile(f"f{next(seq)}", size, 10)
+            if index.add(f, [(k, j, 0) for j, k in enumerate(dict.fromkeys(keys))], reserved=size):
+                files[f.name] = f
+            else:
+                index.release(size)
+        elif op == "remove":
+            for k in keys:
+                index.remove(k)
+        elif op == "touch":
+            for k in keys:
+                index.touch(k)
+        elif op == "pin":
+            index.pin(keys)
+            pins.extend(keys)
+        elif pins:
+            index.unpin([pins.pop()])
+        live = {f.name for f in index.files()}
+        assert index.reserved == 0
+        assert index.used == sum(files[n].size for n in live) <= index.capacity
+        assert set(unlinked) == set(files) - live  # a file goes exactly when its last key does
+        assert len(unlinked) == len(set(unlinked))
+
+
+def test_index_reserve_never_evicts_a_pinned_key() -> None:
+    index = DiskIndex(100, lambda name: None)
+    f = DiskFile("f", 60, 10)
+    index.reserve(60, [])
+    index.add(f, [(b"a", 0, 0)], reserved=60)
+    index.pin([b"a"])
+    with pytest.raises(NoRoomError, match="being read"):
+        index.reserve(60, [])
+    index.unpin([b"a"])
+    evicted: list[OffloadKey] = []
+    index.reserve(60, evicted)
+    assert evicted == [b"a"] and index.used == 0 and index.reserved == 60
+
+
+# ---------------------------------------------------------------- the tier
+
+
+class Harness:
+    def __init__(self, root: Path, rows: int = 32, **kwargs: object) -> None:
+        kwargs.setdefault("capacity_bytes", 1 << 30)
+        self.tier = DiskTier(root, **kwargs)  # type: ignore[arg-type]
+        self.root = root
+        self.pool = torch.randint(0, 256, (rows, BLOCK), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        self.results: queue.Queue[JobResult] = queue.Queue()
+        self.tier.attach(self.pool, self.results.put)
+
+    def submit(self, keys: list[OffloadKey], rows: list[int], promotion: bool) -> int:
+        job = TransferJob(next(_ids), tuple(keys), tuple(rows), CTX, promotion)
+        (self.tier.submit_load if promotion else self.tier.submit_store)(job)
+        return job.job_id
+
+    def run(self, keys: list[OffloadKey], rows: list[int], promotion: bool) -> JobResult:
+        job_id = self.submit(keys, rows, promotion)
+        result = self.results.get(timeout=WAIT)
+        assert result.job_id == job_id
+        return result
+
+
+@pytest.fixture
+def harness(tmp_path: Path):  # type: ignore[no-untyped-def]
+    made: list[Harness] = []
+
+    def make(**kwargs: object) -> Harness:
+        h = Harness(tmp_path / "tier", **kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.tier.shutdown()
+
+
+def disk_bytes(root: Path) -> int:
+    total = 0
+    for p in root.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # gone between listing and stat
+            total += p.stat().st_size
+    return total
+
+
+def removed(h: Harness) -> list[OffloadKey]:
+    return [k for e in h.tier.take_events() if e.removed for k in e.keys]
+
+
+def test_dead_slots_count_until_their_file_goes(harness) -> None:  # type: ignore[no-untyped-def]
+    two, one = group_size([b"a", b"b"], BLOCK), group_size([b"c"], BLOCK)
+    h = harness(capacity_bytes=two + one)
+    assert h.run([b"a", b"b"], [0, 1], False).success  # one file
+    assert h.run([b"c"], [2], False).success
+    h.tier.touch([b"b"], CTX)  # LRU: a, c, b
+    h.tier.take_events()
+    assert h.run([b"d"], [3], False).success
+    # a went first but freed nothing (b keeps the file); c's file then made the room.
+    assert removed(h) == [b"a", b"c"]
+    assert h.tier.lookup([b"a", b"b", b"c", b"d"], CTX) == [MISS, HIT, MISS, HIT]
+    assert h.tier.used_bytes == disk_bytes(h.root) == two + one
+    h.tier.take_events()
+    assert h.run([b"e"], [4], False).success  # b is the LRU now: its file goes with it
+    assert removed(h) == [b"b"]
+    assert h.tier.used_bytes == disk_bytes(h.root) == 2 * one
+
+
+def test_two_jobs_storing_overlapping_keys(harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(io_workers=4)
+    first, second = [b"k%d" % i for i in range(8)], [b"k%d" % i for i in range(4, 12)]
+    ids = [h.submit(first, list(range(8)), False), h.submit(second, list(range(4, 12)), False)]
+    results = {r.job_id: r for r in (h.results.get(timeout=WAIT) for _ in ids)}
+    assert all(results[i].success for i in ids)
+    stored = [k for e in h.tier.take_events() if not e.removed for k in e.keys]
+    assert sorted(stored) == sorted(set(first + second))  # each key stored once
+    assert len(h.tier) == 12 and h.tier.used_bytes == disk_bytes(h.root)
+    h.pool[16:28].zero_()
+    keys = sorted(set(first + second))
+    assert h.run(keys, list(range(16, 28)), True).success
+    for key, row in zip(keys, range(16, 28), strict=True):
+        assert torch.equal(h.pool[row], h.pool[int(key[1:])])
+
+
+@pytest.mark.timeout(60)
+def test_capacity_never_exceeded_under_a_stress_of_stores_loads_and_evictions(harness) -> None:  # type: ignore[no-untyped-def]
+    cap = 6 * group_size([b"s000-0-0"] * 3, BLOCK)
+    h = harness(capacity_bytes=cap, io_workers=4, rows=64)
+    stop = threading.Event()
+    peak = [0]
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], disk_bytes(h.root))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    rng = random.Random(7)
+    stored: list[list[OffloadKey]] = []
+    try:
+        for step in range(120):
+            pending: dict[int, bool] = {}  # job id -> is a store
+            for part in range(2):  # two stores at once, and a load of an earlier one
+                keys = [b"s%03d-%d-%d" % (step, part, j) for j in range(rng.randint(1, 4))]
+                pending[h.submit(keys, [8 * part + j for j in range(len(keys))], False)] = True
+                stored.append(keys)
+            old = rng.choice(stored[:-2] or stored)
+            pending[h.submit(old, [32 + j for j in range(len(old))], True)] = False
+            for _ in pending:
+                result = h.results.get(timeout=WAIT)
+                assert result.success or not pending[result.job_id], result.error  # loads may miss (evicted)
+    finally:
+        stop.set()
+        watcher.join(WAIT)
+    h.tier.drain(WAIT)
+    assert peak[0] <= cap
+    assert h.tier.used_bytes == disk_bytes(h.root) <= cap
+    assert 0 < len(h.tier) < sum(map(len, stored))
+
+
+def test_restart_after_a_crash_mid_write(harness, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    h = harness()
+    assert h.run([b"a", b"b"], [0, 1], False).success
+    h.tier.shutdown()
+    # What a crash in the middle of a store leaves: a temporary file, part written.
+    keys = [b"c", b"d"]
+    payloads = [memoryview(h.pool[i].numpy()) for i in (2, 3)]
+    table = encode_head(keys, [key_checksum(k, p) for k, p in zip(keys, payloads, strict=True)], BLOCK)
+    partial = h.root / f"{TMP_PREFIX}crashed-0"
+    partial.write_bytes(table.head_bytes + bytes(table.offsets[0] - len(table.head_bytes)) + bytes(payloads[0]))
+    h2 = harness()
+    assert not partial.exists()
+    assert h2.tier.lookup([b"a", b"b", b"c", b"d"], CTX) == [HIT, HIT, MISS, MISS]
+    assert h2.tier.used_bytes == disk_bytes(h2.root)
+    res = h2.run([b"a", b"b"], [4, 5], True)
+    assert res.success and torch.equal(h2.pool[4], h.pool[0]) and torch.equal(h2.pool[5], h.pool[1])
+
+
+def test_a_failed_group_write_is_retried_key_by_key(harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    h = harness()
+    real = os.writev
+
+    def fail_groups(fd: int, buffers: list[memoryview]) -> int:
+        if len(buffers) > 2:  # head and more than one payload
+            raise OSError(5, "EIO")
+        return real(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", fail_groups)
+    assert h.run([b"a", b"b", b"c"], [0, 1, 2], False).success
+    monkeypatch.undo()
+    assert len({h.tier.locate(k)[0] for k in (b"a", b"b", b"c")}) == 3  # type: ignore[index]
+    assert [p.name.startswith(TMP_PREFIX) for p in h.root.iterdir()] == [False] * 3
