@@ -15,10 +15,16 @@ Measured in one run, on the same bytes:
   vs writing/reading the same bytes as plain files, one file per block. The
   ratios ``disk_write_ratio``/``disk_read_ratio`` are against the fastest
   plain way: raw descriptors, each file written from and read (``readv``,
-  i.e. readinto) into one preallocated buffer. ``old_disk_*_ratio`` are
+  i.e. readinto) into its own place in one preallocated buffer of every
+  block, as a load must. ``one_buffer_disk_*_ratio`` are against the same
+  calls with one block-sized buffer that every block overwrites (it stays in
+  the CPU cache: the page cache's copy alone, not a load), ``old_disk_*_ratio``
   against the first baseline (buffered file objects, reads into the pool
-  rows). If DiskTier is not importable, the disk figures and ratios are
-  ``null``.
+  rows), ``disk_read_rows_ratio`` against raw reads into the pool rows. If
+  DiskTier is not importable, the disk figures and ratios are ``null``;
+* with vLLM importable (a vLLM venv's python): the vLLM worker's copies in
+  its per-layer layout (``--layers`` KV tensors), against one ``copy_`` per
+  layer of every block (``vllm_*``; ``null`` without vLLM).
 
 Every figure is the median of ``--trials`` trials; every engine trial is
 checked byte-exact. ``--json`` makes the last line of stdout one JSON object.
@@ -115,6 +121,66 @@ def _settle_writeback() -> None:
         os.sync()
 
 
+def _raw_files(root: str, name: str, blocks: int) -> list[str]:
+    folder = os.path.join(root, name)
+    os.makedirs(folder)
+    return [os.path.join(folder, f"{b}.blk") for b in range(blocks)]
+
+
+def _block_views(flat: memoryview, blocks: int, block_bytes: int) -> list[memoryview]:
+    flat = flat.cast("B")
+    return [flat[b * block_bytes:(b + 1) * block_bytes] for b in range(blocks)]
+
+
+def _raw_write(names: list[str], sources: list[memoryview]) -> float:
+    """Write each file from its source with one ``os.write``; the seconds it took."""
+    start = time.perf_counter()
+    for name, src in zip(names, sources, strict=True):
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if os.write(fd, src) != src.nbytes:
+                raise SystemExit("short write")
+        finally:
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+def _raw_read(names: list[str], destinations: list[memoryview]) -> float:
+    """Read each file into its destination with one ``os.readv`` (readinto); the seconds it took."""
+    start = time.perf_counter()
+    for name, dst in zip(names, destinations, strict=True):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            if os.readv(fd, [dst]) != dst.nbytes:
+                raise SystemExit("short read")
+        finally:
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+def print_disk(disk: dict[str, Any]) -> None:
+    """The disk rows of the table: each baseline, and DiskTier with its ratios against them."""
+    if not disk.get("disk_tier_available"):
+        print(f"disk: {disk['disk_note']}")
+        return
+    print(f"{'':<43}{'ratio to: new':>13}{'one buffer':>11}{'old':>9}")
+    rows = [("plain files write (old: file obj)", "old_file_write_gbps", None),
+            ("plain files write (one buffer)", "one_buffer_file_write_gbps", None),
+            ("plain files write (raw fd, buffer)", "file_write_gbps", None),
+            ("DiskTier store", "disk_store_gbps", "write"),
+            ("plain files read (old: file obj)", "old_file_read_gbps", None),
+            ("plain files read (one buffer)", "one_buffer_file_read_gbps", None),
+            ("plain files read (readinto buffer)", "file_read_gbps", None),
+            ("plain files read into pool rows", "file_read_rows_gbps", None),
+            ("DiskTier load", "disk_load_gbps", "read")]
+    for label, name, kind in rows:
+        line = f"{label:<34}{disk[name]:9.2f}"
+        if kind is not None:
+            line += "".join(f"{disk[ratio]:{width}.2f}" for ratio, width in (
+                (f"disk_{kind}_ratio", 13), (f"one_buffer_disk_{kind}_ratio", 11), (f"old_disk_{kind}_ratio", 9)))
+        print(line)
+
+
 def disk_only(args: argparse.Namespace, requests: int, per_request: int, block_bytes: int, trials: int) -> int:
     """``--disk-only``: :func:`disk_bench` alone, on a plain tensor of random rows; prints the disk
     rows of the table, and with ``--json`` the same JSON names as a whole run (the others null)."""
@@ -130,19 +196,7 @@ def disk_only(args: argparse.Namespace, requests: int, per_request: int, block_b
                                          "block_bytes": block_bytes, "total_bytes": blocks * block_bytes,
                                          "trials": trials, "disk_only": True, "cpus": os.cpu_count()}}
     print(f"DiskTier bench: {requests} jobs x {per_request} blocks x {block_bytes >> 10} KiB, median of {trials}")
-    if disk.get("disk_tier_available"):
-        rows = [("plain files write (old: file obj)", "old_file_write_gbps", None),
-                ("plain files write (raw fd, buffer)", "file_write_gbps", None),
-                ("DiskTier store", "disk_store_gbps", ("disk_write_ratio", "old_disk_write_ratio")),
-                ("plain files read (old: file obj)", "old_file_read_gbps", None),
-                ("plain files read (readinto buffer)", "file_read_gbps", None),
-                ("plain files read into pool rows", "file_read_rows_gbps", None),
-                ("DiskTier load", "disk_load_gbps", ("disk_read_ratio", "old_disk_read_ratio"))]
-        for label, name, ratios in rows:
-            extra = "" if ratios is None else (f"{disk[ratios[0]]:9.2f}{disk[ratios[1]]:9.2f} (new, old baseline)")
-            print(f"{label:<34}{disk[name]:9.2f}{extra}")
-    else:
-        print(f"disk: {disk['disk_note']}")
+    print_disk(disk)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -158,6 +212,8 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
     total_blocks = requests * per_request
     nbytes = total_blocks * block_bytes
     store_t, load_t, write_t, read_t, old_write_t, old_read_t, rows_read_t = [], [], [], [], [], [], []
+    one_write_t: list[float] = []
+    one_read_t: list[float] = []
     for trial in range(trials):
         root = tempfile.mkdtemp(prefix="kvactors-bench-")
         try:
@@ -226,48 +282,36 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
             old_read_t.append(time.perf_counter() - start)
             if not torch.equal(pool[:total_blocks], reference):
                 raise SystemExit("plain file read returned different bytes")
-            # New baseline, the fastest plain way: raw descriptors, written from and read with
-            # readinto into one preallocated buffer (no file objects, no allocation per block).
-            raw = os.path.join(root, "raw")
-            os.makedirs(raw)
-            names = [os.path.join(raw, f"{b}.blk") for b in range(total_blocks)]
-            buf = memoryview(bytearray(block_bytes))
+            # New baseline, the fastest plain way: raw descriptors, each block written from and read
+            # (readv, i.e. readinto) into its own place in one preallocated buffer of every block, as
+            # a load must put each block somewhere of its own (no file objects, no allocation per block).
             flat = memoryview(arr.reshape(-1))
-            buf[:] = flat[:block_bytes]
+            whole = torch.empty(nbytes, dtype=torch.uint8)
+            whole.copy_(pool[:total_blocks].reshape(-1))  # touched before any timing
+            whole_views = _block_views(memoryview(whole.numpy()), total_blocks, block_bytes)
+            names = _raw_files(root, "raw", total_blocks)
             _settle_writeback()
-            start = time.perf_counter()
-            for name in names:
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    if os.write(fd, buf) != block_bytes:
-                        raise SystemExit("short write")
-                finally:
-                    os.close(fd)
-            write_t.append(time.perf_counter() - start)
+            write_t.append(_raw_write(names, whole_views))
+            whole.zero_()
             _settle_writeback()
-            start = time.perf_counter()
-            for name in names:
-                fd = os.open(name, os.O_RDONLY)
-                try:
-                    if os.readv(fd, [buf]) != block_bytes:  # readinto, without a file object
-                        raise SystemExit("short read")
-                finally:
-                    os.close(fd)
-            read_t.append(time.perf_counter() - start)
-            if buf != flat[:block_bytes]:
+            read_t.append(_raw_read(names, whole_views))
+            if not torch.equal(whole, pool[:total_blocks].reshape(-1)):
                 raise SystemExit("raw file read returned different bytes")
+            # For scale, the baseline of the first data-plane issue: the same reads into one
+            # block-sized buffer that every block overwrites (it stays in the CPU cache, so it
+            # measures the page cache's copy, not a load), and writes from it.
+            buf = memoryview(bytearray(flat[:block_bytes]))
+            _settle_writeback()
+            one_read_t.append(_raw_read(names, [buf] * total_blocks))
+            if buf != flat[(total_blocks - 1) * block_bytes:]:
+                raise SystemExit("raw file read returned different bytes")
+            _settle_writeback()
+            one_write_t.append(_raw_write(_raw_files(root, "raw-one", total_blocks), [buf] * total_blocks))
             # For scale, not a ratio target: the same raw reads into the pool rows (where a
             # tier must put them: cold memory, not one cache-resident buffer), no checksum.
             pool[:total_blocks].zero_()
             _settle_writeback()
-            start = time.perf_counter()
-            for b, name in enumerate(names):
-                fd = os.open(name, os.O_RDONLY)
-                try:
-                    os.readv(fd, [flat[b * block_bytes : (b + 1) * block_bytes]])
-                finally:
-                    os.close(fd)
-            rows_read_t.append(time.perf_counter() - start)
+            rows_read_t.append(_raw_read(names, _block_views(flat, total_blocks, block_bytes)))
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -276,12 +320,16 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
     old_write = gbps(nbytes, statistics.median(old_write_t))
     old_read = gbps(nbytes, statistics.median(old_read_t))
     rows_read = gbps(nbytes, statistics.median(rows_read_t))
+    one_write = gbps(nbytes, statistics.median(one_write_t))
+    one_read = gbps(nbytes, statistics.median(one_read_t))
     return {"disk_tier_available": True, "disk_store_gbps": store, "disk_load_gbps": load,
             "file_write_gbps": write, "file_read_gbps": read,
             "disk_write_ratio": store / write, "disk_read_ratio": load / read,
             "old_file_write_gbps": old_write, "old_file_read_gbps": old_read,
             "old_disk_write_ratio": store / old_write, "old_disk_read_ratio": load / old_read,
-            "file_read_rows_gbps": rows_read, "disk_read_rows_ratio": load / rows_read}
+            "file_read_rows_gbps": rows_read, "disk_read_rows_ratio": load / rows_read,
+            "one_buffer_file_write_gbps": one_write, "one_buffer_file_read_gbps": one_read,
+            "one_buffer_disk_write_ratio": store / one_write, "one_buffer_disk_read_ratio": load / one_read}
 
 
 # ---------------------------------------------------------------- the vLLM worker's layout
@@ -478,18 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'engine offload':<34}{fmt(offload):>9}{fmt(result['offload_ratio']):>9}")
     print(f"{'engine onboard':<34}{fmt(onboard):>9}{fmt(result['onboard_ratio']):>9}")
     print(f"{'blocks per coalesced copy':<34}{fmt(result['blocks_per_copy_run']):>9}")
-    if disk.get("disk_tier_available"):
-        print(f"{'plain files write (old: file obj)':<34}{fmt(disk['old_file_write_gbps']):>9}")
-        print(f"{'plain files write (raw fd, buffer)':<34}{fmt(disk['file_write_gbps']):>9}")
-        print(f"{'DiskTier store':<34}{fmt(disk['disk_store_gbps']):>9}{fmt(disk['disk_write_ratio']):>9}"
-              f"{fmt(disk['old_disk_write_ratio']):>9} (new, old baseline)")
-        print(f"{'plain files read (old: file obj)':<34}{fmt(disk['old_file_read_gbps']):>9}")
-        print(f"{'plain files read (readinto buffer)':<34}{fmt(disk['file_read_gbps']):>9}")
-        print(f"{'plain files read into pool rows':<34}{fmt(disk['file_read_rows_gbps']):>9}")
-        print(f"{'DiskTier load':<34}{fmt(disk['disk_load_gbps']):>9}{fmt(disk['disk_read_ratio']):>9}"
-              f"{fmt(disk['old_disk_read_ratio']):>9} (new, old baseline)")
-    else:
-        print(f"disk: {disk['disk_note']}")
+    print_disk(disk)
     if layout.get("vllm_layout_available"):
         print(f"{'vLLM layout, per layer ' + str(layout['vllm_page_bytes']) + ' B':<34}")
         print(f"{'  baseline copy_ per layer, store':<34}{fmt(layout['vllm_baseline_store_gbps']):>9}")
