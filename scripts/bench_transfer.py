@@ -303,7 +303,7 @@ def disk_bench(pool: torch.Tensor, requests: int, per_request: int, trials: int)
             buf = memoryview(bytearray(flat[:block_bytes]))
             _settle_writeback()
             one_read_t.append(_raw_read(names, [buf] * total_blocks))
-            if buf != flat[(total_blocks - 1) * block_bytes:]:
+            if buf != flat[(total_blocks - 1) * block_bytes:total_blocks * block_bytes]:  # the last block
                 raise SystemExit("raw file read returned different bytes")
             _settle_writeback()
             one_write_t.append(_raw_write(_raw_files(root, "raw-one", total_blocks), [buf] * total_blocks))
