@@ -35,12 +35,10 @@ Not thread-safe: one pool lives inside one actor.
 
 from __future__ import annotations
 
-from array import array
-from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 
 from kvactors.core import pool_check
-from kvactors.core.load_pins import LoadPins, _LoadPins
+from kvactors.core.load_pins import LoadPinBook, LoadPins, _LoadPins
 from kvactors.core.policies.base import EvictionPolicy
 from kvactors.core.policies.row_lru import RowLRUPolicy
 from kvactors.core.pool_types import Identity, PoolError, StoreOutcome, StorePlan, Writer
@@ -48,8 +46,15 @@ from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, Off
 
 __all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "StorePlan", "Writer", "_LoadPins"]
 
+
 class BlockPool:
-    """Block states, pins and eviction for ``num_blocks`` rows."""
+    """Block states, pins and eviction for ``num_blocks`` rows.
+
+    The per-request calls (``prepare_store``, ``complete_store``,
+    ``pin_for_load``, ``unpin_load``, ``lookup``) do their per-key work in
+    loops over locals and call the row-bound policy once per call; the helpers
+    (``_pin``, ``_settle``, ...) serve the rarer paths. Both keep the same state.
+    """
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy, tier: str = PRIMARY_TIER_NAME) -> None:
         if num_blocks <= 0:
@@ -62,12 +67,15 @@ class BlockPool:
         self._indexed = bytearray(num_blocks)
         self._ready = bytearray(num_blocks)
         self._writer: list[Writer | None] = [None] * num_blocks
-        self._pins = array("i", bytes(4 * num_blocks))
-        self._holds = array("i", bytes(4 * num_blocks))
+        # Lists, not arrays: faster to index and update, and their small ints are shared.
+        self._pins = [0] * num_blocks
+        self._holds = [0] * num_blocks
         # Popping from the end hands out low rows first, which keeps runs contiguous.
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._pending_writes: dict[tuple[Writer, OffloadKey], int] = {}
-        self._load_pins: dict[tuple[Identity, OffloadKey], _LoadPins] = {}
+        # Per writer, so a request's calls find their keys without a tuple per key.
+        self._pending_writes: dict[Writer, dict[OffloadKey, int]] = {}
+        self._pin_book = LoadPinBook()
+        self._load_pins = self._pin_book.multi  # keys pinned more than once by a request
         self._job_pins: dict[int, tuple[int, ...]] = {}
         self._held_jobs: dict[int, tuple[int, ...]] = {}
         self._promotions: dict[int, tuple[tuple[OffloadKey, int], ...]] = {}
@@ -92,22 +100,30 @@ class BlockPool:
         results = []
         index_get, ready, rows = self._index.get, self._ready, self._rows
         miss, hit, pending = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
+        hits = []
         for key in keys:
             row = index_get(key)
             if row is None:
                 results.append(miss)
             elif ready[row]:
                 if rows is not None:
-                    rows.access_row(row)
+                    hits.append(row)
                 else:
                     self._policy.access(key)
                 results.append(hit)
             else:
                 results.append(pending)
+        if hits:
+            rows.access_rows(hits)  # type: ignore[union-attr]  # hits only with a row policy
         return results
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Mark ``keys`` as used (those that are present)."""
+        rows = self._rows
+        if rows is not None:
+            index_get = self._index.get
+            rows.access_rows([row for row in map(index_get, keys) if row is not None])
+            return
         for key in keys:
             self._policy.access(key)
 
@@ -120,15 +136,15 @@ class BlockPool:
         return row is not None and bool(self._ready[row])
 
     def has_pending_write(self, writer: Writer, key: OffloadKey) -> bool:
-        return (writer, key) in self._pending_writes
+        return key in self._pending_writes.get(writer, ())
 
     def pending_writes_of(self, writer: Writer) -> list[OffloadKey]:
-        """Keys ``writer`` is still writing (indexed or detached). O(pending writes)."""
-        return [key for (w, key) in self._pending_writes if w == writer]
+        """Keys ``writer`` is still writing (indexed or detached). O(its pending writes)."""
+        return list(self._pending_writes.get(writer, ()))
 
     def load_pins_of(self, identity: Identity) -> int:
         """How many load pins ``identity`` holds. O(load pins)."""
-        return sum(pins.outstanding for (owner, _), pins in self._load_pins.items() if owner == identity)
+        return self._pin_book.outstanding_of(identity)
 
     def stats(self) -> dict[str, int]:
         """Row counts by state; O(1)."""
@@ -175,24 +191,24 @@ class BlockPool:
         or nothing, as ``TieringManager.prepare_store``: "``None`` if there is no room"; storing
         only some of the keys would leave holes in a request's prefix).
         """
+        index = self._index
+        mine = self._pending_writes.get(writer)
         new: list[OffloadKey] = []
         present: list[OffloadKey] = []
-        seen: set[OffloadKey] = set()
-        index = self._index
-        for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
+        for key in dict.fromkeys(keys):  # each key once, at its first place
             if key in index:
                 present.append(key)
-            elif (writer, key) not in self._pending_writes:
+            elif mine is None or key not in mine:
                 new.append(key)
         allocated = self._allocate(new, writer, present)
         if allocated is None:
             return None
         rows, evicted = allocated
-        for key, row in zip(new, rows, strict=True):
-            self._pending_writes[(writer, key)] = row
+        if new:
+            if mine is None:
+                self._pending_writes[writer] = dict(zip(new, rows, strict=True))
+            else:
+                mine.update(zip(new, rows, strict=True))
         return StorePlan(tuple(new), rows, evicted)
 
     def complete_store(self, keys: Sequence[OffloadKey], writer: Identity, success: bool) -> StoreOutcome:
@@ -201,30 +217,49 @@ class BlockPool:
         Raises :class:`PoolError` (nothing changed) if a key has no pending
         write by ``writer`` (never prepared, already completed, or repeated).
         """
-        rows = []
-        for key in keys:
-            row = self._pending_writes.get((writer, key))
-            if row is None:
-                raise PoolError(f"key {key.hex()[:16]} has no pending store by {writer}")
-            rows.append(row)
+        mine = self._pending_writes.get(writer)
+        try:
+            rows = [mine[key] for key in keys]  # type: ignore[index]  # None: the TypeError below
+        except (KeyError, TypeError):
+            key = next(key for key in keys if mine is None or key not in mine)
+            raise PoolError(f"key {key.hex()[:16]} has no pending store by {writer}") from None
         if len(set(rows)) != len(rows):
             raise PoolError("a key is completed twice in one call")
+        if not rows:
+            return StoreOutcome(0, 0, (), ())
+        assert mine is not None
+        if len(rows) == len(mine):
+            del self._pending_writes[writer]  # every write of the writer ends: no del per key
+        else:
+            for key in keys:
+                del mine[key]
+        writers, indexed, ready, pins, holds = self._writer, self._indexed, self._ready, self._pins, self._holds
+        rows_policy = self._rows
         live = stale = 0
         stored: list[OffloadKey] = []
+        evictable: list[int] = []
         for key, row in zip(keys, rows, strict=True):
-            del self._pending_writes[(writer, key)]
-            self._writer[row] = None
-            if self._indexed[row]:
+            writers[row] = None
+            if indexed[row]:
                 live += 1
                 if success:
-                    self._make_ready(row)
+                    ready[row] = 1
                     stored.append(key)
-                else:
-                    self._unindex(row)
+                    if not pins[row] and not holds[row]:  # what _settle does for an idle ready row
+                        if rows_policy is not None:
+                            evictable.append(row)
+                        elif key not in self._policy:
+                            self._policy.add(key)
+                    continue
+                self._unindex(row)
             else:
                 stale += 1
             self._settle(row)
         if stored:
+            self._n_pending -= len(stored)
+            self._n_ready += len(stored)
+            if evictable:
+                rows_policy.add_rows(evictable)  # type: ignore[union-attr]  # only with a row policy
             self._events.append(OffloadingEvent(tuple(stored), self.tier, False))
         return StoreOutcome(live, stale, tuple(stored), tuple(rows))
 
@@ -233,7 +268,7 @@ class BlockPool:
 
         Returns whether the write was still indexed (it counted as pending).
         """
-        row = self._pending_writes.get((writer, key))
+        row = self._pending_writes.get(writer, {}).get(key)
         if row is None or not self._indexed[row]:
             return False
         self._unindex(row)
@@ -247,16 +282,26 @@ class BlockPool:
         Raises :class:`PoolError` (nothing changed) if a key is not ready.
         """
         rows = self._ready_rows(keys)
-        for key, row in zip(keys, rows, strict=True):
-            entry = self._load_pins.get((owner, key))
-            if entry is None:
-                self._load_pins[(owner, key)] = _LoadPins(row)
-            else:
-                # The same row again, or a new row of the key (an old one was
-                # detached by a reset while pinned): each pin is booked on its own row.
-                entry.rows[row] = entry.rows.get(row, 0) + 1
-            self._pin(row)
-            self._policy.access(key)
+        self._pin_book.book(owner, keys, rows)
+        pins, rows_policy = self._pins, self._rows
+        newly = 0
+        if rows_policy is not None:
+            for row in rows:
+                if not pins[row]:
+                    newly += 1
+                pins[row] += 1
+            # A row pinned before was not evictable, so discarding every row is what
+            # _pin does; and access(key) is a no-op for a row no longer linked.
+            rows_policy.discard_rows(rows)
+        else:
+            policy, keys_of = self._policy, self._keys
+            for key, row in zip(keys, rows, strict=True):
+                if not pins[row]:
+                    newly += 1
+                    policy.discard(keys_of[row])  # type: ignore[arg-type]  # a ready row has its key
+                pins[row] += 1
+                policy.access(key)
+        self._n_pinned += newly
         return tuple(rows)
 
     def unpin_load(self, keys: Sequence[OffloadKey], owner: Identity) -> None:
@@ -275,22 +320,31 @@ class BlockPool:
         Raises :class:`PoolError` (nothing changed) if ``owner`` does not hold
         that many unreleased pins on a key.
         """
-        wanted = Counter(keys)
-        for key, count in wanted.items():
-            entry = self._load_pins.get((owner, key))
-            if entry is None or entry.outstanding < count:
-                raise PoolError(f"key {key.hex()[:16]} is not pinned by {owner}")
-        for key, count in wanted.items():
-            entry = self._load_pins[(owner, key)]
-            released = entry.release(count)
-            if released is None:
-                continue  # pins on several rows: wait for the key's last release
-            if not entry.outstanding:
-                del self._load_pins[(owner, key)]
-            for row, pins in released.items():
-                for _ in range(pins):
-                    self._unpin(row)
-                self._settle(row)
+        rows = self._pin_book.take(owner, keys)
+        pins, writers, holds, indexed, ready = self._pins, self._writer, self._holds, self._indexed, self._ready
+        rows_policy = self._rows
+        unpinned = 0
+        evictable: list[int] = []
+        for row in rows:
+            left = pins[row] - 1
+            assert left >= 0, "every unpin matches one pin"
+            pins[row] = left
+            if left:
+                continue
+            unpinned += 1
+            if writers[row] is not None or holds[row]:
+                continue  # still busy
+            if indexed[row]:
+                if ready[row]:
+                    if rows_policy is not None:
+                        evictable.append(row)
+                    else:
+                        self._settle(row)
+            else:
+                self._settle(row)  # detached and idle now: freed
+        self._n_pinned -= unpinned
+        if evictable:
+            rows_policy.add_rows(evictable)  # type: ignore[union-attr]  # only with a row policy
 
     # ------------------------------------------------------------------ jobs
 
@@ -402,13 +456,7 @@ class BlockPool:
 
     def snapshot(self) -> tuple[object, ...]:
         """A comparable copy of the whole state (tests check that errors change nothing)."""
-        return (
-            dict(self._index), list(self._keys), bytes(self._indexed), bytes(self._ready), list(self._writer),
-            self._pins.tolist(), self._holds.tolist(), list(self._free), dict(self._pending_writes),
-            {k: (dict(v.rows), v.owed) for k, v in self._load_pins.items()}, dict(self._job_pins),
-            dict(self._held_jobs),
-            dict(self._promotions), len(self._policy), set(self._detached),
-        )
+        return pool_check.snapshot(self)
 
     def check_invariants(self) -> None:
         """Assert that every piece of state agrees with every other. O(rows); for tests."""
@@ -440,29 +488,54 @@ class BlockPool:
         or ``None`` (nothing changed) when free and evictable rows are too few.
 
         ``present``: the caller's keys that are indexed; eviction spares them."""
-        shortfall = len(keys) - len(self._free)
-        spare = self._spared(present) if shortfall > 0 else frozenset()
-        if shortfall > 0 and len(self._policy) - len(spare) < shortfall:
-            return None
-        evicted = tuple(self._evict_one(spare) for _ in range(max(shortfall, 0)))
-        if evicted:
+        free = self._free
+        count = len(keys)
+        shortfall = count - len(free)
+        evicted: tuple[OffloadKey, ...] = ()
+        if shortfall > 0:
+            spare = self._spared(present)
+            if len(self._policy) - len(spare) < shortfall:
+                return None
+            evicted = self._evict(shortfall, spare)
             self.evicted_keys += len(evicted)
             self._events.append(OffloadingEvent(evicted, self.tier, True))
         # Ascending rows for consecutive keys: copies of a request's blocks then
         # coalesce into few large slice copies (rows freed by eviction come back
         # in reverse order, and one-block copies are much slower than long runs).
-        rows = tuple(sorted(self._free.pop() for _ in keys))
-        for key, row in zip(keys, rows, strict=True):
-            self._occupy(row, key, writer)
-        return rows, evicted
+        cut = len(free) - count
+        taken = free[cut:]
+        del free[cut:]
+        taken.sort()
+        keys_of, indexed, ready, writers, index = self._keys, self._indexed, self._ready, self._writer, self._index
+        for key, row in zip(keys, taken, strict=True):  # _occupy, inline
+            keys_of[row] = key
+            indexed[row] = 1
+            ready[row] = 0
+            writers[row] = writer
+            index[key] = row
+        self._n_pending += count
+        return tuple(taken), evicted
 
-    def _occupy(self, row: int, key: OffloadKey, writer: Writer) -> None:
-        self._keys[row] = key
-        self._indexed[row] = 1
-        self._ready[row] = 0
-        self._writer[row] = writer
-        self._index[key] = row
-        self._n_pending += 1
+    def _evict(self, count: int, spare: frozenset[OffloadKey]) -> tuple[OffloadKey, ...]:
+        """Evict ``count`` evictable keys not in ``spare`` (the caller checked there are)."""
+        rows_policy = self._rows
+        if rows_policy is None:
+            return tuple(self._evict_one(spare) for _ in range(count))
+        victims = rows_policy.take_victims(count, spare)
+        assert len(victims) == count, "caller checked there are enough evictable keys"
+        keys_of, indexed, ready, index, free = self._keys, self._indexed, self._ready, self._index, self._free
+        evicted = []
+        for row in victims:  # _unindex and _settle of an idle ready row, inline
+            key = keys_of[row]
+            assert key is not None and ready[row] and not self._busy(row), "the policy only holds evictable rows"
+            del index[key]
+            indexed[row] = 0
+            ready[row] = 0
+            keys_of[row] = None
+            free.append(row)
+            evicted.append(key)
+        self._n_ready -= count
+        return tuple(evicted)
 
     def _make_ready(self, row: int) -> None:
         self._ready[row] = 1
