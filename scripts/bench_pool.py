@@ -1,6 +1,6 @@
 """The primary pool's control cost per request: microseconds per 16-key call.
 
-    PYTHONPATH=. python scripts/bench_pool.py [--quick] [--json] [--against REV]
+    PYTHONPATH=. python scripts/bench_pool.py [--quick] [--json] [--no-gc] [--only pool|manager] [--against REV]
 
 Two workloads, each a loop of requests of ``--keys`` (16) new keys:
 
@@ -14,7 +14,8 @@ Two workloads, each a loop of requests of ``--keys`` (16) new keys:
   ``on_request_finished`` per request.
 
 Each figure is the median over rounds of the mean per call in a round (the
-garbage collector runs as in production; a collection is forced between rounds).
+garbage collector runs as in production, or not at all with ``--no-gc``; a
+collection is forced between rounds). ``--only pool|manager``: one workload.
 ``--against REV`` also imports the tree at git revision ``REV`` as
 ``kvactors_base`` (see ``import_base`` in ``scripts/bench_lifecycle.py``) and
 runs its rounds interleaved with this tree's, printing both and the ratio
@@ -133,9 +134,19 @@ def medians(samples: list[dict[str, float]]) -> dict[str, float]:
     return {op: round(statistics.median(s[op] for s in samples), 2) for op in samples[0]}
 
 
-def measure(packages: dict[str, Any], keys_per_call: int, requests: int, rounds: int) -> dict[str, dict[str, Any]]:
+def measure(packages: dict[str, Any], keys_per_call: int, requests: int, rounds: int,
+            only: str | None = None) -> dict[str, dict[str, Any]]:
     """``{label: {"pool": {op: us}, "manager": {op: us}}}``, the labels' rounds interleaved."""
     out: dict[str, dict[str, Any]] = {label: {} for label in packages}
+    if only != "manager":
+        _measure_pool(out, packages, keys_per_call, requests, rounds)
+    if only != "pool":
+        _measure_manager(out, packages, keys_per_call, requests, rounds)
+    return out
+
+
+def _measure_pool(out: dict[str, dict[str, Any]], packages: dict[str, Any], keys_per_call: int, requests: int,
+                  rounds: int) -> None:
     runners = {label: pool_round(pkg, keys_per_call, requests) for label, pkg in packages.items()}
     samples: dict[str, list[dict[str, float]]] = {label: [] for label in packages}
     for r in range(rounds):
@@ -144,6 +155,10 @@ def measure(packages: dict[str, Any], keys_per_call: int, requests: int, rounds:
             samples[label].append(run(r))
     for label in packages:
         out[label]["pool"] = medians(samples[label])
+
+
+def _measure_manager(out: dict[str, dict[str, Any]], packages: dict[str, Any], keys_per_call: int, requests: int,
+                     rounds: int) -> None:
     stops = []
     try:
         mruns = {}
@@ -161,7 +176,6 @@ def measure(packages: dict[str, Any], keys_per_call: int, requests: int, rounds:
             stop()
     for label in packages:
         out[label]["manager"] = medians(samples[label])
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="a JSON object as the last line")
     parser.add_argument("--against", metavar="REV", help="also run the tree at git revision REV, interleaved")
     parser.add_argument("--keys", type=int, default=16, help="keys per call (default 16)")
+    parser.add_argument("--no-gc", action="store_true", help="the garbage collector off while rounds run")
+    parser.add_argument("--only", choices=("pool", "manager"), help="one workload only")
     args = parser.parse_args(argv)
     rounds, requests = (5, 200) if args.quick else (15, 500)
     packages: dict[str, Any] = {"this": kvactors}
@@ -177,15 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         from bench_lifecycle import import_base
 
         packages["base"] = import_base(args.against)
-    result = measure(packages, args.keys, requests, rounds)
-    print(f"us per {args.keys}-key call (median of {rounds} rounds of {requests} requests)")
-    summary: dict[str, Any] = {"pool": result["this"]["pool"], "manager": result["this"]["manager"]}
+    if args.no_gc:
+        gc.disable()
+    result = measure(packages, args.keys, requests, rounds, args.only)
+    print(f"us per {args.keys}-key call (median of {rounds} rounds of {requests} requests; "
+          f"gc {'off' if args.no_gc else 'on'})")
+    parts = [part for part in ("pool", "manager") if part in result["this"]]
+    summary: dict[str, Any] = {part: result["this"][part] for part in parts}
     if "base" in result:
         summary["base"] = result["base"]
         summary["speedup"] = {
             part: {op: round(us / result["this"][part][op], 2) for op, us in result["base"][part].items()}
-            for part in ("pool", "manager")}
-    for part in ("pool", "manager"):
+            for part in parts}
+    for part in parts:
         print(f"{part}:")
         header = f"  {'call':<22}{'this':>9}" + (f"{'base':>9}{'base/this':>11}" if "base" in result else "")
         print(header)

@@ -83,9 +83,15 @@ class LoadPinBook:
     def book(self, owner: Identity, keys: Sequence[OffloadKey], rows: Sequence[int]) -> None:
         """Book one pin of each ``keys[i]`` on ``rows[i]`` for ``owner``."""
         mine = self.single.get(owner)
-        if mine is None:
-            mine = self.single[owner] = {}
         multi = self.multi
+        if mine is None:
+            if not (multi and any((owner, key) in multi for key in keys)):
+                fresh = dict(zip(keys, rows, strict=True))
+                if len(fresh) == len(keys):  # the common case: keys new to owner, each given once
+                    if fresh:
+                        self.single[owner] = fresh
+                    return
+            mine = self.single[owner] = {}
         for key, row in zip(keys, rows, strict=True):
             if key in mine:
                 # A second pin: the key moves to the general book, its first pin first.

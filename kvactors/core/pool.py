@@ -193,13 +193,11 @@ class BlockPool:
         """
         index = self._index
         mine = self._pending_writes.get(writer)
-        new: list[OffloadKey] = []
-        present: list[OffloadKey] = []
-        for key in dict.fromkeys(keys):  # each key once, at its first place
-            if key in index:
-                present.append(key)
-            elif mine is None or key not in mine:
-                new.append(key)
+        unique = dict.fromkeys(keys)  # each key once, at its first place
+        new = [key for key in unique if key not in index]
+        present = [key for key in unique if key in index] if len(new) != len(unique) else []
+        if mine is not None:
+            new = [key for key in new if key not in mine]
         allocated = self._allocate(new, writer, present)
         if allocated is None:
             return None
@@ -233,35 +231,43 @@ class BlockPool:
         else:
             for key in keys:
                 del mine[key]
-        writers, indexed, ready, pins, holds = self._writer, self._indexed, self._ready, self._pins, self._holds
+        writers, indexed, ready = self._writer, self._indexed, self._ready
         rows_policy = self._rows
+        # A store's row has no pins or holds (nobody else reaches a row not ready),
+        # so every row that becomes ready here is evictable (what _settle decides).
+        if success and all(map(indexed.__getitem__, rows)):
+            for row in rows:  # the common case: every write still live
+                writers[row] = None
+                ready[row] = 1
+            stored = tuple(keys)
+            if rows_policy is not None:
+                rows_policy.add_rows(rows)
+            else:
+                policy = self._policy
+                for key in stored:
+                    if key not in policy:
+                        policy.add(key)
+            self._n_pending -= len(stored)
+            self._n_ready += len(stored)
+            self._events.append(OffloadingEvent(stored, self.tier, False))
+            return StoreOutcome(len(rows), 0, stored, tuple(rows))
         live = stale = 0
-        stored: list[OffloadKey] = []
-        evictable: list[int] = []
+        done: list[OffloadKey] = []
         for key, row in zip(keys, rows, strict=True):
             writers[row] = None
             if indexed[row]:
                 live += 1
                 if success:
-                    ready[row] = 1
-                    stored.append(key)
-                    if not pins[row] and not holds[row]:  # what _settle does for an idle ready row
-                        if rows_policy is not None:
-                            evictable.append(row)
-                        elif key not in self._policy:
-                            self._policy.add(key)
-                    continue
-                self._unindex(row)
+                    self._make_ready(row)
+                    done.append(key)
+                else:
+                    self._unindex(row)
             else:
                 stale += 1
             self._settle(row)
-        if stored:
-            self._n_pending -= len(stored)
-            self._n_ready += len(stored)
-            if evictable:
-                rows_policy.add_rows(evictable)  # type: ignore[union-attr]  # only with a row policy
-            self._events.append(OffloadingEvent(tuple(stored), self.tier, False))
-        return StoreOutcome(live, stale, tuple(stored), tuple(rows))
+        if done:
+            self._events.append(OffloadingEvent(tuple(done), self.tier, False))
+        return StoreOutcome(live, stale, tuple(done), tuple(rows))
 
     def detach_write(self, writer: Writer, key: OffloadKey) -> bool:
         """A pending store passed its deadline: unindex it, keep the row for its writer.
@@ -466,13 +472,15 @@ class BlockPool:
 
     def _ready_rows(self, keys: Sequence[OffloadKey]) -> list[int]:
         """The rows of ``keys``; :class:`PoolError` if one is not ready."""
-        rows = []
-        for key in keys:
-            row = self._index.get(key)
-            if row is None or not self._ready[row]:
-                raise PoolError(f"key {key.hex()[:16]} is not ready in the pool")
-            rows.append(row)
-        return rows
+        rows = list(map(self._index.get, keys))
+        try:
+            if all(map(self._ready.__getitem__, rows)):  # type: ignore[arg-type]  # None: TypeError
+                return rows  # type: ignore[return-value]  # no None: all ready
+        except TypeError:
+            pass  # a key is not indexed
+        ready = self._ready
+        key = next(key for key, row in zip(keys, rows, strict=True) if row is None or not ready[row])
+        raise PoolError(f"key {key.hex()[:16]} is not ready in the pool")
 
     def _spared(self, present: Sequence[OffloadKey]) -> frozenset[OffloadKey]:
         """The evictable keys among a call's ``present`` ones: eviction must spare them."""
@@ -492,50 +500,44 @@ class BlockPool:
         count = len(keys)
         shortfall = count - len(free)
         evicted: tuple[OffloadKey, ...] = ()
+        keys_of, indexed, ready, writers, index = self._keys, self._indexed, self._ready, self._writer, self._index
+        rows_policy = self._rows
         if shortfall > 0:
             spare = self._spared(present)
             if len(self._policy) - len(spare) < shortfall:
                 return None
-            evicted = self._evict(shortfall, spare)
-            self.evicted_keys += len(evicted)
+            if rows_policy is not None:
+                # Evicted in one pass, and reused at once: every free row is taken
+                # with them, so they never pass through the free list.
+                victims = rows_policy.take_victims(shortfall, spare)
+                assert len(victims) == shortfall, "the caller checked there are enough evictable rows"
+                evicted = tuple([keys_of[row] for row in victims])  # type: ignore[misc]  # indexed: a key
+                for row in victims:
+                    del index[keys_of[row]]  # type: ignore[arg-type]  # indexed: a key
+                    ready[row] = 0
+                self._n_ready -= shortfall
+                taken = free + victims
+                free.clear()
+            else:
+                evicted = tuple(self._evict_one(spare) for _ in range(shortfall))
+            self.evicted_keys += shortfall
             self._events.append(OffloadingEvent(evicted, self.tier, True))
+        if rows_policy is None or shortfall <= 0:
+            cut = len(free) - count
+            taken = free[cut:]
+            del free[cut:]
         # Ascending rows for consecutive keys: copies of a request's blocks then
         # coalesce into few large slice copies (rows freed by eviction come back
         # in reverse order, and one-block copies are much slower than long runs).
-        cut = len(free) - count
-        taken = free[cut:]
-        del free[cut:]
         taken.sort()
-        keys_of, indexed, ready, writers, index = self._keys, self._indexed, self._ready, self._writer, self._index
-        for key, row in zip(keys, taken, strict=True):  # _occupy, inline
+        # Each row now holds its key, being written (a free row is never ready: see pool_check).
+        for key, row in zip(keys, taken, strict=True):
             keys_of[row] = key
             indexed[row] = 1
-            ready[row] = 0
             writers[row] = writer
-            index[key] = row
+        index.update(zip(keys, taken, strict=True))
         self._n_pending += count
         return tuple(taken), evicted
-
-    def _evict(self, count: int, spare: frozenset[OffloadKey]) -> tuple[OffloadKey, ...]:
-        """Evict ``count`` evictable keys not in ``spare`` (the caller checked there are)."""
-        rows_policy = self._rows
-        if rows_policy is None:
-            return tuple(self._evict_one(spare) for _ in range(count))
-        victims = rows_policy.take_victims(count, spare)
-        assert len(victims) == count, "caller checked there are enough evictable keys"
-        keys_of, indexed, ready, index, free = self._keys, self._indexed, self._ready, self._index, self._free
-        evicted = []
-        for row in victims:  # _unindex and _settle of an idle ready row, inline
-            key = keys_of[row]
-            assert key is not None and ready[row] and not self._busy(row), "the policy only holds evictable rows"
-            del index[key]
-            indexed[row] = 0
-            ready[row] = 0
-            keys_of[row] = None
-            free.append(row)
-            evicted.append(key)
-        self._n_ready -= count
-        return tuple(evicted)
 
     def _make_ready(self, row: int) -> None:
         self._ready[row] = 1

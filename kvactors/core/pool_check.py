@@ -74,10 +74,13 @@ def check_invariants(pool: BlockPool) -> None:
         assert pool._pins[row] == pins[row], f"row {row}: pins {pool._pins[row]} != {pins[row]}"
         assert pool._holds[row] == holds[row], f"row {row}: holds"
         assert pool._writer[row] == writers.get(row), f"row {row}: writer"
+        # complete_store relies on it: nobody pins or holds a row while it is written.
+        assert pool._writer[row] is None or not (pool._pins[row] or pool._holds[row]), f"row {row}: written and held"
         held_key = pool._keys[row]
         busy = pool._busy(row)
         if row in free:
             assert held_key is None and not busy and not pool._indexed[row], f"free row {row} in use"
+            assert not pool._ready[row], f"free row {row} is marked ready"
             continue
         assert held_key is not None, f"row {row} is neither free nor holds a key"
         key = held_key

@@ -124,6 +124,16 @@ class RowLRUPolicy:
         linked, nxt, prev, tail, key_of = self._linked, self._next, self._prev, self._tail, self._key_of
         taken: list[int] = []
         row = nxt[tail]
+        if not exclude:
+            # The oldest ``count`` rows, cut out as one run.
+            while len(taken) < count and row != tail:
+                linked[row] = 0
+                taken.append(row)
+                row = nxt[row]
+            nxt[tail] = row
+            prev[row] = tail
+            self._len -= len(taken)
+            return taken
         while len(taken) < count and row != tail:
             after = nxt[row]
             if not exclude or key_of[row] not in exclude:
