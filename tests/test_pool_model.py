@@ -205,7 +205,7 @@ class Agreement(RuleBasedStateMachine):
             ok = data.draw(st.none() | st.frozensets(st.sampled_from(KEYS)))
             self._both(lambda p: p.end_promotion(job, success=success, hold=hold, ok_keys=ok))
 
-    @rule(data=st.data(), kind=st.sampled_from(["lookup", "touch", "detach_write", "queries"]))
+    @rule(data=st.data(), kind=st.sampled_from(["lookup", "touch", "detach_write", "detach_writes", "queries"]))
     def query(self, data: st.DataObject, kind: str) -> None:
         """Lookups and touches (uses), a deadline detaching a write, the pool's queries."""
         keys, key, writer = data.draw(key_lists), data.draw(st.sampled_from(KEYS)), data.draw(st.sampled_from(OWNERS))
@@ -215,6 +215,9 @@ class Agreement(RuleBasedStateMachine):
             self._both(lambda p: p.touch(keys))
         elif kind == "detach_write":
             self._both(lambda p: p.detach_write(writer, key))
+        elif kind == "detach_writes":  # the new pool's shortcut for a store's deadline: the sum of detach_write
+            self._both(lambda p: p.detach_writes(writer, keys) if isinstance(p, BlockPool)
+                       else sum(p.detach_write(writer, key) for key in keys))
         else:
             self._both(lambda p: (p.has_pending_write(writer, key), sorted(p.pending_writes_of(writer)),
                                   p.load_pins_of(writer), p.row_of(key), p.is_ready(key)))
