@@ -8,6 +8,7 @@ pool lives inside one actor.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from kvactors.core.load_pins import LoadPinBook
@@ -31,9 +32,10 @@ class PoolRows:
         self._indexed = bytearray(num_blocks)
         self._ready = bytearray(num_blocks)
         self._writer: list[Writer | None] = [None] * num_blocks
-        # Lists, not arrays: faster to index and update, and their small ints are shared.
+        # Pins: a list, not an array (faster to index and update on the load paths, 4 more
+        # bytes a row: its small ints are shared); holds change only when jobs time out.
         self._pins = [0] * num_blocks
-        self._holds = [0] * num_blocks
+        self._holds = array("i", bytes(4 * num_blocks))
         # Popping from the end hands out low rows first, which keeps runs contiguous.
         self._free = list(range(num_blocks - 1, -1, -1))
         # Per writer, so a request's calls find their keys without a tuple per key.
