@@ -11,7 +11,9 @@ Two workloads, each a loop of requests of ``--keys`` (16) new keys:
 * ``manager``: the same calls through a :class:`~kvactors.TieringManager` (no
   secondary tier, 64-byte blocks, one calling thread, so every call is claimed:
   the handler runs on the calling thread), plus ``on_new_request`` and
-  ``on_request_finished`` per request.
+  ``on_request_finished`` per request; between requests (untimed) ``wait_idle``
+  lets the finalize that runs on the primary's own thread end first (else the
+  next calls find the primary busy, queue, and measure thread hand-offs).
 
 Each figure is the median over rounds of the mean per call in a round (the
 garbage collector runs as in production, or not at all with ``--no-gc``; a
@@ -49,6 +51,34 @@ MANAGER_OPS = ("on_new_request", "lookup", "prepare_store", "complete_store", "p
                "complete_load", "on_request_finished")
 
 Round = Callable[[int], dict[str, float]]
+
+
+def import_base(rev: str) -> Any:
+    """The ``kvactors`` package of git revision ``rev``, imported as ``kvactors_base``: as
+    ``import_base`` in ``scripts/bench_lifecycle.py`` does, and its module names in strings
+    rewritten too (the package's lazy top-level names are such strings: unrewritten,
+    ``kvactors_base.TieringManager`` would be this tree's)."""
+    import importlib
+    import re
+    import subprocess
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="kvactors-base-")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", repo, "archive", rev, "kvactors"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+    os.rename(os.path.join(root, "kvactors"), os.path.join(root, "kvactors_base"))
+    pattern = re.compile(r"""(\b(?:from|import) |["'])kvactors(?=[.\s"'])""")
+    for dirpath, _, files in os.walk(os.path.join(root, "kvactors_base")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    text = f.read()
+                with open(path, "w") as f:
+                    f.write(pattern.sub(r"\1kvactors_base", text))
+    sys.path.insert(0, root)
+    return importlib.import_module("kvactors_base")
 
 
 def pool_round(pkg: Any, keys_per_call: int, requests: int) -> Round:
@@ -93,6 +123,10 @@ def pool_round(pkg: Any, keys_per_call: int, requests: int) -> Round:
 def manager_round(pkg: Any, keys_per_call: int, requests: int) -> tuple[Round, Callable[[], None]]:
     """A round runner over one ``TieringManager`` of ``pkg``, and its stop."""
     manager = pkg.TieringManager.start(num_blocks=NUM_BLOCKS, block_bytes=BLOCK_BYTES)
+    pool_type = type(manager._primary._actor.pool)
+    if not pool_type.__module__.startswith(pkg.__name__ + "."):
+        manager.stop()
+        raise RuntimeError(f"the {pkg.__name__} manager runs {pool_type.__module__}'s pool")
     ctx_type = pkg.ReqContext
     clock = time.perf_counter_ns
 
@@ -116,6 +150,10 @@ def manager_round(pkg: Any, keys_per_call: int, requests: int) -> tuple[Round, C
             t6 = clock()
             manager.on_request_finished(ctx)
             t7 = clock()
+            # Untimed: the request's finalize (the supervisor, then the primary's thread) ends
+            # before the next request, so each timed call finds the primary idle and claims it.
+            if not manager.wait_idle(timeout=30):
+                raise RuntimeError("the manager did not go idle")
             for op, dt in zip(MANAGER_OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6),
                               strict=True):
                 total[op] += dt
@@ -190,8 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     rounds, requests = (5, 200) if args.quick else (15, 500)
     packages: dict[str, Any] = {"this": kvactors}
     if args.against:
-        from bench_lifecycle import import_base
-
         packages["base"] = import_base(args.against)
     if args.no_gc:
         gc.disable()
