@@ -258,8 +258,9 @@ class PrimaryTier(Actor):
     @handles(m.CompleteStore)
     def _on_complete_store(self, msg: m.CompleteStore) -> None:
         ctx = msg.ctx
+        identity = ctx.identity
         try:
-            outcome = self.pool.complete_store(msg.keys, ctx.identity, msg.success)
+            outcome = self.pool.complete_store(msg.keys, identity, msg.success)
         except PoolError as exc:
             self._violation("complete_store", ctx, str(exc))
             return
@@ -281,7 +282,7 @@ class PrimaryTier(Actor):
             self.counters.stored_blocks += len(outcome.stored)
         else:
             self.counters.store_failed += 1
-        record = self._requests.get(ctx.identity)
+        record = self._requests.get(identity)
         if record is not None:
             record.pending_stores -= outcome.live
         cascades = []
@@ -298,7 +299,7 @@ class PrimaryTier(Actor):
         self._timer_due = None
         expired: Counter[ReqContext] = Counter()
         for ctx, keys in self._store_deadlines.pop_expired(self.runtime.now()):
-            detached = sum(self.pool.detach_write(ctx.identity, key) for key in keys)
+            detached = self.pool.detach_writes(ctx.identity, keys)
             expired[ctx] += detached
             self.counters.store_timed_out += detached > 0
         for ctx, count in expired.items():

@@ -1,9 +1,16 @@
-"""One request's load pins of one key, booked on the rows they were taken on.
+"""Requests' load pins, booked per key on the rows they were taken on.
 
-Plain data, no threads: part of :class:`~kvactors.core.pool.BlockPool`'s state.
+Plain data, no threads: part of :class:`~kvactors.core.pool.BlockPool`'s state
+(one pool lives inside one actor; nothing here is thread-safe).
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+from kvactors.core.pool_types import Identity, PoolError
+from kvactors.types import OffloadKey
 
 
 class LoadPins:
@@ -53,3 +60,121 @@ class LoadPins:
 
 _LoadPins = LoadPins
 """The former name (the planted-bug tests book pins with it)."""
+
+
+class LoadPinBook:
+    """Every request's load pins, in two books that never share a ``(owner, key)``.
+
+    ``single[owner][key] == row``: ``owner`` holds exactly one pin of ``key``, on
+    ``row`` (the common case: no object per pin). ``multi[(owner, key)]``: a
+    :class:`LoadPins` for a key pinned more than once by ``owner`` (again on the
+    same row, or on a new row after a reset detached the old one). A key moves
+    from ``single`` to ``multi`` at its second pin and stays there until every
+    pin of it is released. Either book answers the same as one book of
+    :class:`LoadPins` would (the general path is that book).
+    """
+
+    __slots__ = ("multi", "single")
+
+    def __init__(self) -> None:
+        self.single: dict[Identity, dict[OffloadKey, int]] = {}
+        self.multi: dict[tuple[Identity, OffloadKey], LoadPins] = {}
+
+    def book(self, owner: Identity, keys: Sequence[OffloadKey], rows: Sequence[int]) -> None:
+        """Book one pin of each ``keys[i]`` on ``rows[i]`` for ``owner``."""
+        mine = self.single.get(owner)
+        multi = self.multi
+        if mine is None:
+            if not (multi and any((owner, key) in multi for key in keys)):
+                fresh = dict(zip(keys, rows, strict=True))
+                if len(fresh) == len(keys):  # the common case: keys new to owner, each given once
+                    if fresh:
+                        self.single[owner] = fresh
+                    return
+            mine = self.single[owner] = {}
+        for key, row in zip(keys, rows, strict=True):
+            if key in mine:
+                # A second pin: the key moves to the general book, its first pin first.
+                entry = multi[(owner, key)] = LoadPins(mine.pop(key))
+                entry.rows[row] = entry.rows.get(row, 0) + 1
+            elif multi and (owner, key) in multi:
+                # The same row again, or a new row of the key (an old one was
+                # detached by a reset while pinned): each pin is booked on its own row.
+                entry = multi[(owner, key)]
+                entry.rows[row] = entry.rows.get(row, 0) + 1
+            else:
+                mine[key] = row
+        if not mine:
+            del self.single[owner]
+
+    def take(self, owner: Identity, keys: Sequence[OffloadKey]) -> list[int]:
+        """Release one pin of each key given (see :meth:`BlockPool.unpin_load`): the rows
+        that lose a pin now, once per pin (releases owed add none).
+
+        Raises :class:`PoolError` (nothing changed) if ``owner`` does not hold that many
+        unreleased pins on a key.
+        """
+        mine = self.single.get(owner)
+        if mine is not None:
+            # The common case: every key pinned once, each given once. Pop as we go,
+            # put back if a key is not there (then the general path decides).
+            rows = []
+            pop = mine.pop
+            for key in keys:
+                row = pop(key, None)
+                if row is None:
+                    break
+                rows.append(row)
+            else:
+                if not mine:
+                    del self.single[owner]
+                return rows
+            for key, row in zip(keys, rows, strict=False):  # the keys popped so far
+                mine[key] = row
+        return self._take_general(owner, keys, mine)
+
+    def _take_general(self, owner: Identity, keys: Sequence[OffloadKey],
+                      mine: dict[OffloadKey, int] | None) -> list[int]:
+        wanted = Counter(keys)
+        multi = self.multi
+        for key, count in wanted.items():
+            if mine is not None and key in mine:
+                if count == 1:
+                    continue
+                raise PoolError(f"key {key.hex()[:16]} is not pinned by {owner}")
+            entry = multi.get((owner, key))
+            if entry is None or entry.outstanding < count:
+                raise PoolError(f"key {key.hex()[:16]} is not pinned by {owner}")
+        rows: list[int] = []
+        for key, count in wanted.items():
+            if mine is not None and key in mine:
+                rows.append(mine.pop(key))
+                continue
+            entry = multi[(owner, key)]
+            released = entry.release(count)
+            if released is None:
+                continue  # pins on several rows: wait for the key's last release
+            if not entry.outstanding:
+                del multi[(owner, key)]
+            for row, pins in released.items():
+                rows.extend([row] * pins)
+        if mine is not None and not mine:
+            del self.single[owner]
+        return rows
+
+    def outstanding_of(self, owner: Identity) -> int:
+        """How many pins ``owner`` holds and has not released. O(pins)."""
+        mine = self.single.get(owner)
+        return (len(mine) if mine else 0) + sum(
+            pins.outstanding for (who, _), pins in self.multi.items() if who == owner)
+
+    def entries(self) -> Iterator[tuple[Identity, OffloadKey, dict[int, int], int]]:
+        """``(owner, key, {row: pins}, owed)`` for every pinned key, both books."""
+        for owner, mine in self.single.items():
+            for key, row in mine.items():
+                yield owner, key, {row: 1}, 0
+        for (owner, key), entry in self.multi.items():
+            yield owner, key, entry.rows, entry.owed
+
+    def __bool__(self) -> bool:
+        return bool(self.single) or bool(self.multi)

@@ -35,55 +35,26 @@ Not thread-safe: one pool lives inside one actor.
 
 from __future__ import annotations
 
-from array import array
-from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 
 from kvactors.core import pool_check
 from kvactors.core.load_pins import LoadPins, _LoadPins
-from kvactors.core.policies.base import EvictionPolicy
-from kvactors.core.policies.row_lru import RowLRUPolicy
+from kvactors.core.pool_rows import PoolRows
 from kvactors.core.pool_types import Identity, PoolError, StoreOutcome, StorePlan, Writer
-from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
+from kvactors.types import LookupResult, OffloadingEvent, OffloadKey
 
 __all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "StorePlan", "Writer", "_LoadPins"]
 
-class BlockPool:
-    """Block states, pins and eviction for ``num_blocks`` rows."""
 
-    def __init__(self, num_blocks: int, policy: EvictionPolicy, tier: str = PRIMARY_TIER_NAME) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.tier = tier
-        self._policy = policy
-        self._index: dict[OffloadKey, int] = {}
-        self._keys: list[OffloadKey | None] = [None] * num_blocks
-        self._indexed = bytearray(num_blocks)
-        self._ready = bytearray(num_blocks)
-        self._writer: list[Writer | None] = [None] * num_blocks
-        self._pins = array("i", bytes(4 * num_blocks))
-        self._holds = array("i", bytes(4 * num_blocks))
-        # Popping from the end hands out low rows first, which keeps runs contiguous.
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._pending_writes: dict[tuple[Writer, OffloadKey], int] = {}
-        self._load_pins: dict[tuple[Identity, OffloadKey], _LoadPins] = {}
-        self._job_pins: dict[int, tuple[int, ...]] = {}
-        self._held_jobs: dict[int, tuple[int, ...]] = {}
-        self._promotions: dict[int, tuple[tuple[OffloadKey, int], ...]] = {}
-        self._events: list[OffloadingEvent] = []
-        self._n_ready = 0
-        self._n_pending = 0
-        self._n_pinned = 0
-        self._detached: set[int] = set()  # unindexed rows that are still busy
-        self.evicted_keys = 0  # a counter for metrics: ready keys evicted to make room
-        # A policy that can order rows itself (LRU) does so through our index
-        # instead of keeping its own map of keys; the hot paths then call it by row.
-        self._rows: RowLRUPolicy | None = None
-        bind_rows = getattr(policy, "bind_rows", None)
-        if callable(bind_rows):
-            self._rows = bind_rows(self._index.get, self._keys, num_blocks)
-            self._policy = self._rows
+class BlockPool(PoolRows):
+    """Block states, pins and eviction for ``num_blocks`` rows (the state, its per-row
+    helpers, cascade pins and reset: :class:`~kvactors.core.pool_rows.PoolRows`).
+
+    The per-request calls (``prepare_store``, ``complete_store``,
+    ``pin_for_load``, ``unpin_load``, ``lookup``) do their per-key work in
+    loops over locals and call the row-bound policy once per call; the helpers
+    (``_pin``, ``_settle``, ...) serve the rarer paths. Both keep the same state.
+    """
 
     # ------------------------------------------------------------------ queries
 
@@ -92,22 +63,30 @@ class BlockPool:
         results = []
         index_get, ready, rows = self._index.get, self._ready, self._rows
         miss, hit, pending = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
+        hits = []
         for key in keys:
             row = index_get(key)
             if row is None:
                 results.append(miss)
             elif ready[row]:
                 if rows is not None:
-                    rows.access_row(row)
+                    hits.append(row)
                 else:
                     self._policy.access(key)
                 results.append(hit)
             else:
                 results.append(pending)
+        if hits:
+            rows.access_rows(hits)  # type: ignore[union-attr]  # hits only with a row policy
         return results
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Mark ``keys`` as used (those that are present)."""
+        rows = self._rows
+        if rows is not None:
+            index_get = self._index.get
+            rows.access_rows([row for row in map(index_get, keys) if row is not None])
+            return
         for key in keys:
             self._policy.access(key)
 
@@ -120,15 +99,15 @@ class BlockPool:
         return row is not None and bool(self._ready[row])
 
     def has_pending_write(self, writer: Writer, key: OffloadKey) -> bool:
-        return (writer, key) in self._pending_writes
+        return key in self._pending_writes.get(writer, ())
 
     def pending_writes_of(self, writer: Writer) -> list[OffloadKey]:
-        """Keys ``writer`` is still writing (indexed or detached). O(pending writes)."""
-        return [key for (w, key) in self._pending_writes if w == writer]
+        """Keys ``writer`` is still writing (indexed or detached). O(its pending writes)."""
+        return list(self._pending_writes.get(writer, ()))
 
     def load_pins_of(self, identity: Identity) -> int:
         """How many load pins ``identity`` holds. O(load pins)."""
-        return sum(pins.outstanding for (owner, _), pins in self._load_pins.items() if owner == identity)
+        return self._pin_book.outstanding_of(identity)
 
     def stats(self) -> dict[str, int]:
         """Row counts by state; O(1)."""
@@ -175,24 +154,22 @@ class BlockPool:
         or nothing, as ``TieringManager.prepare_store``: "``None`` if there is no room"; storing
         only some of the keys would leave holes in a request's prefix).
         """
-        new: list[OffloadKey] = []
-        present: list[OffloadKey] = []
-        seen: set[OffloadKey] = set()
         index = self._index
-        for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
-            if key in index:
-                present.append(key)
-            elif (writer, key) not in self._pending_writes:
-                new.append(key)
+        mine = self._pending_writes.get(writer)
+        unique = dict.fromkeys(keys)  # each key once, at its first place
+        new = [key for key in unique if key not in index]
+        present = [key for key in unique if key in index] if len(new) != len(unique) else []
+        if mine is not None:
+            new = [key for key in new if key not in mine]
         allocated = self._allocate(new, writer, present)
         if allocated is None:
             return None
         rows, evicted = allocated
-        for key, row in zip(new, rows, strict=True):
-            self._pending_writes[(writer, key)] = row
+        if new:
+            if mine is None:
+                self._pending_writes[writer] = dict(zip(new, rows, strict=True))
+            else:
+                mine.update(zip(new, rows, strict=True))
         return StorePlan(tuple(new), rows, evicted)
 
     def complete_store(self, keys: Sequence[OffloadKey], writer: Identity, success: bool) -> StoreOutcome:
@@ -201,43 +178,88 @@ class BlockPool:
         Raises :class:`PoolError` (nothing changed) if a key has no pending
         write by ``writer`` (never prepared, already completed, or repeated).
         """
-        rows = []
-        for key in keys:
-            row = self._pending_writes.get((writer, key))
-            if row is None:
-                raise PoolError(f"key {key.hex()[:16]} has no pending store by {writer}")
-            rows.append(row)
+        mine = self._pending_writes.get(writer)
+        try:
+            rows = [mine[key] for key in keys]  # type: ignore[index]  # None: the TypeError below
+        except (KeyError, TypeError):
+            key = next(key for key in keys if mine is None or key not in mine)
+            raise PoolError(f"key {key.hex()[:16]} has no pending store by {writer}") from None
         if len(set(rows)) != len(rows):
             raise PoolError("a key is completed twice in one call")
+        if not rows:
+            return StoreOutcome(0, 0, (), ())
+        assert mine is not None
+        if len(rows) == len(mine):
+            del self._pending_writes[writer]  # every write of the writer ends: no del per key
+        else:
+            for key in keys:
+                del mine[key]
+        writers, indexed, ready = self._writer, self._indexed, self._ready
+        rows_policy = self._rows
+        # A store's row has no pins or holds (nobody else reaches a row not ready),
+        # so every row that becomes ready here is evictable (what _settle decides).
+        all_live = False
+        if success:
+            lo, hi = min(rows), max(rows) + 1
+            if hi - lo == len(rows) and b"\x00" not in indexed[lo:hi]:
+                # The common case: every write still live, on one run of rows (they are distinct).
+                writers[lo:hi] = [None] * len(rows)
+                ready[lo:hi] = b"\x01" * len(rows)
+                all_live = True
+            elif all(map(indexed.__getitem__, rows)):
+                for row in rows:  # every write still live
+                    writers[row] = None
+                    ready[row] = 1
+                all_live = True
+        if all_live:
+            stored = tuple(keys)
+            if rows_policy is not None:
+                rows_policy.add_rows(rows)
+            else:
+                policy = self._policy
+                for key in stored:
+                    if key not in policy:
+                        policy.add(key)
+            self._n_pending -= len(stored)
+            self._n_ready += len(stored)
+            self._events.append(OffloadingEvent(stored, self.tier, False))
+            return StoreOutcome(len(rows), 0, stored, tuple(rows))
         live = stale = 0
-        stored: list[OffloadKey] = []
+        done: list[OffloadKey] = []
         for key, row in zip(keys, rows, strict=True):
-            del self._pending_writes[(writer, key)]
-            self._writer[row] = None
-            if self._indexed[row]:
+            writers[row] = None
+            if indexed[row]:
                 live += 1
                 if success:
                     self._make_ready(row)
-                    stored.append(key)
+                    done.append(key)
                 else:
                     self._unindex(row)
             else:
                 stale += 1
             self._settle(row)
-        if stored:
-            self._events.append(OffloadingEvent(tuple(stored), self.tier, False))
-        return StoreOutcome(live, stale, tuple(stored), tuple(rows))
+        if done:
+            self._events.append(OffloadingEvent(tuple(done), self.tier, False))
+        return StoreOutcome(live, stale, tuple(done), tuple(rows))
 
     def detach_write(self, writer: Writer, key: OffloadKey) -> bool:
         """A pending store passed its deadline: unindex it, keep the row for its writer.
 
         Returns whether the write was still indexed (it counted as pending).
         """
-        row = self._pending_writes.get((writer, key))
+        row = self._pending_writes.get(writer, {}).get(key)
         if row is None or not self._indexed[row]:
             return False
         self._unindex(row)
         return True
+
+    def detach_writes(self, writer: Writer, keys: Iterable[OffloadKey]) -> int:
+        """:meth:`detach_write` of each of ``keys``: how many were still indexed.
+        O(1) when ``writer`` has no pending write left (a store that completed in time)."""
+        mine = self._pending_writes.get(writer)
+        if mine is None:
+            return 0
+        return sum(self.detach_write(writer, key) for key in keys if key in mine)
 
     # ------------------------------------------------------------------ loads
 
@@ -247,16 +269,26 @@ class BlockPool:
         Raises :class:`PoolError` (nothing changed) if a key is not ready.
         """
         rows = self._ready_rows(keys)
-        for key, row in zip(keys, rows, strict=True):
-            entry = self._load_pins.get((owner, key))
-            if entry is None:
-                self._load_pins[(owner, key)] = _LoadPins(row)
-            else:
-                # The same row again, or a new row of the key (an old one was
-                # detached by a reset while pinned): each pin is booked on its own row.
-                entry.rows[row] = entry.rows.get(row, 0) + 1
-            self._pin(row)
-            self._policy.access(key)
+        self._pin_book.book(owner, keys, rows)
+        pins, rows_policy = self._pins, self._rows
+        newly = 0
+        if rows_policy is not None:
+            for row in rows:
+                if not pins[row]:
+                    newly += 1
+                pins[row] += 1
+            # A row pinned before was not evictable, so discarding every row is what
+            # _pin does; and access(key) is a no-op for a row no longer linked.
+            rows_policy.discard_rows(rows)
+        else:
+            policy, keys_of = self._policy, self._keys
+            for key, row in zip(keys, rows, strict=True):
+                if not pins[row]:
+                    newly += 1
+                    policy.discard(keys_of[row])  # type: ignore[arg-type]  # a ready row has its key
+                pins[row] += 1
+                policy.access(key)
+        self._n_pinned += newly
         return tuple(rows)
 
     def unpin_load(self, keys: Sequence[OffloadKey], owner: Identity) -> None:
@@ -275,63 +307,33 @@ class BlockPool:
         Raises :class:`PoolError` (nothing changed) if ``owner`` does not hold
         that many unreleased pins on a key.
         """
-        wanted = Counter(keys)
-        for key, count in wanted.items():
-            entry = self._load_pins.get((owner, key))
-            if entry is None or entry.outstanding < count:
-                raise PoolError(f"key {key.hex()[:16]} is not pinned by {owner}")
-        for key, count in wanted.items():
-            entry = self._load_pins[(owner, key)]
-            released = entry.release(count)
-            if released is None:
-                continue  # pins on several rows: wait for the key's last release
-            if not entry.outstanding:
-                del self._load_pins[(owner, key)]
-            for row, pins in released.items():
-                for _ in range(pins):
-                    self._unpin(row)
-                self._settle(row)
-
-    # ------------------------------------------------------------------ jobs
-
-    def pin_for_job(self, job_id: int, keys: Sequence[OffloadKey]) -> tuple[int, ...]:
-        """Pin the rows of ready ``keys`` while a tier reads them (a cascade)."""
-        if job_id in self._job_pins or job_id in self._held_jobs:
-            raise PoolError(f"job {job_id} already pins rows")
-        rows = self._ready_rows(keys)
+        rows = self._pin_book.take(owner, keys)
+        pins, writers, holds, indexed, ready = self._pins, self._writer, self._holds, self._indexed, self._ready
+        rows_policy = self._rows
+        unpinned = 0
+        evictable: list[int] = []
         for row in rows:
-            self._pin(row)
-        self._job_pins[job_id] = tuple(rows)
-        return tuple(rows)
+            left = pins[row] - 1
+            assert left >= 0, "every unpin matches one pin"
+            pins[row] = left
+            if left:
+                continue
+            unpinned += 1
+            if writers[row] is not None or holds[row]:
+                continue  # still busy
+            if indexed[row]:
+                if ready[row]:
+                    if rows_policy is not None:
+                        evictable.append(row)
+                    else:
+                        self._settle(row)
+            else:
+                self._settle(row)  # detached and idle now: freed
+        self._n_pinned -= unpinned
+        if evictable:
+            rows_policy.add_rows(evictable)  # type: ignore[union-attr]  # only with a row policy
 
-    def end_job(self, job_id: int, *, hold: bool) -> bool:
-        """Release a cascade job's pins. ``hold``: it timed out, so keep its rows
-        unreusable until :meth:`release_hold` (its tier may still be reading).
-
-        Returns whether the job pinned rows here.
-        """
-        rows = self._job_pins.pop(job_id, None)
-        if rows is None:
-            return False
-        for row in rows:
-            self._unpin(row)
-            if hold:
-                self._holds[row] += 1
-        if hold:
-            self._held_jobs[job_id] = rows
-        for row in rows:
-            self._settle(row)
-        return True
-
-    def release_hold(self, job_id: int) -> bool:
-        """The late report of a held job arrived: its rows may be reused."""
-        rows = self._held_jobs.pop(job_id, None)
-        if rows is None:
-            return False
-        for row in rows:
-            self._holds[row] -= 1
-            self._settle(row)
-        return True
+    # ------------------------------------------------------------------ promotions
 
     def allocate_promotion(self, job_id: int, keys: Sequence[OffloadKey]) -> tuple[int, ...] | None:
         """Allocate not-ready rows for ``keys`` (all absent) to be loaded by job ``job_id``.
@@ -381,57 +383,17 @@ class BlockPool:
             self._events.append(OffloadingEvent(tuple(stored), self.tier, False))
         return tuple(stored)
 
-    # ------------------------------------------------------------------ reset
-
-    def reset(self) -> int:
-        """Unindex every block (lookups miss from now on); free the rows nobody uses.
-
-        Rows still being written or read stay reserved until their writer or
-        reader ends, exactly as after a deadline. Returns the number of keys removed.
-        """
-        removed_ready = []
-        rows = list(self._index.values())
-        for row in rows:
-            if self._ready[row]:
-                removed_ready.append(self._keys[row])
-            self._unindex(row)
-            self._settle(row)
-        if removed_ready:
-            self._events.append(OffloadingEvent(tuple(k for k in removed_ready if k is not None), self.tier, True))
-        return len(rows)
+    # ------------------------------------------------------------------ tests
 
     def snapshot(self) -> tuple[object, ...]:
         """A comparable copy of the whole state (tests check that errors change nothing)."""
-        return (
-            dict(self._index), list(self._keys), bytes(self._indexed), bytes(self._ready), list(self._writer),
-            self._pins.tolist(), self._holds.tolist(), list(self._free), dict(self._pending_writes),
-            {k: (dict(v.rows), v.owed) for k, v in self._load_pins.items()}, dict(self._job_pins),
-            dict(self._held_jobs),
-            dict(self._promotions), len(self._policy), set(self._detached),
-        )
+        return pool_check.snapshot(self)
 
     def check_invariants(self) -> None:
         """Assert that every piece of state agrees with every other. O(rows); for tests."""
         pool_check.check_invariants(self)
 
     # ------------------------------------------------------------------ internals
-
-    def _ready_rows(self, keys: Sequence[OffloadKey]) -> list[int]:
-        """The rows of ``keys``; :class:`PoolError` if one is not ready."""
-        rows = []
-        for key in keys:
-            row = self._index.get(key)
-            if row is None or not self._ready[row]:
-                raise PoolError(f"key {key.hex()[:16]} is not ready in the pool")
-            rows.append(row)
-        return rows
-
-    def _spared(self, present: Sequence[OffloadKey]) -> frozenset[OffloadKey]:
-        """The evictable keys among a call's ``present`` ones: eviction must spare them."""
-        if not present:
-            return frozenset()
-        policy = self._policy
-        return frozenset(key for key in present if key in policy)
 
     def _allocate(
         self, keys: Sequence[OffloadKey], writer: Writer, present: Sequence[OffloadKey] = ()
@@ -440,94 +402,53 @@ class BlockPool:
         or ``None`` (nothing changed) when free and evictable rows are too few.
 
         ``present``: the caller's keys that are indexed; eviction spares them."""
-        shortfall = len(keys) - len(self._free)
-        spare = self._spared(present) if shortfall > 0 else frozenset()
-        if shortfall > 0 and len(self._policy) - len(spare) < shortfall:
-            return None
-        evicted = tuple(self._evict_one(spare) for _ in range(max(shortfall, 0)))
-        if evicted:
-            self.evicted_keys += len(evicted)
+        free = self._free
+        count = len(keys)
+        shortfall = count - len(free)
+        evicted: tuple[OffloadKey, ...] = ()
+        keys_of, indexed, ready, writers, index = self._keys, self._indexed, self._ready, self._writer, self._index
+        rows_policy = self._rows
+        if shortfall > 0:
+            spare = self._spared(present)
+            if len(self._policy) - len(spare) < shortfall:
+                return None
+            if rows_policy is not None:
+                # Evicted in one pass, and reused at once: every free row is taken
+                # with them, so they never pass through the free list.
+                victims = rows_policy.take_victims(shortfall, spare)
+                assert len(victims) == shortfall, "the caller checked there are enough evictable rows"
+                evicted = tuple([keys_of[row] for row in victims])  # type: ignore[misc]  # indexed: a key
+                for key in evicted:
+                    del index[key]
+                self._n_ready -= shortfall
+                taken = free + victims
+                free.clear()
+            else:
+                evicted = tuple(self._evict_one(spare) for _ in range(shortfall))
+            self.evicted_keys += shortfall
             self._events.append(OffloadingEvent(evicted, self.tier, True))
+        if rows_policy is None or shortfall <= 0:
+            cut = len(free) - count
+            taken = free[cut:]
+            del free[cut:]
         # Ascending rows for consecutive keys: copies of a request's blocks then
         # coalesce into few large slice copies (rows freed by eviction come back
         # in reverse order, and one-block copies are much slower than long runs).
-        rows = tuple(sorted(self._free.pop() for _ in keys))
-        for key, row in zip(keys, rows, strict=True):
-            self._occupy(row, key, writer)
-        return rows, evicted
-
-    def _occupy(self, row: int, key: OffloadKey, writer: Writer) -> None:
-        self._keys[row] = key
-        self._indexed[row] = 1
-        self._ready[row] = 0
-        self._writer[row] = writer
-        self._index[key] = row
-        self._n_pending += 1
-
-    def _make_ready(self, row: int) -> None:
-        self._ready[row] = 1
-        self._n_pending -= 1
-        self._n_ready += 1
-
-    def _unindex(self, row: int) -> None:
-        key = self._keys[row]
-        assert key is not None and self._indexed[row]
-        if self._rows is not None:
-            self._rows.discard_row(row)
+        taken.sort()
+        # Each row now holds its key, being written (not ready: the victims were).
+        if count and taken[-1] - taken[0] == count - 1:
+            lo, hi = taken[0], taken[0] + count  # one run of rows (the common case): slices
+            keys_of[lo:hi] = keys
+            indexed[lo:hi] = b"\x01" * count
+            ready[lo:hi] = bytes(count)
+            writers[lo:hi] = [writer] * count
         else:
-            self._policy.discard(key)
-        del self._index[key]
-        self._indexed[row] = 0
-        if self._ready[row]:
-            self._n_ready -= 1
-        else:
-            self._n_pending -= 1
-        self._ready[row] = 0
-        if self._busy(row):
-            self._detached.add(row)
+            for key, row in zip(keys, taken, strict=True):
+                keys_of[row] = key
+                indexed[row] = 1
+                ready[row] = 0
+                writers[row] = writer
+        index.update(zip(keys, taken, strict=True))
+        self._n_pending += count
+        return tuple(taken), evicted
 
-    def _evict_one(self, spare: frozenset[OffloadKey] = frozenset()) -> OffloadKey:
-        key = self._policy.victim(spare)
-        assert key is not None, "caller checked there is an evictable key"
-        row = self._index[key]
-        assert self._ready[row] and not self._busy(row), "the policy only holds evictable keys"
-        self._unindex(row)
-        self._settle(row)
-        return key
-
-    def _busy(self, row: int) -> bool:
-        return self._writer[row] is not None or self._pins[row] > 0 or self._holds[row] > 0
-
-    def _pin(self, row: int) -> None:
-        if self._pins[row] == 0:
-            self._n_pinned += 1
-            if self._rows is not None:
-                self._rows.discard_row(row)
-            else:
-                key = self._keys[row]
-                if key is not None:
-                    self._policy.discard(key)
-        self._pins[row] += 1
-
-    def _unpin(self, row: int) -> None:
-        assert self._pins[row] > 0, "every unpin matches one pin"
-        self._pins[row] -= 1
-        if self._pins[row] == 0:
-            self._n_pinned -= 1
-
-    def _settle(self, row: int) -> None:
-        """Put ``row`` where its state says: the policy, the free list, or neither."""
-        if self._busy(row):
-            return
-        key = self._keys[row]
-        if self._indexed[row]:
-            if self._rows is not None:
-                if self._ready[row]:
-                    self._rows.add_row(row)
-            elif self._ready[row] and key is not None and key not in self._policy:
-                self._policy.add(key)
-        elif key is not None:
-            # Unindexed and idle: nobody can reach or touch this row any more.
-            self._keys[row] = None
-            self._detached.discard(row)
-            self._free.append(row)

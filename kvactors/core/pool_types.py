@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 from kvactors.types import OffloadKey
 
@@ -18,18 +17,16 @@ class PoolError(ValueError):
     """An operation's input does not match the pool's state; nothing changed."""
 
 
-@dataclass(frozen=True, slots=True)
-class StorePlan:
-    """What :meth:`BlockPool.prepare_store` allocated."""
+class StorePlan(NamedTuple):
+    """What :meth:`BlockPool.prepare_store` allocated (a named tuple: made per call, cheaply)."""
 
     keys: tuple[OffloadKey, ...]
     rows: tuple[int, ...]
     evicted: tuple[OffloadKey, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class StoreOutcome:
-    """What :meth:`BlockPool.complete_store` did.
+class StoreOutcome(NamedTuple):
+    """What :meth:`BlockPool.complete_store` did (a named tuple: made per call, cheaply).
 
     ``live`` writes were still indexed (they counted as the request's pending
     stores); ``stale`` ones had been detached by a deadline or a reset and only

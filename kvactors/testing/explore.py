@@ -129,14 +129,17 @@ def check_internals(runtime: SimRuntime, manager: TieringManager, env: Env, tier
     The actors come from the scheduler (:meth:`SimRuntime.ref`); the stats
     already checked the counts (:func:`check_stats`): this looks at which
     keys and jobs are held, which only the actors' state says."""
+    from kvactors.core import pool_check
+
     out = []
     primary: Any = runtime.ref("primary").actor
     supervisor: Any = runtime.ref("supervisor").actor
     pool = primary.pool
-    if set(pool._pending_writes) != env.never_completed:
-        extra = set(pool._pending_writes) - env.never_completed
+    pending = {(writer, key) for writer, key, _ in pool_check.pending_writes(pool)}
+    if pending != env.never_completed:
+        extra = pending - env.never_completed
         out.append(f"pool: {len(extra)} pending writes nobody completes (leak), e.g. {sorted(extra)[:3]}")
-    for label, held in (("load pins", pool._load_pins), ("job pins", pool._job_pins),
+    for label, held in (("load pins", pool_check.load_pins(pool)), ("job pins", pool._job_pins),
                         ("promotions", pool._promotions), ("primary requests", primary._requests),
                         ("supervisor jobs", [job.job_id for job in supervisor.jobs.jobs()]),
                         ("supervisor lookups", [lookup.lookup_id for lookup in supervisor.lookups.open_lookups()]),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvactors.types import OffloadKey
 
@@ -75,6 +75,76 @@ class RowLRUPolicy:
             self._linked[row] = 0
             self._len -= 1
             self._unlink(row)
+
+    def add_rows(self, rows: Iterable[int]) -> None:
+        """:meth:`add_row` of each of ``rows``, in order (one call for a request's rows)."""
+        linked, nxt, prev, tail = self._linked, self._next, self._prev, self._tail
+        added = 0
+        for row in rows:
+            if not linked[row]:
+                linked[row] = 1
+                added += 1
+                last = prev[tail]
+                nxt[last] = row
+                prev[row] = last
+                nxt[row] = tail
+                prev[tail] = row
+        self._len += added
+
+    def discard_rows(self, rows: Iterable[int]) -> None:
+        """:meth:`discard_row` of each of ``rows``."""
+        linked, nxt, prev = self._linked, self._next, self._prev
+        removed = 0
+        for row in rows:
+            if linked[row]:
+                linked[row] = 0
+                removed += 1
+                before, after = prev[row], nxt[row]
+                nxt[before] = after
+                prev[after] = before
+        self._len -= removed
+
+    def access_rows(self, rows: Iterable[int]) -> None:
+        """:meth:`access_row` of each of ``rows``, in order."""
+        linked, nxt, prev, tail = self._linked, self._next, self._prev, self._tail
+        for row in rows:
+            if linked[row] and prev[tail] != row:
+                before, after = prev[row], nxt[row]
+                nxt[before] = after
+                prev[after] = before
+                last = prev[tail]
+                nxt[last] = row
+                prev[row] = last
+                nxt[row] = tail
+                prev[tail] = row
+
+    def take_victims(self, count: int, exclude: Collection[OffloadKey] = ()) -> list[int]:
+        """The rows of the keys ``count`` calls of :meth:`victim` with ``exclude`` would
+        return, in that order, removed in one pass (fewer if there are not as many)."""
+        linked, nxt, prev, tail, key_of = self._linked, self._next, self._prev, self._tail, self._key_of
+        taken: list[int] = []
+        row = nxt[tail]
+        if not exclude:
+            # The oldest ``count`` rows, cut out as one run.
+            while len(taken) < count and row != tail:
+                linked[row] = 0
+                taken.append(row)
+                row = nxt[row]
+            nxt[tail] = row
+            prev[row] = tail
+            self._len -= len(taken)
+            return taken
+        while len(taken) < count and row != tail:
+            after = nxt[row]
+            if not exclude or key_of[row] not in exclude:
+                linked[row] = 0
+                before = prev[row]
+                nxt[before] = after
+                prev[after] = before
+                taken.append(row)
+            row = after
+        self._len -= len(taken)
+        return taken
 
     def has_row(self, row: int) -> bool:
         return bool(self._linked[row])
