@@ -105,7 +105,9 @@ def _pct(values: list[float], q: float) -> float:
 def import_base(rev: str) -> Any:
     """The tree of git revision ``rev``'s ``kvactors`` package, imported as ``kvactors_base``
     (its absolute imports rewritten), so both can run in this process: an A/B without the
-    differences between two processes."""
+    differences between two processes. Module names in strings are rewritten too: the
+    package's lazy top-level names are such strings, and unrewritten,
+    ``kvactors_base.TieringManager`` would be this tree's."""
     import importlib
     import re
     import subprocess
@@ -116,7 +118,7 @@ def import_base(rev: str) -> Any:
     archive = subprocess.run(["git", "-C", repo, "archive", rev, "kvactors"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
     os.rename(os.path.join(root, "kvactors"), os.path.join(root, "kvactors_base"))
-    pattern = re.compile(r"\b(from|import) kvactors(?=[.\s])")
+    pattern = re.compile(r"""(\b(?:from|import) |["'])kvactors(?=[.\s"'])""")
     for dirpath, _, files in os.walk(os.path.join(root, "kvactors_base")):
         for name in files:
             if name.endswith(".py"):
@@ -124,7 +126,7 @@ def import_base(rev: str) -> Any:
                 with open(path) as f:
                     text = f.read()
                 with open(path, "w") as f:
-                    f.write(pattern.sub(r"\1 kvactors_base", text))
+                    f.write(pattern.sub(r"\1kvactors_base", text))
     sys.path.insert(0, root)
     return importlib.import_module("kvactors_base")
 

@@ -42,6 +42,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_lifecycle import import_base
+
 import kvactors
 
 NUM_BLOCKS = 1024
@@ -51,34 +53,6 @@ MANAGER_OPS = ("on_new_request", "lookup", "prepare_store", "complete_store", "p
                "complete_load", "on_request_finished")
 
 Round = Callable[[int], dict[str, float]]
-
-
-def import_base(rev: str) -> Any:
-    """The ``kvactors`` package of git revision ``rev``, imported as ``kvactors_base``: as
-    ``import_base`` in ``scripts/bench_lifecycle.py`` does, and its module names in strings
-    rewritten too (the package's lazy top-level names are such strings: unrewritten,
-    ``kvactors_base.TieringManager`` would be this tree's)."""
-    import importlib
-    import re
-    import subprocess
-    import tempfile
-
-    root = tempfile.mkdtemp(prefix="kvactors-base-")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    archive = subprocess.run(["git", "-C", repo, "archive", rev, "kvactors"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
-    os.rename(os.path.join(root, "kvactors"), os.path.join(root, "kvactors_base"))
-    pattern = re.compile(r"""(\b(?:from|import) |["'])kvactors(?=[.\s"'])""")
-    for dirpath, _, files in os.walk(os.path.join(root, "kvactors_base")):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
-                with open(path) as f:
-                    text = f.read()
-                with open(path, "w") as f:
-                    f.write(pattern.sub(r"\1kvactors_base", text))
-    sys.path.insert(0, root)
-    return importlib.import_module("kvactors_base")
 
 
 def pool_round(pkg: Any, keys_per_call: int, requests: int) -> Round:
