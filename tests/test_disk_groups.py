@@ -300,3 +300,102 @@ def test_a_failed_group_write_is_retried_key_by_key(harness, monkeypatch) -> Non
     monkeypatch.undo()
     assert len({h.tier.locate(k)[0] for k in (b"a", b"b", b"c")}) == 3  # type: ignore[index]
     assert [p.name.startswith(TMP_PREFIX) for p in h.root.iterdir()] == [False] * 3
+
+
+# ---------------------------------------------------------------- found in review
+
+
+def _ok(result: JobResult, keys: list[OffloadKey]) -> set[OffloadKey]:
+    return set(keys) if result.success else set(result.successful_keys or ())
+
+
+@pytest.mark.parametrize("fit", [1, 2, 4])
+def test_a_store_larger_than_the_room_reports_exactly_the_keys_left_in_the_tier(harness, fit: int) -> None:  # type: ignore[no-untyped-def]
+    keys = [b"j%02d" % i for i in range(12)]
+    h = harness(capacity_bytes=group_size(keys[:fit], BLOCK))
+    result = h.run(keys, list(range(12)), False)
+    present = {k for k in keys if h.tier.lookup([k], CTX) == [HIT]}
+    assert _ok(result, keys) == present and present
+    assert disk_bytes(h.root) == h.tier.used_bytes <= h.tier.capacity_bytes
+
+
+@pytest.mark.parametrize("key_len", [10, 2000, 2018, 2030])
+def test_two_keys_whose_group_fits_the_capacity_exactly_share_one_file(harness, key_len: int) -> None:  # type: ignore[no-untyped-def]
+    keys = [b"p" * key_len, b"q" * (key_len + 1)]
+    h = harness(capacity_bytes=group_size(keys, BLOCK))
+    assert h.run(keys, [0, 1], False).success
+    assert len(list(h.root.iterdir())) == 1
+    assert h.tier.lookup(keys, CTX) == [HIT, HIT]
+    assert disk_bytes(h.root) == h.tier.used_bytes == h.tier.capacity_bytes
+
+
+def test_a_failed_directory_sync_leaves_a_key_another_job_stored(harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import kvactors.tiers.disk as disk_mod
+
+    h = harness(io_workers=2, fsync=True)
+    held, entered, holder = threading.Event(), threading.Event(), []
+    write, sync = disk_mod.write_group, disk_mod.fsync_dir
+
+    def held_write(path, table, views, *, fsync):  # type: ignore[no-untyped-def]
+        if table.keys == (b"x", b"k") and not holder:  # job A's group waits until B has stored k
+            holder.append(threading.current_thread())
+            entered.set()
+            assert held.wait(WAIT)
+        return write(path, table, views, fsync=fsync)
+
+    def failing_sync(root):  # type: ignore[no-untyped-def]
+        if holder and threading.current_thread() is holder[0]:
+            raise OSError(5, "EIO (injected)")
+        return sync(root)
+
+    monkeypatch.setattr(disk_mod, "write_group", held_write)
+    monkeypatch.setattr(disk_mod, "fsync_dir", failing_sync)
+    job_a = h.submit([b"x", b"k"], [0, 1], False)
+    assert entered.wait(WAIT)
+    assert h.run([b"k"], [1], False).success  # job B
+    held.set()
+    result_a = h.results.get(timeout=WAIT)
+    assert result_a.job_id == job_a and not result_a.success
+    assert _ok(result_a, [b"x", b"k"]) == {b"k"}  # k is B's, stored and synced; x was A's own
+    assert h.tier.lookup([b"x", b"k"], CTX) == [MISS, HIT]
+    assert disk_bytes(h.root) == h.tier.used_bytes
+
+
+def test_a_restart_keeps_the_newer_copy_of_a_key_when_two_files_share_an_mtime(harness, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    h = harness()
+    for i in range(9):  # the old file is the 10th, the new the 11th: by a bare sequence, "10" < "9"
+        assert h.run([b"d%d" % i], [10 + i], False).success
+    assert h.run([b"x", b"k"], [0, 1], False).success
+    old_path, offset, _ = h.tier.locate(b"k")
+    with open(old_path, "r+b") as f:  # k's bytes in the old file go bad
+        f.seek(offset + 7)
+        byte = f.read(1)
+        f.seek(offset + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert not h.run([b"k"], [20], True).success  # dropped: a dead slot in the old file
+    assert h.run([b"k"], [1], False).success  # stored again, in a newer file
+    new_path = h.tier.locate(b"k")[0]
+    h.tier.shutdown()
+    st = os.stat(new_path)
+    os.utime(old_path, ns=(st.st_atime_ns, st.st_mtime_ns))  # coarse clocks: one mtime for both
+    again = harness()
+    assert again.tier.locate(b"k")[0] == new_path
+    assert again.run([b"k"], [21], True).success
+    assert torch.equal(again.pool[21], again.pool[1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(lens=st.lists(st.integers(1, 3000), min_size=1, max_size=40), block=st.sampled_from([1, 4096, 5000]),
+       room=st.integers(0, 40_000))
+def test_planned_groups_fit_the_capacity_exactly_and_keep_every_position_in_order(
+        lens: list[int], block: int, room: int) -> None:
+    from kvactors.tiers.disk_group import plan_groups
+
+    keys = [bytes([65 + i % 26]) * n for i, n in enumerate(lens)]
+    capacity = group_size(keys[:1], block) + room
+    groups = list(plan_groups(keys, list(range(len(keys))), block, capacity))
+    assert [i for g in groups for i in g] == list(range(len(keys)))
+    for g, following in zip(groups, [*groups[1:], []], strict=True):
+        assert group_size([keys[i] for i in g], block) <= capacity or len(g) == 1
+        if following:  # a group ends only when the next key would not fit
+            assert group_size([keys[i] for i in g + following[:1]], block) > capacity

@@ -206,7 +206,7 @@ def test_odd_keys_stay_inside_root(make, tmp_path: Path) -> None:
     odd = [b"../../x", b"\x00/", b"/etc/passwd", b"."]
     assert h.store(odd, range(4)).success
     (name,) = [p.name for p in root.iterdir()]  # the keys are in the file's table, not its name
-    assert re.fullmatch(r"g-[0-9a-f]+-[0-9]+" + re.escape(GROUP_SUFFIX), name)
+    assert re.fullmatch(r"g-[0-9a-f]{16}-[0-9a-f]+-[0-9a-f]{8}" + re.escape(GROUP_SUFFIX), name)
     assert not (tmp_path / "x").exists()
     h.pool[:4].zero_()
     assert h.load(odd, range(4, 8)).success

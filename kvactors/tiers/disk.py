@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers.base import ReportFn, SecondaryTier
 from kvactors.tiers.disk_files import MAX_NAME_CHARS, SUFFIX, TMP_PREFIX, DiskTierError, describe, file_name, fsync_dir
-from kvactors.tiers.disk_group import ALIGN, ENTRY_BYTES, GROUP_SUFFIX, MAX_KEYS, encode_head, key_checksum, write_group
+from kvactors.tiers.disk_group import GROUP_SUFFIX, encode_head, key_checksum, plan_groups, write_group
 from kvactors.tiers.disk_index import DiskFile, DiskIndex
 from kvactors.tiers.disk_read import Item, load_group, load_legacy, scan
 from kvactors.tiers.runner import JobRunner, Outcome, RunningJob
@@ -79,9 +80,12 @@ class DiskTier(SecondaryTier):
     then follows the files' modification times), in group files and in the
     one-file-per-block ``KVA2`` files of earlier versions; files that are not
     valid (a table that fails its checksum or disagrees with the file's size, a
-    temporary file left by a crash) are deleted. A block evicted from a file that
-    still held other blocks may reappear after a restart (its bytes were still
-    there; they are verified when loaded, as always). A block whose bytes are
+    temporary file left by a crash) are deleted. A block evicted or dropped from a
+    file that still held other blocks may reappear after a restart (its bytes
+    are still there; they are verified when loaded, as always, so a bad one
+    fails again and leaves). Names sort in the order files were made, so of two
+    copies of a block the newer one wins, even when both files carry one
+    modification time. A block whose bytes are
     missing, short or fail their checksum fails the load and is removed from the
     tier: a later lookup is a miss, and bad bytes are never reported as a success.
     So does a block whose read fails for any other reason (an I/O error, a
@@ -92,7 +96,10 @@ class DiskTier(SecondaryTier):
     Jobs end per key: a key that fails (its read or write, or the directory
     sync of ``fsync=True``) fails alone, the job's other keys are still done,
     and the report names the keys that succeeded (``JobResult.successful_keys``).
-    After a store, exactly the keys reported successful are in the tier.
+    After a store, exactly the keys reported successful are in the tier: a
+    store larger than the room fails the keys it evicted itself to store its
+    others. A store whose directory sync fails takes out only the blocks it
+    wrote (a block another job stored meanwhile is that job's and stays).
 
     One live tier per directory: two tiers (or processes) sharing a root keep
     separate indexes and would evict and clean up each other's files.
@@ -312,7 +319,7 @@ class DiskTier(SecondaryTier):
     # --------------------------------------------------------------- store
 
     def _store_chunk(self, job: TransferJob, lo: int, hi: int) -> dict[int, str]:
-        """Store keys ``lo:hi`` of the job in one group file (or a few: see ``_groups``).
+        """Store keys ``lo:hi`` of the job in one group file (or a few: see ``plan_groups``).
 
         A group whose write fails is retried one key per file, so that a key fails alone.
         Returns the failed positions.
@@ -326,53 +333,53 @@ class DiskTier(SecondaryTier):
                     new.append(i)
                 seen.add(keys[i])
         failed: dict[int, str] = {}
-        written: list[int] = []
-        for group in self._groups(keys, new):
+        written: list[tuple[int, DiskFile | None]] = []  # (position, the file it went into, if ours)
+        evicted_here: set[OffloadKey] = set()
+        for group in plan_groups(keys, new, self._row_bytes, self.capacity_bytes):
             try:
-                self._store_group(job, group)
-                written.extend(group)
+                file = self._store_group(job, group, evicted_here)
+                written.extend((i, file) for i in group)
             except Exception as exc:
                 if len(group) == 1:
                     failed[group[0]] = describe(exc)
                     continue
                 for i in group:
                     try:
-                        self._store_group(job, [i])
-                        written.append(i)
+                        written.append((i, self._store_group(job, [i], evicted_here)))
                     except Exception as exc_one:
                         failed[i] = describe(exc_one)
+        sync_failed: str | None = None
         if self.fsync and written:
             try:
                 fsync_dir(self.root)
             except Exception as exc:
-                # The new files may not survive a crash, as their store promised: not stored.
-                reason = f"directory sync failed: {describe(exc)}"
-                with self._lock:
-                    for i in written:
-                        if self._index.remove(keys[i]):
-                            self._emit((keys[i],), removed=True)
-                        failed[i] = reason
+                sync_failed = f"directory sync failed: {describe(exc)}"
+        with self._lock:
+            if sync_failed is not None:
+                # Our new files may not survive a crash, as their store promised: not stored.
+                # A key another job stored meanwhile is that job's, and stays.
+                for i, file in written:
+                    slot = self._index.get(keys[i])
+                    if file is not None and slot is not None and slot.file is file:
+                        self._index.remove(keys[i])
+                        self._emit((keys[i],), removed=True)
+                        failed[i] = sync_failed
+            # A job larger than the room evicts its own earlier keys to store its later ones:
+            # those are not in the tier because of this store, so they are not reported stored.
+            # (A key another job evicts afterwards was stored: that is a cache at work.)
+            for i in range(lo, hi):
+                if i not in failed and keys[i] in evicted_here and keys[i] not in self._index:
+                    failed[i] = (f"DiskTierError: block {keys[i].hex()[:32]} was evicted to make room for "
+                                 f"this store's other blocks (capacity_bytes={self.capacity_bytes})")
         return failed
 
-    def _groups(self, keys: Sequence[OffloadKey], positions: list[int]) -> Iterable[list[int]]:
-        """``positions`` split into groups of at most ``MAX_KEYS`` keys whose file fits the capacity
-        (a single key may not; its store then fails)."""
-        group: list[int] = []
-        size = ALIGN
-        for i in positions:
-            step = self._row_bytes + ENTRY_BYTES + len(keys[i])
-            if group and (len(group) >= MAX_KEYS or size + step > self.capacity_bytes):
-                yield group
-                group, size = [], ALIGN
-            group.append(i)
-            size += step
-        if group:
-            yield group
-
-    def _store_group(self, job: TransferJob, positions: list[int]) -> None:
+    def _store_group(self, job: TransferJob, positions: list[int],
+                     evicted_here: set[OffloadKey] | None = None) -> DiskFile | None:
         """Write the keys at ``positions`` into one new file; raises if they are not stored.
 
         Each key is then in the tier: in this file, or in another job's that won the race.
+        Returns the new file, or ``None`` when every key was another job's. The keys evicted
+        to make room are added to ``evicted_here``.
         """
         keys = [job.keys[i] for i in positions]
         views = [self._row(job.block_ids[i]) for i in positions]  # zero-copy views of the pinned rows
@@ -384,10 +391,15 @@ class DiskTier(SecondaryTier):
                 self._index.reserve(size, evicted)  # unlinks under the lock: the disk never exceeds the capacity
             finally:
                 self._emit(evicted, removed=True)
+                if evicted_here is not None:
+                    evicted_here.update(evicted)
         seq = next(self._seq)
-        final = f"g-{self._tag}-{seq}{GROUP_SUFFIX}"
+        # Names sort in the order files were made, across restarts too: a restart that finds two
+        # files with one mtime (coarse clocks, NFS) keeps a key's newer copy.
+        final = f"g-{time.time_ns():016x}-{self._tag}-{seq:08x}{GROUP_SUFFIX}"
         tmp = self._path(f"{TMP_PREFIX}{self._tag}-{seq}")
         renamed = False
+        file: DiskFile | None = None
         try:
             write_group(tmp, table, views, fsync=self.fsync)
             with self._lock:
@@ -403,6 +415,7 @@ class DiskTier(SecondaryTier):
                 self._unlink_quietly(os.path.basename(tmp))
                 with self._lock:
                     self._index.release(size)
+        return file
 
     # ---------------------------------------------------------------- load
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -31,8 +31,9 @@ from kvactors.tiers.codec import checksum as key_checksum  # XXH3-64 of key then
 from kvactors.tiers.disk_files import O_CLOEXEC, O_NOFOLLOW
 from kvactors.types import OffloadKey
 
-__all__ = ["ALIGN", "ENTRY_BYTES", "GROUP_MAGIC", "GROUP_SUFFIX", "MAX_KEYS", "GroupTable", "data_offset",
-           "decode_head", "encode_head", "group_size", "key_checksum", "read_run", "read_table", "write_group"]
+__all__ = ["ALIGN", "ENTRY_BYTES", "GROUP_MAGIC", "GROUP_SUFFIX", "HEAD_BYTES", "MAX_KEYS", "GroupTable", "data_offset",
+           "decode_head", "encode_head", "group_size", "key_checksum", "plan_groups", "read_run", "read_table",
+           "write_group"]
 
 GROUP_MAGIC = b"KVA3"
 GROUP_SUFFIX = ".kvg"
@@ -49,6 +50,8 @@ _ENTRY = struct.Struct("<QQH")
 _DIGEST = struct.Struct("<Q")
 ENTRY_BYTES = _ENTRY.size
 """Bytes of a table entry, besides its key."""
+HEAD_BYTES = _HEAD.size + _DIGEST.size
+"""Bytes of a group file's head and digest, besides the table's entries."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +68,32 @@ class GroupTable:
 
 def data_offset(keys: Sequence[OffloadKey]) -> int:
     """Where the payloads of a group file of ``keys`` begin."""
-    head = _HEAD.size + sum(_ENTRY.size + len(k) for k in keys) + _DIGEST.size
+    head = HEAD_BYTES + sum(_ENTRY.size + len(k) for k in keys)
     return -(-head // ALIGN) * ALIGN
 
 
 def group_size(keys: Sequence[OffloadKey], block_bytes: int) -> int:
     """The bytes of a group file holding ``keys`` of ``block_bytes`` each."""
     return data_offset(keys) + len(keys) * block_bytes
+
+
+def plan_groups(keys: Sequence[OffloadKey], positions: Sequence[int], block_bytes: int,
+                capacity: int) -> Iterator[list[int]]:
+    """``positions`` (of ``keys``) split, in order, into groups of at most ``MAX_KEYS`` whose
+    file (:func:`group_size`, exactly) fits ``capacity``; a single key may not (its store
+    then fails)."""
+    group: list[int] = []
+    head = HEAD_BYTES  # the head, the table and its digest so far
+    for i in positions:
+        entry = _ENTRY.size + len(keys[i])
+        if group and (len(group) >= MAX_KEYS
+                      or -(-(head + entry) // ALIGN) * ALIGN + (len(group) + 1) * block_bytes > capacity):
+            yield group
+            group, head = [], HEAD_BYTES
+        group.append(i)
+        head += entry
+    if group:
+        yield group
 
 
 def encode_head(keys: Sequence[OffloadKey], checksums: Sequence[int], block_bytes: int) -> GroupTable:
