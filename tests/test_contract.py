@@ -568,3 +568,36 @@ def test_without_the_new_request_hook_the_supervisor_opens_state_lazily():
     assert quiet.count("on_request_finished", idle) == quiet.count("on_request_finished", busy) == 1
     assert quiet.count("submit_store", busy) == 1
     assert quiet.violations == []
+
+
+@pytest.mark.parametrize("first_outcome", ["failed", "succeeded then evicted"])
+def test_a_stores_deadline_never_times_out_a_later_store_of_the_same_key(first_outcome):
+    """A request stores (k1, k2); that store ends; the request stores k1 again. The first
+    store's deadline passing must not detach the second write, which is on time."""
+    from kvactors.testing import SimRuntime
+
+    runtime = SimRuntime(seed=3)
+    ctx = ReqContext("r")
+    manager = TieringManager.start(num_blocks=2, block_bytes=8, transfer_timeout_s=1.0, runtime=runtime)
+    try:
+        manager.on_new_request(ctx)
+        first = manager.prepare_store(keys(1, 2), ctx)  # deadline at t = 1.0
+        if first_outcome == "failed":
+            manager.complete_store(first.keys_to_store, ctx, success=False)
+        else:
+            manager.complete_store(first.keys_to_store, ctx)
+            other = ReqContext("other")  # evicts k1 and k2 (the pool has 2 rows)
+            manager.on_new_request(other)
+            manager.complete_store(manager.prepare_store(keys(3, 4), other).keys_to_store, other)
+        runtime.advance(0.6)
+        again = manager.prepare_store(keys(1), ctx)  # deadline at t = 1.6
+        assert again is not None and list(again.keys_to_store) == keys(1)
+        runtime.advance(0.6)  # t = 1.2: past the first deadline only
+        assert manager.stats()["stores_timed_out"] == 0
+        manager.complete_store(again.keys_to_store, ctx)
+        runtime.run()
+        assert manager.lookup(keys(1), ctx) == [LookupResult.HIT]
+        stats = manager.stats()
+        assert stats["stores_timed_out"] == 0 and stats["contract_violations"] == 0
+    finally:
+        manager.stop()

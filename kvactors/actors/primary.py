@@ -54,14 +54,17 @@ class _RequestRecord:
 
     ``pending_stores``: keys the request prepared whose write is still live
     (not completed, not past its deadline, not voided by a reset).
+    ``store_of``: for each of those keys, the id of the store that prepared it,
+    so that a store's deadline only ever times out that store's own writes.
     """
 
-    __slots__ = ("announced", "ctx", "finished", "pending_stores")
+    __slots__ = ("announced", "ctx", "finished", "pending_stores", "store_of")
 
     def __init__(self, ctx: ReqContext) -> None:
         self.ctx = ctx
         self.finished = False
         self.pending_stores = 0
+        self.store_of: dict[OffloadKey, int] = {}
         self.announced = False  # the supervisor has heard of this request
 
     def opens(self) -> bool:
@@ -98,7 +101,9 @@ class PrimaryTier(Actor):
         self.counters = PrimaryCounters()  # for metrics: plain ints, this actor's state
         self._requests: dict[tuple[str, int], _RequestRecord] = {}
         # One deadline per prepare_store call: its keys that are still pending when it passes expire.
-        self._store_deadlines: DeadlineQueue[tuple[ReqContext, tuple[OffloadKey, ...]]] = DeadlineQueue()
+        # (request, keys, store id): a store's keys and the id it was prepared under.
+        self._store_deadlines: DeadlineQueue[tuple[ReqContext, tuple[OffloadKey, ...], int]] = DeadlineQueue()
+        self._store_ids = itertools.count(1)
         self._timer_due: float | None = None
         self._forget: Callable[[tuple[str, int]], None] | None = None
 
@@ -251,7 +256,9 @@ class PrimaryTier(Actor):
         if plan.keys:
             # The supervisor learns the count with the finish: before it, nothing can finalize.
             record.pending_stores += len(plan.keys)
-            self._store_deadlines.add((ctx, plan.keys), self.runtime.now() + self.transfer_timeout_s)
+            store_id = next(self._store_ids)
+            record.store_of.update(dict.fromkeys(plan.keys, store_id))
+            self._store_deadlines.add((ctx, plan.keys, store_id), self.runtime.now() + self.transfer_timeout_s)
             self._arm_timer()
         msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
 
@@ -285,6 +292,9 @@ class PrimaryTier(Actor):
         record = self._requests.get(identity)
         if record is not None:
             record.pending_stores -= outcome.live
+            pop = record.store_of.pop
+            for key in msg.keys:  # the writer's one pending write of each key ended
+                pop(key, None)
         cascades = []
         for tier in self.tier_names if outcome.stored else ():
             job_id = next(self.work_ids)
@@ -298,7 +308,15 @@ class PrimaryTier(Actor):
     def _on_tick(self, msg: m.Tick) -> None:
         self._timer_due = None
         expired: Counter[ReqContext] = Counter()
-        for ctx, keys in self._store_deadlines.pop_expired(self.runtime.now()):
+        for ctx, keys, store_id in self._store_deadlines.pop_expired(self.runtime.now()):
+            live = self._requests.get(ctx.identity)
+            if live is not None:
+                # Only this store's own writes still pending: a key it failed or completed may
+                # be written again by a later store of the request, under that store's deadline.
+                of = live.store_of
+                keys = tuple(key for key in keys if of.get(key) == store_id)
+                for key in keys:
+                    del of[key]
             detached = self.pool.detach_writes(ctx.identity, keys)
             expired[ctx] += detached
             self.counters.store_timed_out += detached > 0
@@ -364,6 +382,7 @@ class PrimaryTier(Actor):
         self._store_deadlines.clear()
         for record in self._requests.values():
             record.pending_stores = 0
+            record.store_of.clear()
         self.log.info("cache_reset", tier=PRIMARY_TIER_NAME, keys=removed)
         self.supervisor.tell(m.SupervisorReset(msg.reply))
 

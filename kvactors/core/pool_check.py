@@ -100,3 +100,5 @@ def check_invariants(pool: BlockPool) -> None:
         counts["ready"], counts["pending"], counts["pinned"], counts["detached"])
     assert len(pool._policy) == sum(
         1 for row in pool._index.values() if pool._ready[row] and not pool._busy(row))
+    if pool._rows is not None:
+        pool._rows.check_links()

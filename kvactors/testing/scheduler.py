@@ -233,6 +233,17 @@ class SimRuntime:
                 break
         return self.steps - start
 
+    def advance(self, seconds: float) -> None:
+        """Let ``seconds`` pass: run everything due until then, timers included, and leave
+        the clock there (a test of deadlines: time passes while nothing else happens)."""
+        until = self._now + seconds
+        while True:
+            while self.step(until=until):
+                pass
+            if self._now >= until:
+                return
+            self._jump_time(until, forced=True)
+
     # ------------------------------------------------------------ the scheduler
 
     def step(self, until: float | None = None) -> bool:

@@ -183,6 +183,26 @@ class RowLRUPolicy:
         self._unlink(row)
         return key_of[row]
 
+    def check_links(self) -> None:
+        """Assert the list is whole: walked both ways from the sentinel it visits exactly the
+        linked rows, each once, in mirrored orders. O(rows); for tests."""
+        tail, nxt, prev = self._tail, self._next, self._prev
+        forward: list[int] = []
+        row = nxt[tail]
+        while row != tail:
+            assert len(forward) <= self._len, "the LRU list loops"
+            assert prev[nxt[row]] == row, f"row {row}: its successor does not point back"
+            forward.append(row)
+            row = nxt[row]
+        backward: list[int] = []
+        row = prev[tail]
+        while row != tail:
+            assert len(backward) <= self._len, "the LRU list loops backwards"
+            backward.append(row)
+            row = prev[row]
+        assert forward == backward[::-1], "the LRU list differs walked backwards"
+        assert len(forward) == self._len and set(forward) == {r for r in range(tail) if self._linked[r]}
+
     def __len__(self) -> int:
         return self._len
 
