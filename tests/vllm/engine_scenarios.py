@@ -113,10 +113,15 @@ def disk_corrupt(tmp: str, model: str) -> dict[str, Any]:
 
     def corrupt_files() -> None:
         for path in glob.glob(os.path.join(disk, "**", "*"), recursive=True):
-            if os.path.isfile(path) and os.path.getsize(path) > 1024:
+            size = os.path.getsize(path) if os.path.isfile(path) else 0
+            if size > 1024:
+                # The file's last 64 bytes are a block's payload in every format the tier
+                # writes (a group file's head is followed by page padding that no check covers).
                 with open(path, "r+b") as f:
-                    f.seek(600)
-                    f.write(bytes([255]) * 64)
+                    f.seek(size - 64)
+                    tail = f.read(64)
+                    f.seek(size - 64)
+                    f.write(bytes(b ^ 0xFF for b in tail))  # every byte changes
                 corrupted.append(path)
 
     r = _run(model, tmp, pool_blocks=6, tiers=_disk(tmp), before_round2=corrupt_files)
