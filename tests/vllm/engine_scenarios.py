@@ -36,7 +36,13 @@ def _run(model: str, tmp: str, *, pool_blocks: int, tiers: list[dict[str, Any]],
     try:
         if setup is not None:
             setup()
-        r = rounds(llm, lambda: stores_settled(os.path.join(tmp, "events.kvlog")), before_round2=before_round2)
+        log = os.path.join(tmp, "events.kvlog")
+        # Round 1's stores completed, and so did their cascades to the secondary tiers (a
+        # cascade pins its rows until its tier reports; asked after the log shows the store
+        # completed, the primary has already pinned them): else round 2 may find a block
+        # neither in the pool nor on disk yet.
+        r = rounds(llm, lambda: stores_settled(log) and mgr_stats().get("jobs_pinning", 0) == 0,
+                   before_round2=before_round2)
         r["stats"] = mgr_stats()
         workers = list(WORKERS)
         r["worker"] = {k: sum(getattr(w, k) for w in workers)
