@@ -96,7 +96,7 @@ def test_head_larger_than_a_page_is_read_whole(tmp_path: Path) -> None:
        st.integers(1, 8))
 def test_index_counts_exactly_the_files_that_hold_live_keys(ops: list[tuple[str, list[int]]], cap_files: int) -> None:
     unlinked: list[str] = []
-    index = DiskIndex(cap_files * 100, unlinked.append)
+    index = DiskIndex(cap_files * 100, lambda name: unlinked.append(name) is None)
     files: dict[str, DiskFile] = {}
     pins: list[OffloadKey] = []
     seq = itertools.count()
@@ -135,7 +135,7 @@ def test_index_counts_exactly_the_files_that_hold_live_keys(ops: list[tuple[str,
 
 
 def test_index_reserve_never_evicts_a_pinned_key() -> None:
-    index = DiskIndex(100, lambda name: None)
+    index = DiskIndex(100, lambda name: True)
     f = DiskFile("f", 60, 10)
     index.reserve(60, [])
     index.add(f, [(b"a", 0, 0)], reserved=60)
@@ -399,3 +399,39 @@ def test_planned_groups_fit_the_capacity_exactly_and_keep_every_position_in_orde
         assert group_size([keys[i] for i in g], block) <= capacity or len(g) == 1
         if following:  # a group ends only when the next key would not fit
             assert group_size([keys[i] for i in g + following[:1]], block) > capacity
+
+
+def test_a_file_that_cannot_be_removed_keeps_counting_until_it_is_gone() -> None:
+    removable = {"a": False}
+    index = DiskIndex(100, lambda name: removable.get(name, True))
+    for name, key in (("a", b"1"), ("b", b"2")):
+        index.reserve(50, [])
+        assert index.add(DiskFile(name, 50, 10), [(key, 0, 0)], reserved=50)
+    evicted: list[OffloadKey] = []
+    with pytest.raises(NoRoomError):  # "a" cannot be unlinked: evicting b frees b only
+        index.reserve(60, evicted)
+    assert evicted == [b"1", b"2"] and index.used == 50 and index.stuck_files == 1
+    removable["a"] = True  # the next reservation tries it again
+    index.reserve(60, [])
+    assert index.used == 0 and index.reserved == 60 and index.stuck_files == 0
+
+
+def test_the_tier_never_exceeds_its_capacity_when_an_unlink_fails(harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import errno
+
+    h = harness(capacity_bytes=2 * group_size([b"k0"], BLOCK))
+    refused: list[str] = []
+    unlink = os.unlink
+
+    def busy_once(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).endswith(".kvg") and not refused:
+            refused.append(str(path))
+            raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", busy_once)
+    for i in range(6):
+        h.run([b"k%d" % i], [i], False)
+        assert disk_bytes(h.root) == h.tier.used_bytes <= h.tier.capacity_bytes
+    assert refused and not os.path.exists(refused[0])  # removed on a later try
+    assert h.tier.lookup([b"k5"], CTX) == [HIT]

@@ -152,7 +152,8 @@ class DiskTier(SecondaryTier):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the files holding blocks of the index (files being written not included)."""
+        """Bytes of the tier's files: those holding blocks, and those that could not be removed
+        yet (tried again before the next eviction). Files being written are not included."""
         with self._lock:
             return self._index.used
 
@@ -194,13 +195,16 @@ class DiskTier(SecondaryTier):
             discarded=discarded, evicted=evicted,
         )
 
-    def _unlink_quietly(self, fname: str) -> None:
+    def _unlink_quietly(self, fname: str) -> bool:
+        """Remove a file of the tier; whether it is gone (a failure is logged, not raised)."""
         try:
             os.unlink(self._path(fname))
         except (FileNotFoundError, NotADirectoryError):
             pass
         except OSError as exc:
             self._log.warning("unlink_failed", file=fname, error=describe(exc))
+            return False
+        return True
 
     # ------------------------------------------------------------ tier API
 
@@ -411,10 +415,9 @@ class DiskTier(SecondaryTier):
                     self._emit(self._index.add(file, entries, reserved=size), removed=False)
         finally:
             if not renamed:
-                # Unlink before releasing the reservation: the bytes stay counted while on disk.
-                self._unlink_quietly(os.path.basename(tmp))
+                # The bytes stay counted while the file is on disk (also if it cannot be removed).
                 with self._lock:
-                    self._index.release(size)
+                    self._index.abandon(os.path.basename(tmp), size)
         return file
 
     # ---------------------------------------------------------------- load

@@ -52,17 +52,20 @@ Entry = tuple[OffloadKey, int, int]
 class DiskIndex:
     """Keys -> slots in LRU order (least recent first), the bytes of the files, the pins.
 
-    ``unlink(name)`` is called for each file whose last key leaves, at that moment (its bytes
-    are no longer counted once it returns). ``capacity`` bounds ``used + reserved``.
+    ``unlink(name)`` is called for each file whose last key leaves, at that moment, and says
+    whether the file is gone; its bytes stop counting only then. A file that could not be
+    removed (EBUSY, EPERM, ...) keeps counting and is tried again before the next eviction,
+    so the files on disk never exceed ``capacity``, which bounds ``used + reserved``.
     """
 
-    def __init__(self, capacity: int, unlink: Callable[[str], None]) -> None:
+    def __init__(self, capacity: int, unlink: Callable[[str], bool]) -> None:
         self.capacity = capacity
         self._unlink = unlink
         self._slots: collections.OrderedDict[OffloadKey, Slot] = collections.OrderedDict()
         self._pins: collections.Counter[OffloadKey] = collections.Counter()
-        self.used = 0  # bytes of the files that hold keys of the index
+        self.used = 0  # bytes of the files that hold keys of the index, or could not be removed
         self.reserved = 0  # bytes of files being written
+        self._stuck: list[tuple[str, int]] = []  # (name, bytes) of files without keys still on disk
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -116,9 +119,31 @@ class DiskIndex:
             return False
         slot.file.live -= 1
         if slot.file.live == 0:
-            self._unlink(slot.file.name)
-            self.used -= slot.file.size
+            self._drop_file(slot.file.name, slot.file.size)
         return True
+
+    def _drop_file(self, name: str, size: int) -> None:
+        if self._unlink(name):
+            self.used -= size
+        else:
+            self._stuck.append((name, size))
+
+    def abandon(self, name: str, size: int) -> None:
+        """A reserved file that will not be indexed (its write failed, or another job won):
+        its reservation ends, and its bytes count until it is gone from the disk."""
+        self.reserved -= size
+        self.used += size
+        self._drop_file(name, size)
+
+    @property
+    def stuck_files(self) -> int:
+        """Files without keys that could not be removed yet (their bytes still count)."""
+        return len(self._stuck)
+
+    def _retry_stuck(self) -> None:
+        stuck, self._stuck = self._stuck, []
+        for name, size in stuck:
+            self._drop_file(name, size)
 
     def remove_files(self, pred: Callable[[DiskFile], bool]) -> list[OffloadKey]:
         """Take out every key whose file matches ``pred`` (the files are unlinked); those keys."""
@@ -132,6 +157,8 @@ class DiskIndex:
         ``evicted``, also when it then raises ``NoRoomError``)."""
         if size > self.capacity:
             raise NoRoomError(f"file of {size} bytes exceeds capacity_bytes={self.capacity}")
+        if self._stuck and self.used + self.reserved + size > self.capacity:
+            self._retry_stuck()
         while self.used + self.reserved + size > self.capacity:
             victim = next((k for k in self._slots if k not in self._pins), None)
             if victim is None:

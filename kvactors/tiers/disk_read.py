@@ -27,7 +27,7 @@ Item = tuple[int, Slot, OffloadKey, memoryview]
 """One key to load: its position in the job, its slot, the key, the view of its row."""
 
 
-def scan(root: str, unlink: Callable[[str], None]) -> tuple[list[tuple[DiskFile, list[Entry]]], int]:
+def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFile, list[Entry]]], int]:
     """The valid files in ``root``, oldest first, and how many bad ones were unlinked.
 
     Temporary files (a crash mid-write) and files of the tier's suffixes that are not
