@@ -459,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=32,
                         help="KV tensors of the vLLM worker's layout (needs vLLM; default 32)")
     args = parser.parse_args(argv)
+    for name in ("requests", "blocks_per_request", "block_kib", "window", "copy_workers", "trials",
+                 "disk_requests", "layers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
     requests = args.requests or (64 if args.quick else 256)
     trials = args.trials or (5 if args.quick else 7)

@@ -601,3 +601,13 @@ def test_a_stores_deadline_never_times_out_a_later_store_of_the_same_key(first_o
         assert stats["stores_timed_out"] == 0 and stats["contract_violations"] == 0
     finally:
         manager.stop()
+
+
+@pytest.mark.parametrize("seconds", [-1, float("nan"), float("inf"), "1", None, True])
+def test_sim_runtime_advance_refuses_what_is_not_a_finite_time(seconds):
+    from kvactors.testing import SimRuntime
+
+    runtime = SimRuntime(seed=0)
+    with pytest.raises(ValueError, match="seconds"):
+        runtime.advance(seconds)
+    assert runtime.now() == 0.0

@@ -11,7 +11,6 @@ one by key (ARC), and a recording LRU by key whose calls must be the same in bot
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -30,40 +29,31 @@ ROWS = 5
 key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
 
 
-class RecordingLRU:
+class RecordingLRU(LRUPolicy):
     """LRU by key (no ``bind_rows``: the pool takes its by-key paths) that logs every change."""
 
+    bind_rows = None  # type: ignore[assignment]
+
     def __init__(self) -> None:
-        self._order: OrderedDict[bytes, None] = OrderedDict()
+        super().__init__()
         self.calls: list[tuple[str, object]] = []
 
     def add(self, key: bytes) -> None:
         self.calls.append(("add", key))
-        assert key not in self._order, "add of a tracked key"
-        self._order[key] = None
+        assert key not in self, "add of a tracked key"
+        super().add(key)
 
     def access(self, key: bytes) -> None:
         self.calls.append(("access", key))
-        if key in self._order:
-            self._order.move_to_end(key)
+        super().access(key)
 
     def discard(self, key: bytes) -> None:
         self.calls.append(("discard", key))
-        self._order.pop(key, None)
+        super().discard(key)
 
     def victim(self, exclude: Collection[bytes] = ()) -> bytes | None:
         self.calls.append(("victim", tuple(sorted(exclude))))
-        for key in self._order:
-            if key not in exclude:
-                del self._order[key]
-                return key
-        return None
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return super().victim(exclude)
 
 
 POLICIES: dict[str, Callable[[], Any]] = {"lru": LRUPolicy, "arc": lambda: ARCPolicy(ROWS), "recording": RecordingLRU}

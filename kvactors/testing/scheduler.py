@@ -61,6 +61,7 @@ from typing import Any
 from kvactors.actors.mailbox import IDLE, THREAD
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError
+from kvactors.core.arguments import check_timeout
 from kvactors.testing import clients
 from kvactors.testing.simrefs import _TASKS, SEPARATE_IDLE_CHANCE, SimActorRef, SimMailbox, _Expected, _Stop, _Thaw
 
@@ -235,7 +236,9 @@ class SimRuntime:
 
     def advance(self, seconds: float) -> None:
         """Let ``seconds`` pass: run everything due until then, timers included, and leave
-        the clock there (a test of deadlines: time passes while nothing else happens)."""
+        the clock there (a test of deadlines: time passes while nothing else happens).
+        ``ValueError`` unless ``seconds`` is a finite number >= 0."""
+        check_timeout(seconds, "seconds", allow_none=False)
         until = self._now + seconds
         while True:
             while self.step(until=until):

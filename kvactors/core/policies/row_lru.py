@@ -51,16 +51,7 @@ class RowLRUPolicy:
 
     def access_row(self, row: int) -> None:
         """:meth:`access` of the key at ``row``."""
-        tail, nxt, prev = self._tail, self._next, self._prev
-        if self._linked[row] and prev[tail] != row:
-            before, after = prev[row], nxt[row]
-            nxt[before] = after
-            prev[after] = before
-            last = prev[tail]
-            nxt[last] = row
-            prev[row] = last
-            nxt[row] = tail
-            prev[tail] = row
+        self.access_rows((row,))
 
     def add_row(self, row: int) -> None:
         """:meth:`add` of the key at ``row``."""
