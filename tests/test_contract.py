@@ -611,3 +611,33 @@ def test_sim_runtime_advance_refuses_what_is_not_a_finite_time(seconds):
     with pytest.raises(ValueError, match="seconds"):
         runtime.advance(seconds)
     assert runtime.now() == 0.0
+
+
+def test_a_slow_machine_jump_restarts_a_bounded_wait_made_outside_any_client():
+    """A jump the seed chose while work was pending (a stalled machine) must not eat a
+    blocking call's bound: the wait's clock restarts, as a client's does. Only time the
+    runtime could not avoid counts (the hypothesis machine's reset_cache timed out on this)."""
+    from kvactors.actors.reply import Reply
+    from kvactors.actors.runtime import Actor, handles
+    from kvactors.testing import SimRuntime
+
+    class Sink(Actor):
+        name = "sink"
+
+        @handles(str)
+        def _on_str(self, message: str) -> None:
+            pass
+
+    runtime = SimRuntime(seed=0, time_jump_chance=1.0)  # jump whenever a timer is due
+    sink = runtime.spawn(Sink(), "sink")
+    runtime.call_later(3.0, sink, "tick")
+    runtime.call_later(6.0, sink, "tock")
+    answered: Reply[None] = Reply()
+    runtime.defer("answer", lambda: answered.set_result(None))
+    assert runtime.wait(answered, 5.0), "stalls to t = 3 and t = 6 counted against a 5 s bound"
+    assert runtime.now() == 6.0
+
+    never: Reply[None] = Reply()
+    runtime.call_later(4.0, sink, "forced")  # at t = 10
+    assert not runtime.wait(never, 5.0)  # a jump with nothing else to run counts: still bounded
+    assert runtime.now() == 10.0

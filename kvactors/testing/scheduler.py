@@ -90,6 +90,7 @@ class SimRuntime:
         self.steps = 0
         self.trace: list[str] | None = [] if trace else None
         self._now = 0.0
+        self._stalled_s = 0.0  # virtual time skipped by slow-machine jumps
         self._boxes: list[SimMailbox] = []
         self._refs: list[SimActorRef] = []
         self._timers: list[tuple[float, int, ActorRef | _Thaw, object]] = []
@@ -131,7 +132,12 @@ class SimRuntime:
             if client.expect is not None:
                 self.expect_by(future, *client.expect)
             return client.wait(future, deadline)
+        stalled_at = self._stalled_s
         while not future.done():
+            if deadline is not None:
+                # As a client's: a slow-machine jump restarts this bounded wait's clock.
+                deadline += self._stalled_s - stalled_at
+                stalled_at = self._stalled_s
             if deadline is not None and self._now >= deadline:
                 return False
             if not self.step(until=deadline):
@@ -355,9 +361,10 @@ class SimRuntime:
         if self._expected:
             self._check_expected(when, forced)
         if not forced and when > self._now:
-            # A slow machine (a jump the seed chose while work was pending): the clients'
-            # bounded waits restart their clocks, as expected replies do; only waits the
-            # runtime could not avoid count toward a bound.
+            # A slow machine (a jump the seed chose while work was pending): the bounded
+            # waits (the clients' and :meth:`wait`'s own) restart their clocks, as expected
+            # replies do; only waits the runtime could not avoid count toward a bound.
+            self._stalled_s += when - self._now
             for client in self._clients:
                 if client.deadline is not None:
                     client.deadline += when - self._now
