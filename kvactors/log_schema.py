@@ -123,7 +123,8 @@ _COMPONENT = tuple(
     _spec(name, levels, lifecycle=False)
     for name, levels in (
         ("tier_opened", "debug"), ("job_failed", "warning"), ("blocks_discarded", "warning"),
-        ("unlink_failed", "warning"), ("report_failed", "warning"), ("tier_degraded", "warning"),
+        ("unlink_failed", "warning"), ("files_unreadable", "warning"), ("blocks_evicted", "info"),
+        ("report_failed", "warning"), ("tier_degraded", "warning"),
         ("tier_recovered", "info"), ("lookup_failed", "warning error"),
         ("touch_failed", "debug"), ("evict_failed", "warning"), ("forget_failed", "warning"),
         ("engine_closed", "debug"), ("pool_not_pinned", "warning"), ("copy_failed", "warning"),

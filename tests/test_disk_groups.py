@@ -99,21 +99,32 @@ def test_index_counts_exactly_the_files_that_hold_live_keys(ops: list[tuple[str,
     index = DiskIndex(cap_files * 100, lambda name: unlinked.append(name) is None)
     files: dict[str, DiskFile] = {}
     pins: list[OffloadKey] = []
+    file_keys: dict[str, list[OffloadKey]] = {}
     seq = itertools.count()
     for op, ids in ops:
         keys = [bytes([i]) for i in ids]
         if op == "store":
             size = 50 + 10 * len(set(keys))
             evicted: list[OffloadKey] = []
+            before = {f.name for f in index.files()}
             try:
                 index.reserve(size, evicted)
             except NoRoomError:
-                assert all(index.pinned(k) for k in (bytes([i]) for i in range(12)) if k in index)
+                # Refused only when the files without a pinned key free too little, and then
+                # nothing was evicted (a key whose file stays frees no room).
+                unpinned = [f for f in index.files()
+                            if not any(index.pinned(k) for k in index_keys(index, f))]
+                assert index.used + size - sum(f.size for f in unpinned) > index.capacity
+                assert evicted == []
                 continue
             assert not any(index.pinned(k) for k in evicted)
+            # Every key evicted took its whole file with it: none was evicted for nothing.
+            assert all(index_keys(index, f) == [] for f in files.values() if f.name in before
+                       and any(k in evicted for k in file_keys[f.name]))
             f = DiskFile(f"f{next(seq)}", size, 10)
-            if index.add(f, [(k, j, 0) for j, k in enumerate(dict.fromkeys(keys))], reserved=size):
+            if added := index.add(f, [(k, j, 0) for j, k in enumerate(dict.fromkeys(keys))], reserved=size):
                 files[f.name] = f
+                file_keys[f.name] = added
             else:
                 index.release(size)
         elif op == "remove":
@@ -132,6 +143,29 @@ def test_index_counts_exactly_the_files_that_hold_live_keys(ops: list[tuple[str,
         assert index.used == sum(files[n].size for n in live) <= index.capacity
         assert set(unlinked) == set(files) - live  # a file goes exactly when its last key does
         assert len(unlinked) == len(set(unlinked))
+
+
+def index_keys(index: DiskIndex, file: DiskFile) -> list[OffloadKey]:
+    """The keys of the index that live in ``file``."""
+    return [k for k in (bytes([i]) for i in range(256)) if (slot := index.get(k)) is not None and slot.file is file]
+
+
+def test_index_reserve_never_evicts_a_key_whose_file_would_stay() -> None:
+    """A group file of (a, b) with b pinned: evicting a frees no byte. A store that needs
+    the room is refused without evicting a; one that fits beside evicts a whole file only."""
+    index = DiskIndex(100, lambda name: True)
+    group, single = DiskFile("g", 60, 10), DiskFile("s", 30, 10)
+    for f, entries in ((group, [(b"a", 0, 0), (b"b", 10, 0)]), (single, [(b"c", 0, 0)])):
+        index.reserve(f.size, [])
+        index.add(f, entries, reserved=f.size)
+    index.touch(b"c")  # LRU: a, b, c
+    index.pin([b"b"])
+    evicted: list[OffloadKey] = []
+    with pytest.raises(NoRoomError):
+        index.reserve(50, evicted)  # needs 40: only c's file (30) can go
+    assert evicted == [] and b"a" in index and b"c" in index and index.reserved == 0
+    index.reserve(20, evicted)  # needs 10: c's whole file, not a (less recent, but it frees nothing)
+    assert evicted == [b"c"] and b"a" in index and index.used == 60 and index.reserved == 20
 
 
 def test_index_reserve_never_evicts_a_pinned_key() -> None:
@@ -206,13 +240,14 @@ def test_dead_slots_count_until_their_file_goes(harness) -> None:  # type: ignor
     h.tier.touch([b"b"], CTX)  # LRU: a, c, b
     h.tier.take_events()
     assert h.run([b"d"], [3], False).success
-    # a went first but freed nothing (b keeps the file); c's file then made the room.
-    assert removed(h) == [b"a", b"c"]
-    assert h.tier.lookup([b"a", b"b", b"c", b"d"], CTX) == [MISS, HIT, MISS, HIT]
+    # a is the least recent, but evicting it would free nothing (b keeps the file): c's
+    # file makes the room, and a stays.
+    assert removed(h) == [b"c"]
+    assert h.tier.lookup([b"a", b"b", b"c", b"d"], CTX) == [HIT, HIT, MISS, HIT]
     assert h.tier.used_bytes == disk_bytes(h.root) == two + one
     h.tier.take_events()
-    assert h.run([b"e"], [4], False).success  # b is the LRU now: its file goes with it
-    assert removed(h) == [b"b"]
+    assert h.run([b"e"], [4], False).success  # a, b are the least recent: their file goes
+    assert removed(h) == [b"a", b"b"]
     assert h.tier.used_bytes == disk_bytes(h.root) == 2 * one
 
 

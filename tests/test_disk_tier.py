@@ -403,6 +403,52 @@ def test_restart_with_other_block_size_discards(make, tmp_path: Path) -> None:
     assert block_files(root) == []
 
 
+def test_restart_drops_blocks_of_another_size_before_it_evicts_for_capacity(make, tmp_path: Path) -> None:
+    """Over capacity only because of a file of another block size: that file goes at attach,
+    and no block of the tier's own size is evicted for room it did not need."""
+    root, other = tmp_path / "tier", tmp_path / "other"
+    h1 = make(root)
+    assert h1.store([b"a"], [0]).success and h1.store([b"b"], [1]).success
+    h1.tier.shutdown()
+    h2 = make(other, block=BLOCK * 2)
+    assert h2.store([b"c"], [0]).success
+    big = where(h2, b"c")[0]
+    h2.tier.shutdown()
+    os.replace(big, root / big.name)  # the newest file of the root
+    h3 = make(root, capacity_bytes=2 * record_size(b"a"))
+    assert h3.tier.lookup([b"a", b"b", b"c"], CTX) == [HIT, HIT, MISS]
+    assert disk_bytes(root) == 2 * record_size(b"a") == h3.tier.used_bytes
+
+
+def test_restart_keeps_a_file_it_cannot_read(make, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EIO (or EACCES) on a file at a restart says nothing of its content: the file stays on
+    disk, unindexed, and a later restart that can read it finds its blocks."""
+    import kvactors.tiers.disk_read as disk_read
+
+    root = tmp_path / "tier"
+    h1 = make(root)
+    assert h1.store([b"a"], [0]).success and h1.store([b"b"], [1]).success
+    unreadable = where(h1, b"a")[0]
+    h1.tier.shutdown()
+    real = disk_read._open_group
+
+    def failing(path: str, fname: str):  # type: ignore[no-untyped-def]
+        if fname == unreadable.name:
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(path, fname)
+
+    monkeypatch.setattr(disk_read, "_open_group", failing)
+    h2 = make(root)
+    assert h2.tier.lookup([b"a", b"b"], CTX) == [MISS, HIT]
+    assert unreadable.exists()
+    h2.tier.shutdown()
+    monkeypatch.setattr(disk_read, "_open_group", real)
+    h3 = make(root)
+    assert h3.tier.lookup([b"a", b"b"], CTX) == [HIT, HIT]
+    h3.pool[5].zero_()
+    assert h3.load([b"a"], [5]).success and torch.equal(h3.pool[5], h1.pool[0])
+
+
 # ---------------------------------------------------------------- corruption
 
 

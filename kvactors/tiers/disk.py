@@ -61,12 +61,14 @@ class DiskTier(SecondaryTier):
     group file (:mod:`kvactors.tiers.disk_group`: a checksummed table of its keys,
     then the payloads). ``capacity_bytes`` bounds the bytes of the tier's files;
     storing past it evicts the least recently used blocks (stored, loaded, touched
-    or hit by a lookup) first, per key, never one being loaded, and a block larger
-    than the capacity fails its store. At no moment do the tier's files (finished
-    or being written) exceed the capacity. A file's bytes are freed when its last
-    block leaves the tier (the file is deleted then): until that, the slots of its
-    evicted blocks still count, so a file kept by one recently used block holds
-    the room of all its blocks.
+    or hit by a lookup) first, never one being loaded, and a block larger than the
+    capacity fails its store. At no moment do the tier's files (finished or being
+    written) exceed the capacity. A file's bytes are freed when its last block
+    leaves the tier (the file is deleted then): until that, the slots of blocks that
+    left it (failed, replaced) still count, so a file kept by one recently used block
+    holds the room of all its blocks. A block is therefore evicted for room only
+    with the rest of its file (a file goes once all its blocks are less recent than
+    the room needs): evicting it alone would free nothing.
 
     ``io_workers`` threads (named ``kvactors-disk-<name>-N``) do the I/O;
     ``submit_store``/``submit_load`` return at once and every job is reported
@@ -185,14 +187,16 @@ class DiskTier(SecondaryTier):
 
     def _scan(self) -> None:
         """Rebuild the index from the directory (constructor only: no other thread yet)."""
-        found, discarded = scan(self.root, self._unlink_quietly)
+        found, discarded, unreadable = scan(self.root, self._unlink_quietly)
         for file, entries in found:  # oldest first: a key in two files ends in the newer one
             if not self._index.add(file, entries, replace=True):
                 self._unlink_quietly(file.name)
-        evicted = len(self._index.shrink())
+        if unreadable:
+            self._log.warning("files_unreadable", root=self.root, files=unreadable,
+                              detail="left on disk, not indexed")
         self._log.debug(
             "tier_opened", root=self.root, blocks=len(self._index), used_bytes=self._index.used,
-            discarded=discarded, evicted=evicted,
+            discarded=discarded, unreadable=unreadable,
         )
 
     def _unlink_quietly(self, fname: str) -> bool:
@@ -223,8 +227,13 @@ class DiskTier(SecondaryTier):
         self._row_bytes = block_bytes
         with self._lock:
             stale = self._index.remove_files(lambda f: f.block_bytes != block_bytes)
+            # Over capacity after a restart (a smaller capacity_bytes): only now, once the blocks
+            # of another size are gone, is it known which of this size must go too.
+            evicted = self._index.shrink()
         if stale:
             self._log.warning("blocks_discarded", reason="block size differs", blocks=len(stale))
+        if evicted:
+            self._log.info("blocks_evicted", reason="over capacity at a restart", blocks=len(evicted))
 
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """HIT for keys in the index (their recency is refreshed), else MISS. No disk I/O."""

@@ -1,10 +1,11 @@
 """The index of a :class:`~kvactors.tiers.disk.DiskTier`: keys, files, LRU order, bytes, pins.
 
 Each key lives in one slot of one file; a file holds one or more slots (a group file)
-or exactly one (a ``KVA2`` block file of an older version). Eviction is per key, least
-recently used first; a file's bytes are counted from the moment it is reserved until
-its last live key leaves the index, when it is unlinked. Slots whose key left (evicted,
-dropped, or stored by another job first) are dead: they still count, until their file goes.
+or exactly one (a ``KVA2`` block file of an older version). Recency is per key; a file's
+bytes are counted from the moment it is reserved until its last live key leaves the
+index, when it is unlinked. Slots whose key left (dropped, or stored by another job
+first) are dead: they still count, until their file goes. So eviction for room takes
+whole files, least recent keys first: a key whose file would stay frees nothing.
 
 A plain class: no threads, no locks. Not thread-safe: the tier calls it under its lock.
 """
@@ -153,34 +154,62 @@ class DiskIndex:
         return keys
 
     def reserve(self, size: int, evicted: list[OffloadKey]) -> None:
-        """Count ``size`` more bytes, evicting least recent unpinned keys first (appended to
-        ``evicted``, also when it then raises ``NoRoomError``)."""
+        """Count ``size`` more bytes, evicting first (appended to ``evicted``) the keys of the
+        files that free the room: least recent first, a file once every live key in it is
+        unpinned and less recent than the room needs. A key whose file would stay on disk
+        frees nothing, so it is never evicted for room. ``NoRoomError`` (nothing evicted by
+        this call, unless an unlink failed midway) when even all those files do not free it."""
         if size > self.capacity:
             raise NoRoomError(f"file of {size} bytes exceeds capacity_bytes={self.capacity}")
         if self._stuck and self.used + self.reserved + size > self.capacity:
             self._retry_stuck()
-        while self.used + self.reserved + size > self.capacity:
-            victim = next((k for k in self._slots if k not in self._pins), None)
-            if victim is None:
+        while (need := self.used + self.reserved + size - self.capacity) > 0:
+            victims = self._victims(need)
+            if victims is None:
                 raise NoRoomError(
-                    f"no room: {self.reserved} bytes being written and every stored block is being read"
+                    f"no room: {self.reserved} bytes being written, and the blocks not being read "
+                    f"free too few whole files"
                 )
-            self.remove(victim)
-            evicted.append(victim)
+            for key in victims:  # an unlink that fails leaves its bytes counted: plan again
+                self.remove(key)
+                evicted.append(key)
         self.reserved += size
+
+    def _victims(self, need: int) -> list[OffloadKey] | None:
+        """The keys, in LRU order, of the least recent whole files (no key pinned) that free
+        ``need`` bytes; None if all such files together free less."""
+        left: dict[int, int] = {}  # id(file) -> its live keys not walked yet
+        walked: list[tuple[OffloadKey, int]] = []
+        freed: set[int] = set()
+        room = 0
+        for key, slot in self._slots.items():
+            if key in self._pins:
+                continue
+            file = slot.file
+            fid = id(file)
+            left[fid] = n = left.get(fid, file.live) - 1
+            walked.append((key, fid))
+            if n == 0:
+                freed.add(fid)
+                room += file.size
+                if room >= need:
+                    return [key for key, fid in walked if fid in freed]
+        return None
 
     def release(self, size: int) -> None:
         """Give back a reservation whose file was not indexed (and is gone from the disk)."""
         self.reserved -= size
 
     def shrink(self) -> list[OffloadKey]:
-        """Evict least recent keys until the files fit the capacity (a restart); the keys evicted."""
-        evicted: list[OffloadKey] = []
-        while self.used > self.capacity and self._slots:
-            key = next(iter(self._slots))
+        """Evict whole files, least recent keys first, until the files fit the capacity (a
+        restart with a smaller one); the keys evicted."""
+        need = self.used + self.reserved - self.capacity
+        if need <= 0:
+            return []
+        victims = self._victims(need) or [k for k in self._slots if k not in self._pins]
+        for key in victims:
             self.remove(key)
-            evicted.append(key)
-        return evicted
+        return victims
 
     # -------------------------------------------------------------- pins
 

@@ -27,16 +27,18 @@ Item = tuple[int, Slot, OffloadKey, memoryview]
 """One key to load: its position in the job, its slot, the key, the view of its row."""
 
 
-def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFile, list[Entry]]], int]:
-    """The valid files in ``root``, oldest first, and how many bad ones were unlinked.
+def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFile, list[Entry]]], int, int]:
+    """The valid files in ``root``, oldest first; how many bad ones were unlinked; how many
+    could not be read.
 
     Temporary files (a crash mid-write) and files of the tier's suffixes that are not
     valid (a group table that fails its checksum or disagrees with the file's size, a
-    ``KVA2`` record whose name, header or size disagree) are unlinked; other files
-    are left alone.
+    ``KVA2`` record whose name, header or size disagree) are unlinked. A file that cannot
+    be read at all (``EACCES``, ``EIO``, gone meanwhile) says nothing of its content: it is
+    left alone, unindexed (a later restart may read it). Other files are left alone.
     """
     found: list[tuple[int, str, DiskFile, list[Entry]]] = []
-    discarded = 0
+    discarded = unreadable = 0
     with os.scandir(root) as it:
         for dirent in it:
             fname = dirent.name
@@ -50,15 +52,18 @@ def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFil
             try:
                 st = dirent.stat(follow_symlinks=False)
                 opened = _open_group(path, fname) if group else _open_legacy(path, fname, st.st_size)
-            except (OSError, codec.CorruptRecordError):
+            except codec.CorruptRecordError:
                 opened = None
+            except OSError:
+                unreadable += 1
+                continue
             if opened is None:
                 discarded += 1
                 unlink(fname)
                 continue
             found.append((st.st_mtime_ns, fname, *opened))
     found.sort(key=lambda item: (item[0], item[1]))
-    return [(file, entries) for _, _, file, entries in found], discarded
+    return [(file, entries) for _, _, file, entries in found], discarded, unreadable
 
 
 def _open_group(path: str, fname: str) -> tuple[DiskFile, list[Entry]]:
