@@ -80,6 +80,8 @@ _LIFECYCLE = (
     _spec("load_completed", "debug", _REQ + " keys", "complete_load unpinned keys rows"),
     _spec("promotion_allocated", "debug", _REQ + " job_id tier keys epoch", "rows allocated for a promotion"),
     _spec("cache_reset", "info", "", "the primary cleared its pool"),
+    _spec("pool_events_dropped", "warning", "tier dropped_keys",
+          "the pool's events not taken yet passed their bound: the oldest went (once per overflow)"),
     _spec("request_active_at_stop", "debug", _REQ + " finished pending_stores",
           "the roll call at stop: a request the primary still holds (not finalized)"),
     # the supervisor
@@ -123,8 +125,8 @@ _COMPONENT = tuple(
     _spec(name, levels, lifecycle=False)
     for name, levels in (
         ("tier_opened", "debug"), ("job_failed", "warning"), ("blocks_discarded", "warning"),
-        ("unlink_failed", "warning"), ("files_unreadable", "warning"), ("blocks_evicted", "info"),
-        ("report_failed", "warning"), ("tier_degraded", "warning"),
+        ("unlink_failed", "warning"), ("files_unreadable", "warning"), ("events_dropped", "warning"),
+        ("blocks_evicted", "info"), ("report_failed", "warning"), ("tier_degraded", "warning"),
         ("tier_recovered", "info"), ("lookup_failed", "warning error"),
         ("touch_failed", "debug"), ("evict_failed", "warning"), ("forget_failed", "warning"),
         ("engine_closed", "debug"), ("pool_not_pinned", "warning"), ("copy_failed", "warning"),

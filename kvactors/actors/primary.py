@@ -36,6 +36,7 @@ from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.core.counters import PrimaryCounters
 from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
+from kvactors.core.events import EventBuffer
 from kvactors.core.policies import make_policy
 from kvactors.core.pool import BlockPool, PoolError
 from kvactors.types import (
@@ -90,7 +91,7 @@ class PrimaryTier(Actor):
         work_ids: itertools.count[int],
         announce_starts: bool = True,
     ) -> None:
-        self.pool = BlockPool(num_blocks, make_policy(eviction, num_blocks))
+        self.pool = BlockPool(num_blocks, make_policy(eviction, num_blocks), on_events_dropped=self._events_dropped)
         self.tier_names = tuple(tier_names)
         self.announce_starts = announce_starts
         self.transfer_timeout_s = transfer_timeout_s
@@ -398,12 +399,17 @@ class PrimaryTier(Actor):
     def _on_barrier_final(self, msg: m.BarrierFinal) -> None:
         msg.reply.set_result(msg.idle)
 
+    def _events_dropped(self, buffer: EventBuffer) -> None:
+        self.log.warning("pool_events_dropped", tier=buffer.tier, dropped_keys=buffer.dropped_keys,
+                         max_keys=buffer.max_keys, detail="take_events was not called for too long")
+
     @handles(m.QueryStats)
     def _on_query_stats(self, msg: m.QueryStats) -> None:
         stats: dict[str, int | float] = dict(self.pool.stats())
         stats["primary_requests"] = len(self._requests)
         stats["primary_violations"] = self.contract_violations
         stats["stores_timed_out"] = self.stores_timed_out
+        stats["events_dropped"] = self.pool.events_dropped
         stats["primary_internal_errors"] = self.internal_errors
         self.supervisor.tell(m.SupervisorStats(tuple(stats.items()), msg.reply))
 

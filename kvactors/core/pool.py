@@ -134,8 +134,7 @@ class BlockPool(PoolRows):
 
     def take_events(self) -> list[OffloadingEvent]:
         """Stores and removals since the last call, in order."""
-        events, self._events = self._events, []
-        return events
+        return self._events.take()
 
     # ------------------------------------------------------------------ stores
 
@@ -222,7 +221,7 @@ class BlockPool(PoolRows):
                         policy.add(key)
             self._n_pending -= len(stored)
             self._n_ready += len(stored)
-            self._events.append(OffloadingEvent(stored, self.tier, False))
+            self._event(stored, False)
             return StoreOutcome(len(rows), 0, stored, tuple(rows))
         live = stale = 0
         done: list[OffloadKey] = []
@@ -239,7 +238,7 @@ class BlockPool(PoolRows):
                 stale += 1
             self._settle(row)
         if done:
-            self._events.append(OffloadingEvent(tuple(done), self.tier, False))
+            self._event(done, False)
         return StoreOutcome(live, stale, tuple(done), tuple(rows))
 
     def detach_write(self, writer: Writer, key: OffloadKey) -> bool:
@@ -380,7 +379,7 @@ class BlockPool(PoolRows):
         if hold:
             self._held_jobs[job_id] = tuple(row for _, row in entries)
         if stored:
-            self._events.append(OffloadingEvent(tuple(stored), self.tier, False))
+            self._event(stored, False)
         return tuple(stored)
 
     # ------------------------------------------------------------------ tests
@@ -426,7 +425,7 @@ class BlockPool(PoolRows):
             else:
                 evicted = tuple(self._evict_one(spare) for _ in range(shortfall))
             self.evicted_keys += shortfall
-            self._events.append(OffloadingEvent(evicted, self.tier, True))
+            self._event(evicted, True)
         if rows_policy is None or shortfall <= 0:
             cut = len(free) - count
             taken = free[cut:]

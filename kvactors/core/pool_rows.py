@@ -9,19 +9,23 @@ pool lives inside one actor.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from kvactors.core.events import EventBuffer
 from kvactors.core.load_pins import LoadPinBook
 from kvactors.core.policies.base import EvictionPolicy
 from kvactors.core.policies.row_lru import RowLRUPolicy
 from kvactors.core.pool_types import PoolError, Writer
-from kvactors.types import PRIMARY_TIER_NAME, OffloadingEvent, OffloadKey
+from kvactors.types import PRIMARY_TIER_NAME, OffloadKey
 
 
 class PoolRows:
     """Row states for ``num_blocks`` rows, and what changes one row at a time."""
 
-    def __init__(self, num_blocks: int, policy: EvictionPolicy, tier: str = PRIMARY_TIER_NAME) -> None:
+    def __init__(self, num_blocks: int, policy: EvictionPolicy, tier: str = PRIMARY_TIER_NAME, *,
+                 on_events_dropped: Callable[[EventBuffer], None] | None = None) -> None:
+        """``on_events_dropped(buffer)``: called when the events not taken yet overflow
+        their bound (once per overflow: until the next ``take_events``)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -45,7 +49,8 @@ class PoolRows:
         self._job_pins: dict[int, tuple[int, ...]] = {}
         self._held_jobs: dict[int, tuple[int, ...]] = {}
         self._promotions: dict[int, tuple[tuple[OffloadKey, int], ...]] = {}
-        self._events: list[OffloadingEvent] = []
+        self._events = EventBuffer(tier)
+        self._on_events_dropped = on_events_dropped
         self._n_ready = 0
         self._n_pending = 0
         self._n_pinned = 0
@@ -116,8 +121,17 @@ class PoolRows:
             self._unindex(row)
             self._settle(row)
         if removed_ready:
-            self._events.append(OffloadingEvent(tuple(k for k in removed_ready if k is not None), self.tier, True))
+            self._event([k for k in removed_ready if k is not None], True)
         return len(rows)
+
+    def _event(self, keys: Iterable[OffloadKey], removed: bool) -> None:
+        if self._events.add(keys, removed) and self._on_events_dropped is not None:
+            self._on_events_dropped(self._events)
+
+    @property
+    def events_dropped(self) -> int:
+        """Keys of events dropped unseen (nobody called ``take_events`` for too long)."""
+        return self._events.dropped_keys
 
     # ------------------------------------------------------------------ per row
 

@@ -99,6 +99,7 @@ class ManagerReplay(LifetimeRules, JobRules):
 
     on_lookup_timed_out = on_tier_call_failed = on_job_report_invalid = on_report_after_stop = _ignore
     on_promotions_backed_off = _ignore  # a tier's promotions of those keys failed: no rule reads it
+    on_pool_events_dropped = _ignore  # notifications nobody took: no block changed
     # A stuck tier's and a bounded stop's alarms: what they end (jobs, gathers) is logged on its own.
     on_tier_stuck = on_tier_unstuck = on_gather_timed_out = on_inline_call_demoted = _ignore
     on_tiers_not_shut_down = on_stop_timed_out = on_actor_abandoned = on_call_unanswered = _ignore

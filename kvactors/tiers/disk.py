@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvactors.core.arguments import check_int
+from kvactors.core.events import EventBuffer
 from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers.base import ReportFn, SecondaryTier
@@ -137,7 +138,7 @@ class DiskTier(SecondaryTier):
 
         self._lock = threading.Lock()
         self._index = DiskIndex(capacity_bytes, self._unlink_quietly)  # guarded by _lock, like _events
-        self._events: list[tuple[bool, list[OffloadKey]]] = []
+        self._events = EventBuffer(name)
         self._flat = memoryview(b"")  # the pool's bytes, flat (set by attach)
         self._row_bytes = 0
         # Unique file names without a syscall per file: a random tag per tier, then a counter.
@@ -250,8 +251,7 @@ class DiskTier(SecondaryTier):
     def take_events(self) -> list[OffloadingEvent]:
         """Keys stored and removed since the last call, in order; thread-safe."""
         with self._lock:
-            events, self._events = self._events, []
-        return [OffloadingEvent(tuple(keys), self.name, removed) for removed, keys in events]
+            return self._events.take()
 
     def submit_store(self, job: TransferJob) -> None:
         """Write ``pool[job.block_ids]`` under ``job.keys`` on the workers; returns at once.
@@ -316,13 +316,10 @@ class DiskTier(SecondaryTier):
                 self._index.unpin(keys)
 
     def _emit(self, keys: Iterable[OffloadKey], removed: bool) -> None:
-        """Record an event; caller holds the lock. Adjacent events of one kind merge."""
-        if self._events and self._events[-1][0] == removed:
-            self._events[-1][1].extend(keys)
-        else:
-            batch = list(keys)
-            if batch:
-                self._events.append((removed, batch))
+        """Keep an event for ``take_events``; the caller holds the lock."""
+        if self._events.add(keys, removed):
+            self._log.warning("events_dropped", tier=self.name, dropped_keys=self._events.dropped_keys,
+                              max_keys=self._events.max_keys, detail="take_events was not called for too long")
 
     def _row(self, row: int) -> memoryview:
         """A zero-copy view of pool row ``row``."""

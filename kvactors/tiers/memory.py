@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 
 from kvactors.core.arguments import check_int
+from kvactors.core.events import EventBuffer
+from kvactors.logs import component_logger
 from kvactors.tiers.base import SecondaryTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
@@ -34,8 +36,9 @@ class MemoryTier(SecondaryTier):
         super().__init__(name=name)
         self.capacity_blocks = check_int(capacity_blocks, "capacity_blocks")
         self._blocks: OrderedDict[OffloadKey, torch.Tensor] = OrderedDict()
-        self._events: list[OffloadingEvent] = []
+        self._events = EventBuffer(name)
         self._lock = threading.Lock()
+        self._log = component_logger("tiers.memory", tier=name)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -74,10 +77,8 @@ class MemoryTier(SecondaryTier):
             while len(self._blocks) > self.capacity_blocks:
                 key, _ = self._blocks.popitem(last=False)
                 evicted.append(key)
-            if stored:
-                self._events.append(OffloadingEvent(tuple(stored), self.name, False))
-            if evicted:
-                self._events.append(OffloadingEvent(tuple(evicted), self.name, True))
+            self._note(stored, removed=False)
+            self._note(evicted, removed=True)
         lost = set(evicted) & set(job.keys)
         for key in lost:
             failed.setdefault(key, f"evicted by its own job (capacity {self.capacity_blocks})")
@@ -105,8 +106,13 @@ class MemoryTier(SecondaryTier):
 
     def take_events(self) -> list[OffloadingEvent]:
         with self._lock:
-            events, self._events = self._events, []
-            return events
+            return self._events.take()
+
+    def _note(self, keys: list[OffloadKey], *, removed: bool) -> None:
+        """Keep an event for ``take_events`` (the caller holds the lock)."""
+        if self._events.add(keys, removed):
+            self._log.warning("events_dropped", tier=self.name, dropped_keys=self._events.dropped_keys,
+                              max_keys=self._events.max_keys, detail="take_events was not called for too long")
 
 
 def _result(job: TransferJob, failed: dict[OffloadKey, str]) -> JobResult:

@@ -14,6 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvactors.core.arguments import check_int, check_timeout
+from kvactors.core.events import EventBuffer
 from kvactors.logs import component_logger
 from kvactors.tiers import redis_cluster as rc
 from kvactors.tiers.base import ReportFn, SecondaryTier
@@ -155,7 +156,7 @@ class RedisTier(RedisJobs, SecondaryTier):
         self._evict_script = self._client.register_script(EVICT_LUA)  # one server only
 
         self._lock = threading.Lock()
-        self._events: list[OffloadingEvent] = []
+        self._events = EventBuffer(name)
         self._runner = JobRunner(name=name, workers=io_workers, thread_name=f"kvactors-redis-{name}",
                                  report=self.report, log=self._log, emit=self._record, on_error=self._failed)
         # Degraded mode: no server calls before _down_until (monotonic); answer _down_answer.
@@ -321,12 +322,15 @@ class RedisTier(RedisJobs, SecondaryTier):
     def take_events(self) -> list[OffloadingEvent]:
         """Blocks stored or removed by this tier since the last call; thread-safe."""
         with self._lock:
-            events, self._events = self._events, []
-        return events
+            return self._events.take()
 
     def _record(self, events: Sequence[OffloadingEvent]) -> None:
         with self._lock:
-            self._events.extend(events)
+            for event in events:
+                if self._events.add(event.keys, event.removed):
+                    self._log.warning("events_dropped", tier=self.name, dropped_keys=self._events.dropped_keys,
+                                      max_keys=self._events.max_keys,
+                                      detail="take_events was not called for too long")
 
     def _submit(self, job: TransferJob, work: Callable[[RunningJob], Outcome]) -> None:
         if self.pool is None:

@@ -1,0 +1,75 @@
+"""The events a tier keeps for the next ``take_events``, bounded.
+
+``take_events`` is optional for a caller: vLLM's scheduler asks every step, a
+frontend that never asks must not make the runtime grow without bound. So an
+:class:`EventBuffer` keeps at most ``max_keys`` keys; past that it drops its
+oldest events whole and counts them. The events are notifications (what a
+consumer mirrors, e.g. vLLM's prefix-cache events), never the data: dropping
+them loses no block.
+
+A plain class: no threads, no locks. Not thread-safe: its owner locks.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+from kvactors.types import OffloadingEvent, OffloadKey
+
+__all__ = ["MAX_PENDING_EVENT_KEYS", "EventBuffer"]
+
+MAX_PENDING_EVENT_KEYS = 1 << 20
+"""Keys a buffer keeps for the next ``take_events`` (some tens of MiB of keys at most)."""
+
+
+class EventBuffer:
+    """Events of one tier since the last :meth:`take`, oldest first, at most ``max_keys`` keys
+    (one event larger than that is kept alone)."""
+
+    __slots__ = ("_events", "_keys", "_overflowing", "dropped_events", "dropped_keys", "max_keys", "tier")
+
+    def __init__(self, tier: str, max_keys: int | None = None) -> None:
+        if max_keys is None:
+            max_keys = MAX_PENDING_EVENT_KEYS  # read now: a test may lower it
+        if not isinstance(max_keys, int) or isinstance(max_keys, bool) or max_keys < 1:
+            raise ValueError(f"max_keys must be an int >= 1, got {max_keys!r}")
+        self.tier = tier
+        self.max_keys = max_keys
+        self._events: collections.deque[OffloadingEvent] = collections.deque()
+        self._keys = 0
+        self._overflowing = False
+        self.dropped_events = 0  # in all, since the buffer was made
+        self.dropped_keys = 0
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def add(self, keys: Iterable[OffloadKey], removed: bool) -> bool:
+        """Keep one event of ``keys`` (none if there are none). Whether this call began an
+        overflow: the first drop since the last :meth:`take` (for its owner to log once)."""
+        batch = tuple(keys)
+        if not batch:
+            return False
+        events = self._events
+        events.append(OffloadingEvent(batch, self.tier, removed))
+        self._keys += len(batch)
+        if self._keys <= self.max_keys:
+            return False
+        if len(events) == 1:
+            return False  # one event larger than the bound: kept alone
+        while self._keys > self.max_keys and len(events) > 1:
+            dropped = len(events.popleft().keys)
+            self._keys -= dropped
+            self.dropped_keys += dropped
+            self.dropped_events += 1
+        began, self._overflowing = not self._overflowing, True
+        return began
+
+    def take(self) -> list[OffloadingEvent]:
+        """The events kept, oldest first; the buffer is empty after."""
+        events = list(self._events)
+        self._events.clear()
+        self._keys = 0
+        self._overflowing = False
+        return events
