@@ -52,16 +52,32 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
     return dict(action.choices)
 
 
+class _Terminated:
+    """SIGTERM (a service manager's stop, ``kill``) is taken as Ctrl-C: the command stops
+    the manager, removes its temporary files and says so; it then exits 143, not 130."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    terminated = _Terminated()
     if threading.current_thread() is threading.main_thread():
         # A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored:
         # Ctrl-C (or kill -INT) must still stop a run, so the commands get their KeyboardInterrupt.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # else the embedding program decides
+            signal.signal(signal.SIGTERM, terminated)
     parser, modules = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the command's parser, so that the line names the command
         subparsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(modules[args.command].run(args))
+    status = int(modules[args.command].run(args))
+    return 128 + signal.SIGTERM if terminated.seen and status == 130 else status
 
 
 if __name__ == "__main__":

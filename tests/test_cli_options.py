@@ -392,8 +392,8 @@ def test_simulate_json_is_alone_on_stdout(tmp_path: Path) -> None:
     assert "contract violations" in err.getvalue()
 
 
-def _interrupt(argv: list[str], tmp_path: Path) -> tuple[int, str, str, Path]:
-    """Start ``python -m kvactors ARGV``, send SIGINT once it said it started; (status, stdout, stderr, TMPDIR)."""
+def _interrupt(argv: list[str], tmp_path: Path, signum: int = signal.SIGINT) -> tuple[int, str, str, Path]:
+    """Start ``python -m kvactors ARGV``, send ``signum`` once it said it started; (status, stdout, stderr, TMPDIR)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     err_path = tmp_path / "stderr"
@@ -409,7 +409,7 @@ def _interrupt(argv: list[str], tmp_path: Path) -> tuple[int, str, str, Path]:
             log = tmp_path / "events.jsonl"
             while (not log.exists() or log.stat().st_size < 20_000) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signum)
             out, _ = proc.communicate(timeout=90)
         finally:
             if proc.poll() is None:
@@ -423,9 +423,11 @@ def _interrupt(argv: list[str], tmp_path: Path) -> tuple[int, str, str, Path]:
     ["stress", "--tiers", "memory,disk", "--seconds", "120", "--no-progress"],
     ["simulate", "--quick", "--seconds", "120", "--no-progress"],
 ], ids=lambda c: c[0])
-def test_ctrl_c_stops_cleanly_with_one_line_and_exit_130(tmp_path: Path, command: list[str]) -> None:
-    rc, out, err, tmp = _interrupt([*command, "--event-log", str(tmp_path / "events.jsonl")], tmp_path)
-    assert rc == 130, err[-3000:]
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["int", "term"])
+def test_ctrl_c_or_sigterm_stops_cleanly_with_one_line(tmp_path: Path, command: list[str], signum: int,
+                                                        status: int) -> None:
+    rc, out, err, tmp = _interrupt([*command, "--event-log", str(tmp_path / "events.jsonl")], tmp_path, signum)
+    assert rc == status, err[-3000:]
     lines = err.splitlines()
     assert lines[0].startswith(f"kvactors {command[0]}: started")
     assert len(lines) == 2 and lines[1].startswith(f"kvactors {command[0]}: interrupted"), err[-3000:]

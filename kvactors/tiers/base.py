@@ -78,13 +78,16 @@ class SecondaryTier(abc.ABC):
     def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
         """Receive the primary pool and the report function.
 
-        Preconditions: called once, before any other method, on the actor's thread.
-        ``pool`` is the primary pool, ``uint8`` rows ``(num_blocks, block_bytes)``,
-        alive until after :meth:`shutdown`.
+        Preconditions: called once, before any other method, on the thread that
+        calls ``TieringManager.start`` (before the tier's actor exists). ``pool`` is
+        the primary pool, ``uint8`` rows ``(num_blocks, block_bytes)``, alive until
+        after :meth:`shutdown`.
 
         The tier is responsible for: keeping both (the base class does; call
-        ``super().attach``), and raising ``ValueError`` for a pool it cannot use.
-        ``report(JobResult)`` may then be called from any thread.
+        ``super().attach``), raising ``ValueError`` for a pool it cannot use, and
+        returning promptly: ``start`` waits for it as for a constructor, so I/O
+        that may hang (a server, a network mount) belongs in the jobs, which
+        have deadlines. ``report(JobResult)`` may then be called from any thread.
         """
         self.pool = pool
         self._report = report

@@ -51,6 +51,11 @@ _MIN_CHUNK_BYTES = 4 << 20
 """A job is split across workers in chunks of at least this many payload bytes:
 below it, the per-chunk overhead costs more than the parallelism wins."""
 
+DEFAULT_IO_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                  else os.cpu_count() or 1))
+"""``io_workers`` by default: 4, or fewer on a machine with fewer usable CPUs (reads from the
+page cache are memory copies; past the cores, more workers only contend for the GIL)."""
+
 _SHUTDOWN_DRAIN_S = 1.0
 """How long :meth:`DiskTier.shutdown` lets running and queued jobs finish before cancelling."""
 
@@ -71,9 +76,9 @@ class DiskTier(SecondaryTier):
     with the rest of its file (a file goes once all its blocks are less recent than
     the room needs): evicting it alone would free nothing.
 
-    ``io_workers`` threads (named ``kvactors-disk-<name>-N``) do the I/O;
-    ``submit_store``/``submit_load`` return at once and every job is reported
-    exactly once, from a worker (or from the thread that shut the tier down,
+    ``io_workers`` threads (named ``kvactors-disk-<name>-N``; default: 4, fewer on a
+    machine with fewer usable CPUs) do the I/O; ``submit_store``/``submit_load``
+    return at once and every job is reported exactly once, from a worker (or from the thread that shut the tier down,
     for a job cancelled by :meth:`shutdown`). ``fsync=True`` makes a store
     durable before it is reported (the file and the directory entry are
     synced); the default leaves that to the OS, which survives a crash of the
@@ -122,7 +127,7 @@ class DiskTier(SecondaryTier):
         *,
         name: str = "disk",
         capacity_bytes: int,
-        io_workers: int = 4,
+        io_workers: int = DEFAULT_IO_WORKERS,
         fsync: bool = False,
     ) -> None:
         super().__init__(name=name)
