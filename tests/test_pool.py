@@ -163,6 +163,14 @@ def test_promotions_become_ready_or_vanish():
     p.allocate_promotion(4, [b"p4"])
     p.end_promotion(4, success=False, hold=True)
     assert p.lookup([b"p4"]) == [LookupResult.MISS] and p.stats()["blocks_detached"] == 1
+    for busy in (4, 5):  # held (timed out), or promoting: its id is not given out again
+        if busy == 5:
+            p.allocate_promotion(5, [b"p5"])
+        before = p.snapshot()
+        with pytest.raises(PoolError, match=f"job {busy}"):
+            p.allocate_promotion(busy, [b"p6"])
+        assert p.snapshot() == before
+    p.end_promotion(5, success=False)
     p.release_hold(4)
     assert p.stats()["blocks_detached"] == 0
     p.check_invariants()

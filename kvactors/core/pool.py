@@ -340,8 +340,9 @@ class BlockPool(PoolRows):
         All or nothing: ``None`` (nothing changed) if a key is present or there is
         no room.
         """
-        if job_id in self._promotions:
-            raise PoolError(f"job {job_id} already promotes")
+        if job_id in self._promotions or job_id in self._held_jobs:
+            # A held job's late report would end the new job's rows with its own.
+            raise PoolError(f"job {job_id} already promotes or holds rows")
         if len(set(keys)) != len(keys) or any(key in self._index for key in keys):
             return None
         allocated = self._allocate(keys, job_id)
