@@ -641,3 +641,33 @@ def test_a_slow_machine_jump_restarts_a_bounded_wait_made_outside_any_client():
     runtime.call_later(4.0, sink, "forced")  # at t = 10
     assert not runtime.wait(never, 5.0)  # a jump with nothing else to run counts: still bounded
     assert runtime.now() == 10.0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_bounded_wait_ends_though_work_and_timers_never_stop(seed):
+    """Always something to run and a timer that re-arms: every jump is a slow-machine one.
+    The stalls a wait is credited are at most its own bound, so it still ends (by 2x)."""
+    from kvactors.actors.reply import Reply
+    from kvactors.actors.runtime import Actor, handles
+    from kvactors.testing import SimRuntime
+
+    class Busy(Actor):
+        name = "busy"
+        spins = 0
+
+        @handles(float)
+        def _on_tick(self, period: float) -> None:
+            self.runtime.call_later(period, self.ref, period)
+
+        @handles(str)
+        def _on_spin(self, message: str) -> None:
+            self.spins += 1
+            assert self.spins < 200_000, "the wait never ended"
+            self.ref.tell(message)
+
+    runtime = SimRuntime(seed, time_jump_chance=0.05)
+    ref = runtime.spawn(Busy(), "busy")
+    ref.tell(1.0)
+    ref.tell("spin")
+    assert not runtime.wait(Reply(), 5.0)
+    assert 5.0 <= runtime.now() <= 11.0

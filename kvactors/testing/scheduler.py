@@ -133,10 +133,13 @@ class SimRuntime:
                 self.expect_by(future, *client.expect)
             return client.wait(future, deadline)
         stalled_at = self._stalled_s
+        credit = timeout_s  # stalls credited to this wait, at most its own bound: it still ends
         while not future.done():
-            if deadline is not None:
+            if deadline is not None and credit:
                 # As a client's: a slow-machine jump restarts this bounded wait's clock.
-                deadline += self._stalled_s - stalled_at
+                stall = min(self._stalled_s - stalled_at, credit)
+                deadline += stall
+                credit -= stall
                 stalled_at = self._stalled_s
             if deadline is not None and self._now >= deadline:
                 return False
