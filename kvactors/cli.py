@@ -2,7 +2,8 @@
 
 A bad option is one line on stderr, ``kvactors <command>: error: ...``, and
 exit status 2 (:class:`kvactors.commands.options.Parser`); Ctrl-C ends a run
-with exit status 130 once the command has stopped what it started.
+with exit status 130 once the command has stopped what it started, SIGTERM the
+same way with 143.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvactors.commands.options import Parser
+from kvactors.commands.options import TERMINATION, Parser
 
 COMMANDS = {
     "simulate": "kvactors.commands.simulate.command",
@@ -52,32 +53,25 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
     return dict(action.choices)
 
 
-class _Terminated:
-    """SIGTERM (a service manager's stop, ``kill``) is taken as Ctrl-C: the command stops
-    the manager, removes its temporary files and says so; it then exits 143, not 130."""
-
-    def __init__(self) -> None:
-        self.seen = False
-
-    def __call__(self, signum: int, frame: object) -> None:
-        self.seen = True
-        raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    terminated = _Terminated()
+    restore: list[tuple[int, Any]] = []
     if threading.current_thread() is threading.main_thread():
         # A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored:
         # Ctrl-C (or kill -INT) must still stop a run, so the commands get their KeyboardInterrupt.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        restore.append((signal.SIGINT, signal.signal(signal.SIGINT, signal.default_int_handler)))
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # else the embedding program decides
-            signal.signal(signal.SIGTERM, terminated)
-    parser, modules = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # reported by the command's parser, so that the line names the command
-        subparsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    status = int(modules[args.command].run(args))
-    return 128 + signal.SIGTERM if terminated.seen and status == 130 else status
+            TERMINATION.seen = False
+            restore.append((signal.SIGTERM, signal.signal(signal.SIGTERM, TERMINATION)))
+    try:
+        parser, modules = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the command's parser, so that the line names the command
+            subparsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        status = int(modules[args.command].run(args))
+        return TERMINATION.status() if status == 130 else status  # a command that says 130 for any interrupt
+    finally:
+        for signum, handler in reversed(restore):
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

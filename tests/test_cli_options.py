@@ -437,6 +437,59 @@ def test_ctrl_c_or_sigterm_stops_cleanly_with_one_line(tmp_path: Path, command: 
     assert events[-1]["event"] == "manager_stopped", events[-1]  # the manager was stopped, not abandoned
 
 
+_SIGTERM_PRELUDE = textwrap.dedent("""
+    import signal, sys
+    import kvactors.commands.check_log as check_log
+    from kvactors import cli
+
+    def terminated_run(args):  # a command that says 130 for any interrupt
+        try:
+            signal.raise_signal(signal.SIGTERM)
+            return 0
+        except KeyboardInterrupt:
+            return 130
+    check_log.run = terminated_run
+""")
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _SIGTERM_PRELUDE + textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=60, env=ENV)
+
+
+def test_main_gives_its_signal_handlers_back_so_a_second_main_still_exits_143() -> None:
+    proc = _python("""
+        before = signal.getsignal(signal.SIGTERM)
+        first = cli.main(["check-log", "x.jsonl"])
+        assert signal.getsignal(signal.SIGTERM) == before, "main() left its SIGTERM handler behind"
+        print(first, cli.main(["check-log", "x.jsonl"]))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["143", "143"]
+
+
+def test_a_stress_run_with_a_hung_thread_exits_143_on_sigterm() -> None:
+    proc = _python("""
+        import kvactors.commands.stress as stress
+        def hung(args, state):
+            state["hung"] = True
+            signal.raise_signal(signal.SIGTERM)
+        stress.run_stress = hung
+        sys.exit(cli.main(["stress", "--seconds", "1", "--no-progress"]))
+    """)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("command", ["simulate", "stress"])
+def test_the_help_gives_both_interrupt_statuses(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvactors.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "130 Ctrl-C" in out and "143 SIGTERM" in out
+
+
 # --------------------------------------------------------------------- bools are not numbers
 
 NUMERIC_TYPES = {"integer", "number", "parse_size"}

@@ -70,7 +70,7 @@ def test_a_manager_whose_events_are_never_taken_stays_bounded(monkeypatch, caplo
             assert out is not None
             manager.complete_store(out.keys_to_store, ctx)
         assert manager.wait_idle(30)
-        assert manager.stats()["events_dropped"] == 30 - 6  # the primary keeps its two newest events
+        assert manager.stats()["event_keys_dropped"] == 30 - 6  # the primary keeps its two newest events
         taken = manager.take_events()
         primary = [k for e in taken if e.tier == "cpu" for k in e.keys]
         memory = [k for e in taken if e.tier == "mem" for k in e.keys]

@@ -409,7 +409,7 @@ class PrimaryTier(Actor):
         stats["primary_requests"] = len(self._requests)
         stats["primary_violations"] = self.contract_violations
         stats["stores_timed_out"] = self.stores_timed_out
-        stats["events_dropped"] = self.pool.events_dropped
+        stats["event_keys_dropped"] = self.pool.event_keys_dropped
         stats["primary_internal_errors"] = self.internal_errors
         self.supervisor.tell(m.SupervisorStats(tuple(stats.items()), msg.reply))
 

@@ -19,6 +19,7 @@ import json
 import sys
 from typing import NoReturn, TextIO
 
+from kvactors.commands.options import TERMINATION
 from kvactors.logcheck import (
     CheckResult,
     Event,
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(f"{args.file}: {exc}")
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return TERMINATION.status()
     report = sys.stderr if args.json else sys.stdout
     for error in result.errors:
         print(f"{PROG}: {error}", file=sys.stderr)

@@ -21,9 +21,32 @@ import math
 import os
 import re
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import NoReturn
+
+
+class Termination:
+    """SIGTERM (a service manager's stop, ``kill``) taken as Ctrl-C: the handler raises
+    ``KeyboardInterrupt``, so a command stops what it started as for Ctrl-C, and
+    :meth:`status` makes it exit 143 rather than 130. Installed by ``kvactors.cli.main``
+    for the length of one command (main thread only)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def status(self) -> int:
+        """The exit status of a command stopped by an interrupt."""
+        return 128 + signal.SIGTERM if self.seen else 130
+
+
+TERMINATION = Termination()
+
 
 #: Largest size accepted for any byte count (1 PiB): larger is a typo, not a plan.
 MAX_SIZE = 1 << 50

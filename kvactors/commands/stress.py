@@ -41,7 +41,8 @@ EPILOG = f"""syntax:
   {opt.FAULT_SYNTAX}
 
 exit status: 0 clean; 1 a violation, leak, pin, job left or hang; 2 bad options;
-3 nothing could be checked (the workload itself crashed, or no request ran); 130 Ctrl-C."""
+3 nothing could be checked (the workload itself crashed, or no request ran); 130 Ctrl-C,
+143 SIGTERM."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -206,8 +207,8 @@ def run(args: argparse.Namespace) -> int:
               "; temporary files removed)", file=sys.stderr, flush=True)
         if state.get("hung"):
             sys.stdout.flush()
-            os._exit(130)  # a hung thread cannot be joined: leave without waiting for it
-        return 130
+            os._exit(opt.TERMINATION.status())  # a hung thread cannot be joined: leave without waiting
+        return opt.TERMINATION.status()
     report = sys.stderr if args.json else sys.stdout
     _table(summary, report)
     for crash in summary["workload_error_list"]:

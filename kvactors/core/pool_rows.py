@@ -129,7 +129,7 @@ class PoolRows:
             self._on_events_dropped(self._events)
 
     @property
-    def events_dropped(self) -> int:
+    def event_keys_dropped(self) -> int:
         """Keys of events dropped unseen (nobody called ``take_events`` for too long)."""
         return self._events.dropped_keys
 

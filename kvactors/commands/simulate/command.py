@@ -11,7 +11,7 @@ states. The workload is described in :mod:`kvactors.commands.simulate.runner`.
 Exit status: 0 for a clean run, 1 if a violation, mismatch, leak, frontend
 error or a failed ``check-log`` was found, 2 for bad options, 3 if no request
 ran, 130 after Ctrl-C (the run stopped, the manager stopped, temporary files
-removed).
+removed), 143 after SIGTERM (the same).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ EPILOG = f"""syntax:
   {opt.SIZE_SYNTAX}
 
 exit status: 0 clean; 1 a violation, mismatch, leak, frontend error or failed check-log;
-2 bad options; 3 no request ran (nothing was checked); 130 Ctrl-C."""
+2 bad options; 3 no request ran (nothing was checked); 130 Ctrl-C; 143 SIGTERM."""
 
 parse_size = opt.parse_size
 
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted (the manager was stopped; temporary files removed)", file=sys.stderr, flush=True)
-        return 130
+        return opt.TERMINATION.status()
 
 
 def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
