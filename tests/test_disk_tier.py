@@ -438,15 +438,52 @@ def test_restart_keeps_a_file_it_cannot_read(make, tmp_path: Path, monkeypatch: 
         return real(path, fname)
 
     monkeypatch.setattr(disk_read, "_open_group", failing)
-    h2 = make(root)
+    h2 = make(root, capacity_bytes=2 * record_size(b"a"))
     assert h2.tier.lookup([b"a", b"b"], CTX) == [MISS, HIT]
     assert unreadable.exists()
+    # Its bytes still take room: a new block evicts b rather than pass the capacity.
+    assert h2.tier.used_bytes == disk_bytes(root) == 2 * record_size(b"a")
+    assert h2.store([b"c"], [2]).success
+    assert h2.tier.lookup([b"b", b"c"], CTX) == [MISS, HIT]
+    assert disk_bytes(root) == h2.tier.used_bytes <= h2.tier.capacity_bytes
     h2.tier.shutdown()
     monkeypatch.setattr(disk_read, "_open_group", real)
     h3 = make(root)
-    assert h3.tier.lookup([b"a", b"b"], CTX) == [HIT, HIT]
+    assert h3.tier.lookup([b"a", b"c"], CTX) == [HIT, HIT]
     h3.pool[5].zero_()
     assert h3.load([b"a"], [5]).success and torch.equal(h3.pool[5], h1.pool[0])
+
+
+def test_restart_retries_a_file_it_failed_to_unlink_before_it_evicts_for_capacity(
+    make, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of a key in an older file is superseded at the restart, and its unlink fails
+    once (EBUSY). The shrink at attach tries it again before evicting a live block for it."""
+    root, other = tmp_path / "tier", tmp_path / "other"
+    h1 = make(root)
+    assert h1.store([b"a"], [0]).success
+    older = where(h1, b"a")[0]
+    h1.tier.shutdown()
+    h2 = make(other)
+    assert h2.store([b"a"], [0]).success and h2.store([b"b"], [1]).success
+    h2.tier.shutdown()
+    for path in other.iterdir():
+        shutil.copy2(path, root / path.name)
+    os.utime(older, ns=(1, 1))  # the oldest: its copy of a is superseded
+    real_unlink = os.unlink
+    failed: list[str] = []
+
+    def busy_once(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if os.path.basename(path) == older.name and not failed:
+            failed.append(path)
+            raise OSError(errno.EBUSY, "Device or resource busy", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", busy_once)
+    h3 = make(root, capacity_bytes=2 * record_size(b"a"))
+    assert failed, "the planted EBUSY was not reached"
+    assert h3.tier.lookup([b"a", b"b"], CTX) == [HIT, HIT]
+    assert not older.exists() and disk_bytes(root) == h3.tier.used_bytes == 2 * record_size(b"a")
 
 
 # ---------------------------------------------------------------- corruption

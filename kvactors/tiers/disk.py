@@ -68,13 +68,13 @@ class DiskTier(SecondaryTier):
     then the payloads). ``capacity_bytes`` bounds the bytes of the tier's files;
     storing past it evicts the least recently used blocks (stored, loaded, touched
     or hit by a lookup) first, never one being loaded, and a block larger than the
-    capacity fails its store. At no moment do the tier's files (finished or being
-    written) exceed the capacity. A file's bytes are freed when its last block
+    capacity fails its store. Once attached, the tier's files (finished or being
+    written) never exceed the capacity. A file's bytes are freed when its last block
     leaves the tier (the file is deleted then): until that, the slots of blocks that
     left it (failed, replaced) still count, so a file kept by one recently used block
-    holds the room of all its blocks. A block is therefore evicted for room only
-    with the rest of its file (a file goes once all its blocks are less recent than
-    the room needs): evicting it alone would free nothing.
+    holds the room of all its blocks. Eviction therefore takes whole files, the least
+    recently used first (a file's recency is its most recent block's), never one
+    with a block being loaded: evicting a block alone would free nothing.
 
     ``io_workers`` threads (named ``kvactors-disk-<name>-N``; default: 4, fewer on a
     machine with fewer usable CPUs) do the I/O; ``submit_store``/``submit_load``
@@ -88,7 +88,10 @@ class DiskTier(SecondaryTier):
     then follows the files' modification times), in group files and in the
     one-file-per-block ``KVA2`` files of earlier versions; files that are not
     valid (a table that fails its checksum or disagrees with the file's size, a
-    temporary file left by a crash) are deleted. A block evicted or dropped from a
+    temporary file left by a crash) are deleted. A file it cannot read at all
+    (``EIO``, ``EACCES``) is left alone, unindexed, and its bytes count against the
+    capacity. A restart with a smaller capacity evicts at :meth:`attach`, once the
+    blocks of another size are gone. A block dropped from a
     file that still held other blocks may reappear after a restart (its bytes
     are still there; they are verified when loaded, as always, so a bad one
     fails again and leaves). Names sort in the order files were made, so of two
@@ -197,12 +200,14 @@ class DiskTier(SecondaryTier):
         for file, entries in found:  # oldest first: a key in two files ends in the newer one
             if not self._index.add(file, entries, replace=True):
                 self._unlink_quietly(file.name)
+        for size in unreadable:
+            self._index.keep_unreadable(size)
         if unreadable:
-            self._log.warning("files_unreadable", root=self.root, files=unreadable,
-                              detail="left on disk, not indexed")
+            self._log.warning("files_unreadable", root=self.root, files=len(unreadable), bytes=sum(unreadable),
+                              detail="left on disk, not indexed; their bytes count against the capacity")
         self._log.debug(
             "tier_opened", root=self.root, blocks=len(self._index), used_bytes=self._index.used,
-            discarded=discarded, unreadable=unreadable,
+            discarded=discarded, unreadable=len(unreadable),
         )
 
     def _unlink_quietly(self, fname: str) -> bool:

@@ -1,11 +1,13 @@
 """The index of a :class:`~kvactors.tiers.disk.DiskTier`: keys, files, LRU order, bytes, pins.
 
 Each key lives in one slot of one file; a file holds one or more slots (a group file)
-or exactly one (a ``KVA2`` block file of an older version). Recency is per key; a file's
-bytes are counted from the moment it is reserved until its last live key leaves the
-index, when it is unlinked. Slots whose key left (dropped, or stored by another job
-first) are dead: they still count, until their file goes. So eviction for room takes
-whole files, least recent keys first: a key whose file would stay frees nothing.
+or exactly one (a ``KVA2`` block file of an older version). A file's bytes are counted
+from the moment it is reserved until its last live key leaves the index, when it is
+unlinked; slots whose key left (dropped, or stored by another job first) are dead and
+still count until their file goes. So eviction for room takes whole files: a key whose
+file would stay frees nothing. Files are kept in LRU order by their most recent key
+(stored, loaded, touched or hit), so the least recent file is the one whose every key
+is older than any key of the others, found in O(1).
 
 A plain class: no threads, no locks. Not thread-safe: the tier calls it under its lock.
 """
@@ -20,7 +22,8 @@ from kvactors.types import OffloadKey
 
 
 class NoRoomError(RuntimeError):
-    """No room for a file: it is larger than the capacity, or every key that could go is pinned."""
+    """No room for a file: it is larger than the capacity, or the files that could go (none of
+    their keys pinned) free too little."""
 
 
 @dataclass(slots=True, eq=False)
@@ -33,7 +36,7 @@ class DiskFile:
     block_bytes: int
     head: bytes = b""
     legacy: bool = False
-    live: int = field(default=0)  # keys of the index in this file
+    keys: dict[OffloadKey, None] = field(default_factory=dict)  # its keys in the index, in slot order
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,22 +54,26 @@ Entry = tuple[OffloadKey, int, int]
 
 
 class DiskIndex:
-    """Keys -> slots in LRU order (least recent first), the bytes of the files, the pins.
+    """Keys -> slots, files in LRU order (least recent first), the bytes of the files, the pins.
 
     ``unlink(name)`` is called for each file whose last key leaves, at that moment, and says
     whether the file is gone; its bytes stop counting only then. A file that could not be
     removed (EBUSY, EPERM, ...) keeps counting and is tried again before the next eviction,
     so the files on disk never exceed ``capacity``, which bounds ``used + reserved``.
+    Files the tier keeps but cannot read (:meth:`keep_unreadable`) count too, and are never
+    unlinked.
     """
 
     def __init__(self, capacity: int, unlink: Callable[[str], bool]) -> None:
         self.capacity = capacity
         self._unlink = unlink
-        self._slots: collections.OrderedDict[OffloadKey, Slot] = collections.OrderedDict()
+        self._slots: dict[OffloadKey, Slot] = {}
+        self._files: collections.OrderedDict[DiskFile, None] = collections.OrderedDict()
         self._pins: collections.Counter[OffloadKey] = collections.Counter()
-        self.used = 0  # bytes of the files that hold keys of the index, or could not be removed
+        self.used = 0  # bytes of the files that hold keys of the index, could not be removed, or cannot be read
         self.reserved = 0  # bytes of files being written
         self._stuck: list[tuple[str, int]] = []  # (name, bytes) of files without keys still on disk
+        self.unreadable = 0  # files on disk the tier cannot read (their bytes are in used)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -78,21 +85,22 @@ class DiskIndex:
         return self._slots.get(key)
 
     def touch(self, key: OffloadKey) -> bool:
-        """Make ``key`` the most recent; whether it is present."""
-        if key in self._slots:
-            self._slots.move_to_end(key)
-            return True
-        return False
+        """Make ``key`` (so its file) the most recent; whether it is present."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return False
+        self._files.move_to_end(slot.file)
+        return True
 
     def files(self) -> Iterator[DiskFile]:
-        """Each file of the index once."""
-        return iter({id(s.file): s.file for s in self._slots.values()}.values())
+        """Each file of the index once, least recent first."""
+        return iter(list(self._files))
 
     # -------------------------------------------------------------- changes
 
     def add(self, file: DiskFile, entries: Iterable[Entry], *, reserved: int = 0,
             replace: bool = False) -> list[OffloadKey]:
-        """Index ``file`` with the keys of ``entries`` (the most recent, in order); the keys indexed.
+        """Index ``file`` (the most recent now) with the keys of ``entries``; the keys indexed.
 
         A key already present keeps its slot (``replace=False``: another job stored it first)
         or moves here (``replace=True``: a restart, files oldest first). ``reserved`` bytes
@@ -106,11 +114,12 @@ class DiskIndex:
                     continue
                 self.remove(key)
             self._slots[key] = Slot(file, offset, checksum)
-            file.live += 1
+            file.keys[key] = None
             added.append(key)
         if added:
             self.reserved -= reserved
             self.used += file.size
+            self._files[file] = None
         return added
 
     def remove(self, key: OffloadKey) -> bool:
@@ -118,9 +127,11 @@ class DiskIndex:
         slot = self._slots.pop(key, None)
         if slot is None:
             return False
-        slot.file.live -= 1
-        if slot.file.live == 0:
-            self._drop_file(slot.file.name, slot.file.size)
+        file = slot.file
+        del file.keys[key]
+        if not file.keys:
+            del self._files[file]
+            self._drop_file(file.name, file.size)
         return True
 
     def _drop_file(self, name: str, size: int) -> None:
@@ -136,6 +147,12 @@ class DiskIndex:
         self.used += size
         self._drop_file(name, size)
 
+    def keep_unreadable(self, size: int) -> None:
+        """A file of the tier that cannot be read now (a restart found it so): left on disk,
+        never unlinked here, and its bytes count against the capacity."""
+        self.unreadable += 1
+        self.used += size
+
     @property
     def stuck_files(self) -> int:
         """Files without keys that could not be removed yet (their bytes still count)."""
@@ -148,17 +165,16 @@ class DiskIndex:
 
     def remove_files(self, pred: Callable[[DiskFile], bool]) -> list[OffloadKey]:
         """Take out every key whose file matches ``pred`` (the files are unlinked); those keys."""
-        keys = [k for k, s in self._slots.items() if pred(s.file)]
+        keys = [key for file in list(self._files) if pred(file) for key in list(file.keys)]
         for key in keys:
             self.remove(key)
         return keys
 
     def reserve(self, size: int, evicted: list[OffloadKey]) -> None:
         """Count ``size`` more bytes, evicting first (appended to ``evicted``) the keys of the
-        files that free the room: least recent first, a file once every live key in it is
-        unpinned and less recent than the room needs. A key whose file would stay on disk
-        frees nothing, so it is never evicted for room. ``NoRoomError`` (nothing evicted by
-        this call, unless an unlink failed midway) when even all those files do not free it."""
+        least recent files without a pinned key, whole, until they free the room.
+        ``NoRoomError``, with nothing evicted by this call (unless an unlink failed midway),
+        when even all those files do not free it."""
         if size > self.capacity:
             raise NoRoomError(f"file of {size} bytes exceeds capacity_bytes={self.capacity}")
         if self._stuck and self.used + self.reserved + size > self.capacity:
@@ -167,33 +183,28 @@ class DiskIndex:
             victims = self._victims(need)
             if victims is None:
                 raise NoRoomError(
-                    f"no room: {self.reserved} bytes being written, and the blocks not being read "
-                    f"free too few whole files"
+                    f"no room: {self.reserved} bytes being written, {self.unreadable} files that cannot "
+                    f"be read, and the files without a block being read free too little"
                 )
-            for key in victims:  # an unlink that fails leaves its bytes counted: plan again
-                self.remove(key)
-                evicted.append(key)
+            for file in victims:  # an unlink that fails leaves its bytes counted: plan again
+                for key in list(file.keys):
+                    self.remove(key)
+                    evicted.append(key)
         self.reserved += size
 
-    def _victims(self, need: int) -> list[OffloadKey] | None:
-        """The keys, in LRU order, of the least recent whole files (no key pinned) that free
-        ``need`` bytes; None if all such files together free less."""
-        left: dict[int, int] = {}  # id(file) -> its live keys not walked yet
-        walked: list[tuple[OffloadKey, int]] = []
-        freed: set[int] = set()
+    def _victims(self, need: int) -> list[DiskFile] | None:
+        """The least recent files without a pinned key that free ``need`` bytes; None if all
+        of them together free less. O(files taken + files skipped for a pin)."""
+        victims: list[DiskFile] = []
         room = 0
-        for key, slot in self._slots.items():
-            if key in self._pins:
+        pins = self._pins
+        for file in self._files:
+            if pins and any(key in pins for key in file.keys):
                 continue
-            file = slot.file
-            fid = id(file)
-            left[fid] = n = left.get(fid, file.live) - 1
-            walked.append((key, fid))
-            if n == 0:
-                freed.add(fid)
-                room += file.size
-                if room >= need:
-                    return [key for key, fid in walked if fid in freed]
+            victims.append(file)
+            room += file.size
+            if room >= need:
+                return victims
         return None
 
     def release(self, size: int) -> None:
@@ -201,15 +212,19 @@ class DiskIndex:
         self.reserved -= size
 
     def shrink(self) -> list[OffloadKey]:
-        """Evict whole files, least recent keys first, until the files fit the capacity (a
-        restart with a smaller one); the keys evicted."""
+        """Evict whole files, least recent first, until the files fit the capacity (a restart
+        with a smaller one); the keys evicted. Files whose unlink failed are tried first."""
+        evicted: list[OffloadKey] = []
+        if self._stuck:
+            self._retry_stuck()
         need = self.used + self.reserved - self.capacity
-        if need <= 0:
-            return []
-        victims = self._victims(need) or [k for k in self._slots if k not in self._pins]
-        for key in victims:
-            self.remove(key)
-        return victims
+        if need > 0:
+            victims = self._victims(need) or [f for f in self._files if not any(k in self._pins for k in f.keys)]
+            for file in victims:
+                for key in list(file.keys):
+                    self.remove(key)
+                    evicted.append(key)
+        return evicted
 
     # -------------------------------------------------------------- pins
 

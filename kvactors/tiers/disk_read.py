@@ -27,9 +27,9 @@ Item = tuple[int, Slot, OffloadKey, memoryview]
 """One key to load: its position in the job, its slot, the key, the view of its row."""
 
 
-def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFile, list[Entry]]], int, int]:
-    """The valid files in ``root``, oldest first; how many bad ones were unlinked; how many
-    could not be read.
+def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFile, list[Entry]]], int, list[int]]:
+    """The valid files in ``root``, oldest first; how many bad ones were unlinked; the sizes
+    of those that could not be read (0 where even the size could not be).
 
     Temporary files (a crash mid-write) and files of the tier's suffixes that are not
     valid (a group table that fails its checksum or disagrees with the file's size, a
@@ -38,7 +38,8 @@ def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFil
     left alone, unindexed (a later restart may read it). Other files are left alone.
     """
     found: list[tuple[int, str, DiskFile, list[Entry]]] = []
-    discarded = unreadable = 0
+    discarded = 0
+    unreadable: list[int] = []
     with os.scandir(root) as it:
         for dirent in it:
             fname = dirent.name
@@ -51,11 +52,19 @@ def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFil
             path = os.path.join(root, fname)
             try:
                 st = dirent.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # gone meanwhile
+            except OSError:
+                unreadable.append(0)
+                continue
+            try:
                 opened = _open_group(path, fname) if group else _open_legacy(path, fname, st.st_size)
             except codec.CorruptRecordError:
                 opened = None
+            except FileNotFoundError:
+                continue
             except OSError:
-                unreadable += 1
+                unreadable.append(st.st_size)
                 continue
             if opened is None:
                 discarded += 1
