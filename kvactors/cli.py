@@ -55,12 +55,12 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 
 def main(argv: Sequence[str] | None = None) -> int:
     restore: list[tuple[int, Any]] = []
+    TERMINATION.seen = False  # this command's own signals only
     if threading.current_thread() is threading.main_thread():
         # A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored:
         # Ctrl-C (or kill -INT) must still stop a run, so the commands get their KeyboardInterrupt.
         restore.append((signal.SIGINT, signal.signal(signal.SIGINT, signal.default_int_handler)))
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # else the embedding program decides
-            TERMINATION.seen = False
             restore.append((signal.SIGTERM, signal.signal(signal.SIGTERM, TERMINATION)))
     try:
         parser, modules = build_parser()
@@ -69,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             subparsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         status = int(modules[args.command].run(args))
         return TERMINATION.status() if status == 130 else status  # a command that says 130 for any interrupt
+    except KeyboardInterrupt:  # before the command started (nothing to stop), or once it returned
+        print("kvactors: interrupted", file=sys.stderr)
+        return TERMINATION.status()
     finally:
         for signum, handler in reversed(restore):
             signal.signal(signum, handler)

@@ -468,6 +468,44 @@ def test_main_gives_its_signal_handlers_back_so_a_second_main_still_exits_143() 
     assert proc.stdout.split() == ["143", "143"]
 
 
+def test_a_sigterm_of_one_main_does_not_leak_into_the_next() -> None:
+    """Once SIGTERM is the embedding program's (not the default), main() installs nothing;
+    an interrupt in a later main() is still Ctrl-C's 130, on any thread."""
+    proc = _python("""
+        import threading
+        first = cli.main(["check-log", "x.jsonl"])
+        def interrupted(args):
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                return 130
+        check_log.run = interrupted
+        signal.signal(signal.SIGTERM, lambda *args: None)
+        second = cli.main(["check-log", "x.jsonl"])
+        out = []
+        thread = threading.Thread(target=lambda: out.append(cli.main(["check-log", "x.jsonl"])))
+        thread.start()
+        thread.join()
+        print(first, second, out[0])
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["143", "130", "130"]
+
+
+def test_a_sigterm_before_the_command_starts_is_one_line_and_143() -> None:
+    proc = _python("""
+        import kvactors.cli as cli_module
+        real = cli_module.build_parser
+        def parse_then_terminated():
+            signal.raise_signal(signal.SIGTERM)
+            return real()
+        cli_module.build_parser = parse_then_terminated
+        sys.exit(cli.main(["check-log", "x.jsonl"]))
+    """)
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr.strip() == "kvactors: interrupted"
+
+
 def test_a_stress_run_with_a_hung_thread_exits_143_on_sigterm() -> None:
     proc = _python("""
         import kvactors.commands.stress as stress

@@ -665,9 +665,20 @@ def test_a_bounded_wait_ends_though_work_and_timers_never_stop(seed):
             assert self.spins < 200_000, "the wait never ended"
             self.ref.tell(message)
 
-    runtime = SimRuntime(seed, time_jump_chance=0.05)
-    ref = runtime.spawn(Busy(), "busy")
-    ref.tell(1.0)
-    ref.tell("spin")
-    assert not runtime.wait(Reply(), 5.0)
-    assert 5.0 <= runtime.now() <= 11.0
+    for in_client in (False, True):
+        runtime = SimRuntime(seed, time_jump_chance=0.05)
+        ref = runtime.spawn(Busy(), "busy")
+        ref.tell(1.0)
+        ref.tell("spin")
+        if not in_client:
+            assert not runtime.wait(Reply(), 5.0)
+            assert 5.0 <= runtime.now() <= 11.0
+            continue
+        out: list[tuple[bool, float]] = []  # a frontend thread's wait: the same bound
+        def frontend(runtime: SimRuntime = runtime, out: list[tuple[bool, float]] = out) -> None:
+            out.append((runtime.wait(Reply(), 5.0), runtime.now()))
+
+        runtime.spawn_client("frontend", frontend)
+        while not out and runtime.step():
+            pass
+        assert out and out[0][0] is False and 5.0 <= out[0][1] <= 11.0

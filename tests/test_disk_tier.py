@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvactors.tiers import codec
-from kvactors.tiers.disk import GROUP_SUFFIX, SUFFIX, DiskTier, file_name
+from kvactors.tiers.disk import GROUP_SUFFIX, SUFFIX, TMP_PREFIX, DiskTier, file_name
 from kvactors.tiers.disk_group import group_size
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
@@ -452,6 +452,63 @@ def test_restart_keeps_a_file_it_cannot_read(make, tmp_path: Path, monkeypatch: 
     assert h3.tier.lookup([b"a", b"c"], CTX) == [HIT, HIT]
     h3.pool[5].zero_()
     assert h3.load([b"a"], [5]).success and torch.equal(h3.pool[5], h1.pool[0])
+
+
+@pytest.mark.parametrize("kind", ["temporary", "corrupt"])
+def test_restart_counts_a_bad_file_it_could_not_remove(make, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       kind: str) -> None:
+    """A crash's temporary file, or a file failing its table, whose unlink fails (EPERM):
+    it stays on disk, so its bytes count, and the files never pass the capacity."""
+    root = tmp_path / "tier"
+    root.mkdir()
+    size = record_size(b"a")
+    name = f"{TMP_PREFIX}left" if kind == "temporary" else f"g-{1:016x}-x-{0:08x}{GROUP_SUFFIX}"
+    (root / name).write_bytes(b"\xff" * size)
+    real_unlink = os.unlink
+
+    def refused(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if os.path.basename(path) == name:
+            raise OSError(errno.EPERM, "Operation not permitted", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refused)
+    h = make(root, capacity_bytes=2 * size)
+    assert h.tier.used_bytes == size
+    assert h.store([b"a"], [0]).success and h.store([b"b"], [1]).success
+    assert (root / name).exists()
+    assert disk_bytes(root) == h.tier.used_bytes <= h.tier.capacity_bytes
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert h.store([b"c"], [2]).success  # the bad file goes first, before a block is evicted
+    assert not (root / name).exists() and h.tier.lookup([b"b", b"c"], CTX) == [HIT, HIT]
+
+
+def test_restart_evicts_nothing_when_files_it_cannot_read_hold_the_room(
+    make, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unreadable file larger than the new capacity: evicting every readable block would
+    not make room, so none is; they still load, and stores fail until room comes back."""
+    import kvactors.tiers.disk_read as disk_read
+
+    root = tmp_path / "tier"
+    h1 = make(root)
+    assert h1.store([b"b1", b"b2", b"b3", b"b4"], [2, 3, 4, 5]).success
+    big = where(h1, b"b1")[0]
+    assert h1.store([b"a"], [1]).success
+    h1.tier.shutdown()
+    real = disk_read._open_group
+
+    def denied(path: str, fname: str):  # type: ignore[no-untyped-def]
+        if fname == big.name:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(path, fname)
+
+    monkeypatch.setattr(disk_read, "_open_group", denied)
+    h2 = make(root, capacity_bytes=2 * record_size(b"a"))
+    assert big.stat().st_size > h2.tier.capacity_bytes
+    assert h2.tier.lookup([b"a"], CTX) == [HIT]
+    h2.pool[7].zero_()
+    assert h2.load([b"a"], [7]).success and torch.equal(h2.pool[7], h1.pool[1])
+    assert not h2.store([b"c"], [0]).success  # no room: the unreadable file holds it
 
 
 def test_restart_retries_a_file_it_failed_to_unlink_before_it_evicts_for_capacity(

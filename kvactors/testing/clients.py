@@ -42,14 +42,15 @@ class ClientCancelled(BaseException):
 class _Client:
     """What the scheduler knows of one client; subclasses carry it (a thread, a greenlet)."""
 
-    __slots__ = ("_fn", "cancelled", "deadline", "error", "expect", "finished", "key", "name", "running",
-                 "waiting")
+    __slots__ = ("_fn", "cancelled", "credit", "deadline", "error", "expect", "finished", "key", "name",
+                 "running", "waiting")
 
     def __init__(self, name: str, fn: Callable[[], object]) -> None:
         self.name = name
         self._fn = fn
         self.waiting: Reply[Any] | Future[Any] | None = None
         self.deadline: float | None = None
+        self.credit = 0.0  # slow-machine stalls the current wait may still be credited (its bound, at most)
         self.expect: tuple[float, str] | None = None
         self.running = False
         self.finished = False
@@ -64,10 +65,11 @@ class _Client:
         return not self.finished and not self.running and (waiting is None or waiting.done()
                                                            or (self.deadline is not None and now >= self.deadline))
 
-    def wait(self, future: Reply[Any] | Future[Any], deadline: float | None) -> bool:
+    def wait(self, future: Reply[Any] | Future[Any], deadline: float | None, credit: float = 0.0) -> bool:
         """The client's side of a blocking wait: paused until ``future`` is done or
-        virtual time reaches ``deadline`` (always paused once: a scheduling point)."""
-        self.waiting, self.deadline = future, deadline
+        virtual time reaches ``deadline`` (always paused once: a scheduling point).
+        ``credit``: how much slow-machine stall may push ``deadline`` back (its bound)."""
+        self.waiting, self.deadline, self.credit = future, deadline, credit
         try:
             self.pause()
         finally:

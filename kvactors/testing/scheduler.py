@@ -131,7 +131,7 @@ class SimRuntime:
         if client is not None:
             if client.expect is not None:
                 self.expect_by(future, *client.expect)
-            return client.wait(future, deadline)
+            return client.wait(future, deadline, timeout_s or 0.0)
         stalled_at = self._stalled_s
         credit = timeout_s  # stalls credited to this wait, at most its own bound: it still ends
         while not future.done():
@@ -369,8 +369,11 @@ class SimRuntime:
             # replies do; only waits the runtime could not avoid count toward a bound.
             self._stalled_s += when - self._now
             for client in self._clients:
-                if client.deadline is not None:
-                    client.deadline += when - self._now
+                if client.deadline is not None and client.credit > 0.0:
+                    # At most the wait's own bound in all: a wait still ends if stalls never stop.
+                    stall = min(when - self._now, client.credit)
+                    client.deadline += stall
+                    client.credit -= stall
         self._now = max(self._now, when)
         if self.trace is not None:
             self.trace.append(f"{self.steps} time -> {self._now:.3f}")

@@ -69,7 +69,9 @@ class DiskTier(SecondaryTier):
     storing past it evicts the least recently used blocks (stored, loaded, touched
     or hit by a lookup) first, never one being loaded, and a block larger than the
     capacity fails its store. Once attached, the tier's files (finished or being
-    written) never exceed the capacity. A file's bytes are freed when its last block
+    written) never exceed the capacity (unless, at a restart, files it can neither
+    read nor remove hold more than that; then stores fail until room comes back,
+    and no block is evicted for room it cannot make). A file's bytes are freed when its last block
     leaves the tier (the file is deleted then): until that, the slots of blocks that
     left it (failed, replaced) still count, so a file kept by one recently used block
     holds the room of all its blocks. Eviction therefore takes whole files, the least
@@ -196,12 +198,14 @@ class DiskTier(SecondaryTier):
 
     def _scan(self) -> None:
         """Rebuild the index from the directory (constructor only: no other thread yet)."""
-        found, discarded, unreadable = scan(self.root, self._unlink_quietly)
+        found, discarded, unreadable, undeleted = scan(self.root, self._unlink_quietly)
         for file, entries in found:  # oldest first: a key in two files ends in the newer one
-            if not self._index.add(file, entries, replace=True):
-                self._unlink_quietly(file.name)
+            if not self._index.add(file, entries, replace=True) and not self._unlink_quietly(file.name):
+                undeleted.append((file.name, file.size))  # holds no key, and would not go
         for size in unreadable:
             self._index.keep_unreadable(size)
+        for fname, size in undeleted:  # bad files that would not go: they count until they do
+            self._index.keep_stuck(fname, size)
         if unreadable:
             self._log.warning("files_unreadable", root=self.root, files=len(unreadable), bytes=sum(unreadable),
                               detail="left on disk, not indexed; their bytes count against the capacity")

@@ -5,9 +5,9 @@ or exactly one (a ``KVA2`` block file of an older version). A file's bytes are c
 from the moment it is reserved until its last live key leaves the index, when it is
 unlinked; slots whose key left (dropped, or stored by another job first) are dead and
 still count until their file goes. So eviction for room takes whole files: a key whose
-file would stay frees nothing. Files are kept in LRU order by their most recent key
-(stored, loaded, touched or hit), so the least recent file is the one whose every key
-is older than any key of the others, found in O(1).
+file would stay frees nothing. Each file is as recent as its most recent key (stored,
+loaded, touched or hit), and the files are kept in that order: the least recent file is
+found in O(1).
 
 A plain class: no threads, no locks. Not thread-safe: the tier calls it under its lock.
 """
@@ -109,8 +109,9 @@ class DiskIndex:
         """
         added: list[OffloadKey] = []
         for key, offset, checksum in entries:
-            if key in self._slots:
-                if not replace:
+            slot = self._slots.get(key)
+            if slot is not None:
+                if not replace or slot.file is file:  # stored first elsewhere, or twice in this file
                     continue
                 self.remove(key)
             self._slots[key] = Slot(file, offset, checksum)
@@ -146,6 +147,12 @@ class DiskIndex:
         self.reserved -= size
         self.used += size
         self._drop_file(name, size)
+
+    def keep_stuck(self, name: str, size: int) -> None:
+        """A file without keys that could not be removed (a restart's bad file): it counts
+        until it is gone, and is tried again before the next eviction."""
+        self.used += size
+        self._stuck.append((name, size))
 
     def keep_unreadable(self, size: int) -> None:
         """A file of the tier that cannot be read now (a restart found it so): left on disk,
@@ -219,8 +226,9 @@ class DiskIndex:
             self._retry_stuck()
         need = self.used + self.reserved - self.capacity
         if need > 0:
-            victims = self._victims(need) or [f for f in self._files if not any(k in self._pins for k in f.keys)]
-            for file in victims:
+            # None: files the tier cannot read or remove hold the room; evicting every block would
+            # not make it, so none is (the blocks still load; stores fail until room comes back).
+            for file in self._victims(need) or ():
                 for key in list(file.keys):
                     self.remove(key)
                     evicted.append(key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from kvactors.tiers import codec
 from kvactors.tiers.disk_files import O_CLOEXEC, O_NOFOLLOW, SUFFIX, TMP_PREFIX, describe, read_key, read_record_into
@@ -27,24 +28,46 @@ Item = tuple[int, Slot, OffloadKey, memoryview]
 """One key to load: its position in the job, its slot, the key, the view of its row."""
 
 
-def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFile, list[Entry]]], int, list[int]]:
-    """The valid files in ``root``, oldest first; how many bad ones were unlinked; the sizes
-    of those that could not be read (0 where even the size could not be).
+class Scan(NamedTuple):
+    """What a restart found in the tier's directory."""
+
+    files: list[tuple[DiskFile, list[Entry]]]
+    """The valid files, oldest first."""
+    discarded: int
+    """Bad files (and temporary ones) unlinked."""
+    unreadable: list[int]
+    """The sizes of files that could not be read (0 where even the size could not be)."""
+    undeleted: list[tuple[str, int]]
+    """``(name, bytes)`` of bad or temporary files whose unlink failed (to retry; they count)."""
+
+
+def scan(root: str, unlink: Callable[[str], bool]) -> Scan:
+    """What is in ``root``; ``unlink(name)`` removes a file and says whether it is gone.
 
     Temporary files (a crash mid-write) and files of the tier's suffixes that are not
     valid (a group table that fails its checksum or disagrees with the file's size, a
     ``KVA2`` record whose name, header or size disagree) are unlinked. A file that cannot
-    be read at all (``EACCES``, ``EIO``, gone meanwhile) says nothing of its content: it is
-    left alone, unindexed (a later restart may read it). Other files are left alone.
+    be read at all (``EACCES``, ``EIO``) says nothing of its content: it is left alone,
+    unindexed (a later restart may read it). Other files are left alone.
     """
     found: list[tuple[int, str, DiskFile, list[Entry]]] = []
+    result = Scan([], 0, [], [])
+
+    def drop(dirent: os.DirEntry[str]) -> None:
+        try:
+            size = dirent.stat(follow_symlinks=False).st_size
+        except OSError:
+            size = 0
+        if not unlink(dirent.name):
+            result.undeleted.append((dirent.name, size))
+
     discarded = 0
-    unreadable: list[int] = []
     with os.scandir(root) as it:
         for dirent in it:
             fname = dirent.name
             if fname.startswith(TMP_PREFIX):
-                unlink(fname)
+                if dirent.is_file(follow_symlinks=False):
+                    drop(dirent)
                 continue
             group = fname.endswith(GROUP_SUFFIX)
             if not (group or fname.endswith(SUFFIX)) or not dirent.is_file(follow_symlinks=False):
@@ -55,7 +78,7 @@ def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFil
             except FileNotFoundError:
                 continue  # gone meanwhile
             except OSError:
-                unreadable.append(0)
+                result.unreadable.append(0)
                 continue
             try:
                 opened = _open_group(path, fname) if group else _open_legacy(path, fname, st.st_size)
@@ -64,15 +87,15 @@ def scan(root: str, unlink: Callable[[str], object]) -> tuple[list[tuple[DiskFil
             except FileNotFoundError:
                 continue
             except OSError:
-                unreadable.append(st.st_size)
+                result.unreadable.append(st.st_size)
                 continue
             if opened is None:
                 discarded += 1
-                unlink(fname)
+                drop(dirent)
                 continue
             found.append((st.st_mtime_ns, fname, *opened))
     found.sort(key=lambda item: (item[0], item[1]))
-    return [(file, entries) for _, _, file, entries in found], discarded, unreadable
+    return result._replace(files=[(file, entries) for _, _, file, entries in found], discarded=discarded)
 
 
 def _open_group(path: str, fname: str) -> tuple[DiskFile, list[Entry]]:
