@@ -70,21 +70,21 @@ class DiskTier(SecondaryTier):
     or hit by a lookup) first, never one being loaded, and a block larger than the
     capacity fails its store. Once attached, the tier's files (finished or being
     written) never exceed the capacity (unless, at a restart, files it can neither
-    read nor remove hold more than that; then stores fail until room comes back,
-    and no block is evicted for room it cannot make). A file's bytes are freed when its last block
-    leaves the tier (the file is deleted then): until that, the slots of blocks that
-    left it (failed, replaced) still count, so a file kept by one recently used block
-    holds the room of all its blocks. Eviction therefore takes whole files, the least
-    recently used first (a file's recency is its most recent block's), never one
-    with a block being loaded: evicting a block alone would free nothing.
+    read nor remove hold more than that: then stores fail until room comes back,
+    and no block is evicted for room it cannot make). A file's bytes are freed when
+    its last block leaves the tier (the file is deleted then): until that, the slots
+    of blocks that left it (failed, replaced) still count, so a file kept by one
+    recently used block holds the room of all its blocks. Eviction therefore takes
+    whole files, the least recently used first (a file is as recent as its most
+    recent block): evicting a block alone would free nothing.
 
     ``io_workers`` threads (named ``kvactors-disk-<name>-N``; default: 4, fewer on a
     machine with fewer usable CPUs) do the I/O; ``submit_store``/``submit_load``
-    return at once and every job is reported exactly once, from a worker (or from the thread that shut the tier down,
-    for a job cancelled by :meth:`shutdown`). ``fsync=True`` makes a store
-    durable before it is reported (the file and the directory entry are
-    synced); the default leaves that to the OS, which survives a crash of the
-    process but not of the machine.
+    return at once and every job is reported exactly once, from a worker (or from
+    the thread that shut the tier down, for a job cancelled by :meth:`shutdown`).
+    ``fsync=True`` makes a store durable before it is reported (the file and the
+    directory entry are synced); the default leaves that to the OS, which survives
+    a crash of the process but not of the machine.
 
     A new tier on the same ``root`` finds the blocks stored before (recency
     then follows the files' modification times), in group files and in the
@@ -93,16 +93,15 @@ class DiskTier(SecondaryTier):
     temporary file left by a crash) are deleted. A file it cannot read at all
     (``EIO``, ``EACCES``) is left alone, unindexed, and its bytes count against the
     capacity. A restart with a smaller capacity evicts at :meth:`attach`, once the
-    blocks of another size are gone. A block dropped from a
-    file that still held other blocks may reappear after a restart (its bytes
-    are still there; they are verified when loaded, as always, so a bad one
-    fails again and leaves). Names sort in the order files were made, so of two
-    copies of a block the newer one wins, even when both files carry one
-    modification time. A block whose bytes are
-    missing, short or fail their checksum fails the load and is removed from the
-    tier: a later lookup is a miss, and bad bytes are never reported as a success.
-    So does a block whose read fails for any other reason (an I/O error, a
-    directory or a symlink where its file was, a file it may not open, a file
+    blocks of another size are gone. A block dropped from a file that still held
+    other blocks may reappear after a restart (its bytes are still there; they are
+    verified when loaded, as always, so a bad one fails again and leaves). Names
+    sort in the order files were made, so of two copies of a block the newer one
+    wins, even when both files carry one modification time. A block whose bytes
+    are missing, short or fail their checksum fails the load and is removed from
+    the tier: a later lookup is a miss, and bad bytes are never reported as a
+    success. So does a block whose read fails for any other reason (an I/O error,
+    a directory or a symlink where its file was, a file it may not open, a file
     whose table changed); the other blocks of the same file still load if their
     own bytes verify.
 

@@ -34,7 +34,7 @@ class Scan(NamedTuple):
     files: list[tuple[DiskFile, list[Entry]]]
     """The valid files, oldest first."""
     discarded: int
-    """Bad files (and temporary ones) unlinked."""
+    """Bad files unlinked (or tried: see ``undeleted``); temporary ones are not counted."""
     unreadable: list[int]
     """The sizes of files that could not be read (0 where even the size could not be)."""
     undeleted: list[tuple[str, int]]
@@ -51,7 +51,8 @@ def scan(root: str, unlink: Callable[[str], bool]) -> Scan:
     unindexed (a later restart may read it). Other files are left alone.
     """
     found: list[tuple[int, str, DiskFile, list[Entry]]] = []
-    result = Scan([], 0, [], [])
+    unreadable: list[int] = []
+    undeleted: list[tuple[str, int]] = []
 
     def drop(dirent: os.DirEntry[str]) -> None:
         try:
@@ -59,7 +60,7 @@ def scan(root: str, unlink: Callable[[str], bool]) -> Scan:
         except OSError:
             size = 0
         if not unlink(dirent.name):
-            result.undeleted.append((dirent.name, size))
+            undeleted.append((dirent.name, size))
 
     discarded = 0
     with os.scandir(root) as it:
@@ -78,7 +79,7 @@ def scan(root: str, unlink: Callable[[str], bool]) -> Scan:
             except FileNotFoundError:
                 continue  # gone meanwhile
             except OSError:
-                result.unreadable.append(0)
+                unreadable.append(0)
                 continue
             try:
                 opened = _open_group(path, fname) if group else _open_legacy(path, fname, st.st_size)
@@ -87,7 +88,7 @@ def scan(root: str, unlink: Callable[[str], bool]) -> Scan:
             except FileNotFoundError:
                 continue
             except OSError:
-                result.unreadable.append(st.st_size)
+                unreadable.append(st.st_size)
                 continue
             if opened is None:
                 discarded += 1
@@ -95,7 +96,7 @@ def scan(root: str, unlink: Callable[[str], bool]) -> Scan:
                 continue
             found.append((st.st_mtime_ns, fname, *opened))
     found.sort(key=lambda item: (item[0], item[1]))
-    return result._replace(files=[(file, entries) for _, _, file, entries in found], discarded=discarded)
+    return Scan([(file, entries) for _, _, file, entries in found], discarded, unreadable, undeleted)
 
 
 def _open_group(path: str, fname: str) -> tuple[DiskFile, list[Entry]]:
