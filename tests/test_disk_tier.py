@@ -420,24 +420,29 @@ def test_restart_drops_blocks_of_another_size_before_it_evicts_for_capacity(make
     assert disk_bytes(root) == 2 * record_size(b"a") == h3.tier.used_bytes
 
 
+def _refuse_to_read(monkeypatch: pytest.MonkeyPatch, fname: str, error: OSError) -> None:
+    """Make the restart's scan fail to read the group file ``fname`` with ``error``."""
+    import kvactors.tiers.disk_read as disk_read
+
+    real = disk_read._open_group
+
+    def refused(path: str, name: str):  # type: ignore[no-untyped-def]
+        if name == fname:
+            raise error
+        return real(path, name)
+
+    monkeypatch.setattr(disk_read, "_open_group", refused)
+
+
 def test_restart_keeps_a_file_it_cannot_read(make, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """EIO (or EACCES) on a file at a restart says nothing of its content: the file stays on
     disk, unindexed, and a later restart that can read it finds its blocks."""
-    import kvactors.tiers.disk_read as disk_read
-
     root = tmp_path / "tier"
     h1 = make(root)
     assert h1.store([b"a"], [0]).success and h1.store([b"b"], [1]).success
     unreadable = where(h1, b"a")[0]
     h1.tier.shutdown()
-    real = disk_read._open_group
-
-    def failing(path: str, fname: str):  # type: ignore[no-untyped-def]
-        if fname == unreadable.name:
-            raise OSError(errno.EIO, "Input/output error", path)
-        return real(path, fname)
-
-    monkeypatch.setattr(disk_read, "_open_group", failing)
+    _refuse_to_read(monkeypatch, unreadable.name, OSError(errno.EIO, "Input/output error"))
     h2 = make(root, capacity_bytes=2 * record_size(b"a"))
     assert h2.tier.lookup([b"a", b"b"], CTX) == [MISS, HIT]
     assert unreadable.exists()
@@ -447,7 +452,7 @@ def test_restart_keeps_a_file_it_cannot_read(make, tmp_path: Path, monkeypatch: 
     assert h2.tier.lookup([b"b", b"c"], CTX) == [MISS, HIT]
     assert disk_bytes(root) == h2.tier.used_bytes <= h2.tier.capacity_bytes
     h2.tier.shutdown()
-    monkeypatch.setattr(disk_read, "_open_group", real)
+    monkeypatch.undo()  # the file can be read again
     h3 = make(root)
     assert h3.tier.lookup([b"a", b"c"], CTX) == [HIT, HIT]
     h3.pool[5].zero_()
@@ -487,7 +492,6 @@ def test_restart_evicts_nothing_when_files_it_cannot_read_hold_the_room(
 ) -> None:
     """An unreadable file larger than the new capacity: evicting every readable block would
     not make room, so none is; they still load, and stores fail until room comes back."""
-    import kvactors.tiers.disk_read as disk_read
 
     root = tmp_path / "tier"
     h1 = make(root)
@@ -495,14 +499,7 @@ def test_restart_evicts_nothing_when_files_it_cannot_read_hold_the_room(
     big = where(h1, b"b1")[0]
     assert h1.store([b"a"], [1]).success
     h1.tier.shutdown()
-    real = disk_read._open_group
-
-    def denied(path: str, fname: str):  # type: ignore[no-untyped-def]
-        if fname == big.name:
-            raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real(path, fname)
-
-    monkeypatch.setattr(disk_read, "_open_group", denied)
+    _refuse_to_read(monkeypatch, big.name, PermissionError(errno.EACCES, "Permission denied"))
     h2 = make(root, capacity_bytes=2 * record_size(b"a"))
     assert big.stat().st_size > h2.tier.capacity_bytes
     assert h2.tier.lookup([b"a"], CTX) == [HIT]
