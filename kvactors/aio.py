@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.core.arguments import check_ctx, check_flag, check_request, check_timeout
+from kvactors.core.errors import ManagerStoppedError
 from kvactors.manager import TieringManager
 from kvactors.types import (
     LoadStoreSpec,
@@ -79,7 +80,7 @@ class _Inbox:
                 items, self._items = list(self._items), deque()
             for _, done, undo_it in items:
                 if undo_it is not None and done.exception() is None:
-                    undo_it(done.result())
+                    self._undo(undo_it, done.result(), report=False)
 
     def _drain(self) -> None:
         """On the loop's thread: hand over up to CHUNK answers, the rest on the next turn."""
@@ -92,7 +93,7 @@ class _Inbox:
             error = done.exception()
             if future.cancelled():
                 if error is None and undo is not None:
-                    undo(done.result())
+                    self._undo(undo, done.result())
             elif error is not None:
                 future.set_exception(error)
             else:
@@ -102,6 +103,18 @@ class _Inbox:
                 self._scheduled = False
                 return
         self.loop.call_soon(self._drain)
+
+    def _undo(self, undo: Callable[[Any], None], value: Any, *, report: bool = True) -> None:
+        """Undo a cancelled call's answer; never raises, so that the answers behind it are
+        still handed over. After a stop there is nothing left to undo (the stop released it)."""
+        try:
+            undo(value)
+        except ManagerStoppedError:
+            pass
+        except Exception as exc:
+            if report:
+                self.loop.call_exception_handler({"message": "kvactors: undoing a cancelled call failed",
+                                                  "exception": exc})
 
 
 class AsyncTieringManager:
@@ -227,9 +240,12 @@ class AsyncTieringManager:
         """As :meth:`TieringManager.take_events`; events taken by a cancelled call come first."""
         reply: Reply[list[OffloadingEvent]] = Reply()
         self._ask(m.TakeEvents(reply), reply)
-        events = await self._await(reply, self._orphan_events.extend, call="take_events")
-        if self._orphan_events:
-            events, self._orphan_events = [*self._orphan_events, *events], []
+        # The undo keeps a cancelled call's events in the one list, for the next call.
+        orphans = self._orphan_events
+        events = await self._await(reply, orphans.extend, call="take_events")
+        if orphans:
+            events = [*orphans, *events]
+            orphans.clear()
         return events
 
     async def wait_idle(self, timeout: float | None = None) -> bool:

@@ -338,3 +338,65 @@ def test_the_manager_and_the_engine_refuse_bad_keys_with_the_same_error(manager,
         with pytest.raises(ValueError) as by_engine:
             call(ctx, keys, rows)
         assert str(by_engine.value) == str(by_manager.value), f"{label}: {call.__name__}"
+
+
+# ---------------------------------------------------------------- flags are bools, configs are mappings
+
+FLAG_VALUES = ["no", "false", 0, 1, None, 1.0]
+
+
+def _flag_cases(root: str) -> list[tuple[str, Callable[[object], object]]]:
+    from kvactors import DiskTier, RedisTier
+    from kvactors.integrations.vllm.config import parse_config
+
+    return [
+        ("DiskTier(fsync)", lambda v: DiskTier(root, capacity_bytes=1 << 20, fsync=v).shutdown()),  # type: ignore[arg-type]
+        ("RedisTier(cluster)", lambda v: RedisTier("redis://127.0.0.1:1", cluster=v).shutdown()),  # type: ignore[arg-type]
+        ("vllm config tiers[0].fsync", lambda v: parse_config(
+            {"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "disk", "root": root, "capacity_bytes": 1 << 20,
+                                                     "fsync": v}]})),
+        ("vllm config tiers[0].cluster", lambda v: parse_config(
+            {"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "redis", "url": "redis://127.0.0.1:1", "cluster": v}]})),
+    ]
+
+
+@pytest.mark.parametrize("value", FLAG_VALUES, ids=repr)
+@pytest.mark.parametrize("case", range(4))
+def test_a_flag_given_anything_but_a_bool_is_refused(tmp_path, case: int, value: object) -> None:
+    """``fsync="no"`` is truthy: taken as a flag it would turn fsync on. A flag is a bool."""
+    label, call = _flag_cases(str(tmp_path / "tier"))[case]
+    with pytest.raises(ValueError, match=r"fsync|cluster"):
+        call(value)
+    assert not (tmp_path / "tier").exists() or label.startswith("vllm"), "a refused tier made its directory"
+
+
+@pytest.mark.parametrize("extra", [None, [], "cpu_bytes_to_use", 3], ids=repr)
+def test_a_vllm_config_that_is_not_a_mapping_is_refused(extra: object) -> None:
+    from kvactors.integrations.vllm.config import parse_config
+
+    with pytest.raises(ValueError, match="must be a mapping"):
+        parse_config(extra)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", [["disk"], {"disk": 1}, None, 3, b"disk"], ids=repr)
+def test_a_vllm_tier_type_that_is_not_a_known_name_is_refused(kind: object) -> None:
+    from kvactors.integrations.vllm.config import parse_config
+
+    with pytest.raises(ValueError, match=r"tiers\[0\]\.type"):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": kind}]})
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_a_disk_root_that_cannot_be_a_directory_is_a_value_error(tmp_path, where: str) -> None:
+    from kvactors import DiskTier
+    from kvactors.integrations.vllm.config import build_tiers, parse_config
+
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"")
+    root = blocker if where == "a file" else blocker / "tier"
+    with pytest.raises(ValueError, match="not a directory"):
+        DiskTier(root, capacity_bytes=1 << 20)
+    config = parse_config({"cpu_bytes_to_use": 1 << 20,
+                           "tiers": [{"type": "disk", "root": str(root), "capacity_bytes": 1 << 20}]})
+    with pytest.raises(ValueError, match=r"tiers\[0\] \(disk\)"):
+        build_tiers(config)

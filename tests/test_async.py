@@ -22,6 +22,7 @@ from kvactors import (
     TransferJob,
 )
 from kvactors.actors import messages as m
+from kvactors.actors.reply import Reply
 from tests.support import ControlledTier, RecordingTier, keys, settled, wait_for
 
 
@@ -405,3 +406,82 @@ def test_engine_futures_are_awaitable_with_wrap_future():
 
         assert run(main()) == keys(1, 2)
         assert torch.equal(device[2:4], device[0:2])
+
+
+def test_a_take_events_cancelled_while_another_one_waits_loses_no_event():
+    """A cancelled take_events hands its events to the next call, also when a later call
+    took the earlier orphans meanwhile (the undo must reach the one list, not a stale one)."""
+    from kvactors.aio import _Inbox
+
+    with TieringManager.start(num_blocks=16, block_bytes=16) as manager:
+        amgr = AsyncTieringManager(manager)
+        ctx = ReqContext("a")
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys(1), ctx)
+        manager.complete_store(out.keys_to_store, ctx)
+
+        async def main() -> list[tuple[tuple[bytes, ...], bool]]:
+            with primary_held(manager):  # 1. a cancelled call leaves the store event as an orphan
+                first = asyncio.create_task(amgr.take_events())
+                await asyncio.sleep(0)
+                first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            assert await amgr.wait_idle(10)
+            seen: list[tuple[tuple[bytes, ...], bool]] = []
+            with primary_held(manager):  # 2. one call takes the orphans, a later one is cancelled
+                taker = asyncio.create_task(amgr.take_events())
+                await asyncio.sleep(0)
+                # More answers than the inbox hands over in one turn: the taker resumes (and takes
+                # the orphans) before the cancelled call's answer is undone.
+                fillers = [asyncio.create_task(amgr.stats()) for _ in range(2 * _Inbox.CHUNK)]
+                await asyncio.sleep(0)
+                reset = asyncio.create_task(amgr.reset_cache())  # removes key 1: a removal event
+                await asyncio.sleep(0)
+                cancelled = asyncio.create_task(amgr.take_events())
+                await asyncio.sleep(0)
+                cancelled.cancel()
+            seen += [(e.keys, e.removed) for e in await taker]
+            await asyncio.gather(*fillers, reset)
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert await amgr.wait_idle(10)
+            seen += [(e.keys, e.removed) for e in await amgr.take_events()]
+            return seen
+
+        seen = run(main())
+        assert seen == [(tuple(keys(1)), False), (tuple(keys(1)), True)], seen
+
+
+def test_an_undo_that_fails_does_not_stop_the_answers_behind_it():
+    """The inbox hands a burst of answers over in one turn: a cancelled call's undo that raises
+    (ManagerStoppedError after a stop, or a bug) must not strand the answers after it."""
+    from kvactors.aio import _Inbox
+
+    async def main() -> list[object]:
+        loop = asyncio.get_running_loop()
+        reported: list[object] = []
+        loop.set_exception_handler(lambda loop, context: reported.append(context["exception"]))
+        inbox = _Inbox(loop)
+        answers = []
+        for undo_error in (ManagerStoppedError("stopped"), RuntimeError("planted"), None):
+            cancelled: asyncio.Future[int] = loop.create_future()
+            cancelled.cancel()
+
+            def undo(value: int, error: BaseException | None = undo_error) -> None:
+                if error is not None:
+                    raise error
+
+            done: Reply[int] = Reply()
+            done.set_result(1)
+            inbox.post(cancelled, done, undo)
+            answer: asyncio.Future[int] = loop.create_future()
+            ok: Reply[int] = Reply()
+            ok.set_result(2)
+            inbox.post(answer, ok, None)
+            answers.append(answer)
+        assert await asyncio.wait_for(asyncio.gather(*answers), 10) == [2, 2, 2]
+        return reported
+
+    reported = run(main())
+    assert [type(e).__name__ for e in reported] == ["RuntimeError"]  # reported; a stop's is expected

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvactors.core.arguments import check_int
+from kvactors.core.arguments import check_flag, check_int
 from kvactors.core.events import EventBuffer
 from kvactors.logs import component_logger
 from kvactors.tiers import codec
@@ -141,7 +141,7 @@ class DiskTier(SecondaryTier):
         self.root = os.path.abspath(os.fspath(root))
         self._prefix = os.path.join(self.root, "")
         self.capacity_bytes = capacity_bytes
-        self.fsync = fsync
+        self.fsync = check_flag(fsync, "fsync")  # "no" is a str, not False
         self._io_workers = io_workers
         self._log: EventLogger = component_logger("tiers.disk", tier=name)
 
@@ -154,7 +154,10 @@ class DiskTier(SecondaryTier):
         self._tag = uuid.uuid4().hex[:16]
         self._seq = itertools.count()
 
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:  # a file where a directory must be
+            raise ValueError(f"root {self.root!r} is not a directory: {describe(exc)}") from None
         self._scan()
         self._tls = threading.local()
         self._runner = JobRunner(name=name, workers=io_workers, thread_name=f"kvactors-disk-{name}",

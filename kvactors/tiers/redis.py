@@ -13,7 +13,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvactors.core.arguments import check_int, check_timeout
+from kvactors.core.arguments import check_flag, check_int, check_timeout
 from kvactors.core.events import EventBuffer
 from kvactors.logs import component_logger
 from kvactors.tiers import redis_cluster as rc
@@ -383,6 +383,7 @@ def _check_options(namespace: str, capacity_bytes: int | None, timeout_s: float,
     check_timeout(timeout_s, "timeout_s", allow_none=False, allow_zero=False)
     check_int(io_workers, "io_workers")
     check_timeout(retry_after_s, "retry_after_s", allow_none=False)
+    check_flag(cluster, "cluster")
     if cluster and "{" in namespace:
         # The bucket's hash tag must be the first "{...}" of every key.
         raise ValueError(f"namespace must not contain '{{' with cluster=True, got {namespace!r}")

@@ -63,7 +63,7 @@ def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
     if not isinstance(entry, Mapping):
         raise ValueError(f"kvactors: {where} must be a mapping, got {type(entry).__name__}")
     kind = entry.get("type")
-    if kind not in TIER_KEYS:
+    if not isinstance(kind, str) or kind not in TIER_KEYS:
         raise ValueError(f"kvactors: {where}.type must be one of {sorted(TIER_KEYS)}, got {kind!r}")
     required, optional = TIER_KEYS[kind]
     for key in entry:
@@ -76,6 +76,9 @@ def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
     for key in ("capacity_bytes", "capacity_blocks", "io_workers"):
         if key in entry and not (key == "capacity_bytes" and kind == "redis" and entry[key] is None):
             _positive_int(f"{where}.{key}", entry[key])
+    for key in ("fsync", "cluster"):
+        if key in entry and type(entry[key]) is not bool:
+            raise ValueError(f"kvactors: {where}.{key} must be true or false, got {entry[key]!r}")
     for key in ("root", "url", "name", "namespace", "class"):
         if key in entry and (not isinstance(entry[key], str | os.PathLike) or not str(entry[key])):
             raise ValueError(f"kvactors: {where}.{key} must be a non-empty string, got {entry[key]!r}")
@@ -90,6 +93,8 @@ def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
 
 def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
     """Check the kvactors keys of ``extra``; ``ValueError`` naming the key at fault."""
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"kvactors: kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
     if "cpu_bytes_to_use" not in extra:
         raise ValueError("kvactors: cpu_bytes_to_use is required (the primary CPU pool, in bytes)")
     cpu_bytes = _positive_int("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
@@ -147,7 +152,7 @@ def build_tiers(config: KvactorsConfig) -> list[SecondaryTier]:
                 else:
                     cls = _load_class(str(entry["class"]), where)
                     tier = cls(**dict(entry.get("kwargs", {})))
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OSError) as exc:  # OSError: a root it may not create
                 raise ValueError(f"kvactors: {where} ({kind}): {exc}") from exc
             tiers.append(tier)
     except BaseException:
