@@ -62,7 +62,8 @@ _SHUTDOWN_DRAIN_S = 1.0
 class DiskTier(SecondaryTier):
     """A bounded secondary tier in one directory on local disk.
 
-    ``root`` is created if missing (mode 0700); files are created with mode 0600.
+    ``root`` is created if missing (mode 0700; a file in its place or on its path is a
+    ``ValueError``); files are created with mode 0600.
     Each store job (each worker's chunk of it) writes its new blocks into one
     group file (:mod:`kvactors.tiers.disk_group`: a checksummed table of its keys,
     then the payloads). ``capacity_bytes`` bounds the bytes of the tier's files;
