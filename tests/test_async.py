@@ -346,6 +346,10 @@ def test_a_cancelled_prepare_store_completes_its_rows_as_failed():
 
 
 def test_cancelled_take_events_hands_them_to_the_next_call():
+    """A cancelled take_events hands its events to the next call, also when that call took
+    the earlier orphans meanwhile (the undo must reach the one list, not a stale one)."""
+    from kvactors.aio import _Inbox
+
     with TieringManager.start(num_blocks=16, block_bytes=16) as manager:
         amgr = AsyncTieringManager(manager)
         ctx = ReqContext("a")
@@ -353,18 +357,37 @@ def test_cancelled_take_events_hands_them_to_the_next_call():
         out = manager.prepare_store(keys(1), ctx)
         manager.complete_store(out.keys_to_store, ctx)
 
-        async def main() -> None:
-            with primary_held(manager):
-                task = asyncio.create_task(amgr.take_events())
+        async def main() -> list[tuple[tuple[bytes, ...], bool]]:
+            with primary_held(manager):  # 1. a cancelled call leaves the store event as an orphan
+                first = asyncio.create_task(amgr.take_events())
                 await asyncio.sleep(0)
-                task.cancel()
+                first.cancel()
             with pytest.raises(asyncio.CancelledError):
-                await task
+                await first
             assert await amgr.wait_idle(10)
-            events = await amgr.take_events()
-            assert [(e.keys, e.removed) for e in events] == [(tuple(keys(1)), False)]
+            seen: list[tuple[tuple[bytes, ...], bool]] = []
+            with primary_held(manager):  # 2. one call takes the orphans, a later one is cancelled
+                taker = asyncio.create_task(amgr.take_events())
+                await asyncio.sleep(0)
+                # More answers than the inbox hands over in one turn: the taker resumes (and takes
+                # the orphans) before the cancelled call's answer is undone.
+                fillers = [asyncio.create_task(amgr.stats()) for _ in range(2 * _Inbox.CHUNK)]
+                await asyncio.sleep(0)
+                reset = asyncio.create_task(amgr.reset_cache())  # removes key 1: a removal event
+                await asyncio.sleep(0)
+                cancelled = asyncio.create_task(amgr.take_events())
+                await asyncio.sleep(0)
+                cancelled.cancel()
+            seen += [(e.keys, e.removed) for e in await taker]
+            await asyncio.gather(*fillers, reset)
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert await amgr.wait_idle(10)
+            seen += [(e.keys, e.removed) for e in await amgr.take_events()]
+            return seen
 
-        run(main())
+        seen = run(main())
+        assert seen == [(tuple(keys(1)), False), (tuple(keys(1)), True)], seen
 
 
 def test_wait_idle_times_out_without_blocking_and_a_held_job_still_ends():
@@ -406,51 +429,6 @@ def test_engine_futures_are_awaitable_with_wrap_future():
 
         assert run(main()) == keys(1, 2)
         assert torch.equal(device[2:4], device[0:2])
-
-
-def test_a_take_events_cancelled_while_another_one_waits_loses_no_event():
-    """A cancelled take_events hands its events to the next call, also when a later call
-    took the earlier orphans meanwhile (the undo must reach the one list, not a stale one)."""
-    from kvactors.aio import _Inbox
-
-    with TieringManager.start(num_blocks=16, block_bytes=16) as manager:
-        amgr = AsyncTieringManager(manager)
-        ctx = ReqContext("a")
-        manager.on_new_request(ctx)
-        out = manager.prepare_store(keys(1), ctx)
-        manager.complete_store(out.keys_to_store, ctx)
-
-        async def main() -> list[tuple[tuple[bytes, ...], bool]]:
-            with primary_held(manager):  # 1. a cancelled call leaves the store event as an orphan
-                first = asyncio.create_task(amgr.take_events())
-                await asyncio.sleep(0)
-                first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
-            assert await amgr.wait_idle(10)
-            seen: list[tuple[tuple[bytes, ...], bool]] = []
-            with primary_held(manager):  # 2. one call takes the orphans, a later one is cancelled
-                taker = asyncio.create_task(amgr.take_events())
-                await asyncio.sleep(0)
-                # More answers than the inbox hands over in one turn: the taker resumes (and takes
-                # the orphans) before the cancelled call's answer is undone.
-                fillers = [asyncio.create_task(amgr.stats()) for _ in range(2 * _Inbox.CHUNK)]
-                await asyncio.sleep(0)
-                reset = asyncio.create_task(amgr.reset_cache())  # removes key 1: a removal event
-                await asyncio.sleep(0)
-                cancelled = asyncio.create_task(amgr.take_events())
-                await asyncio.sleep(0)
-                cancelled.cancel()
-            seen += [(e.keys, e.removed) for e in await taker]
-            await asyncio.gather(*fillers, reset)
-            with pytest.raises(asyncio.CancelledError):
-                await cancelled
-            assert await amgr.wait_idle(10)
-            seen += [(e.keys, e.removed) for e in await amgr.take_events()]
-            return seen
-
-        seen = run(main())
-        assert seen == [(tuple(keys(1)), False), (tuple(keys(1)), True)], seen
 
 
 def test_an_undo_that_fails_does_not_stop_the_answers_behind_it():
