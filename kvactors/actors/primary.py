@@ -36,7 +36,7 @@ from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.core.counters import PrimaryCounters
 from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
-from kvactors.core.events import EventBuffer
+from kvactors.core.events import EventBuffer, warn_on_overflow
 from kvactors.core.policies import make_policy
 from kvactors.core.pool import BlockPool, PoolError
 from kvactors.types import (
@@ -400,8 +400,7 @@ class PrimaryTier(Actor):
         msg.reply.set_result(msg.idle)
 
     def _events_dropped(self, buffer: EventBuffer) -> None:
-        self.log.warning("pool_events_dropped", tier=buffer.tier, dropped_keys=buffer.dropped_keys,
-                         max_keys=buffer.max_keys, detail="take_events was not called for too long")
+        warn_on_overflow(self.log, pool=True)(buffer)  # self.log is set after __init__
 
     @handles(m.QueryStats)
     def _on_query_stats(self, msg: m.QueryStats) -> None:

@@ -13,11 +13,15 @@ A plain class: no threads, no locks. Not thread-safe: its owner locks.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kvactors.types import OffloadingEvent, OffloadKey
 
-__all__ = ["MAX_PENDING_EVENT_KEYS", "EventBuffer"]
+if TYPE_CHECKING:
+    from kvactors.logs import EventLogger
+
+__all__ = ["MAX_PENDING_EVENT_KEYS", "EventBuffer", "warn_on_overflow"]
 
 MAX_PENDING_EVENT_KEYS = 1 << 20
 """Keys a buffer keeps for the next ``take_events`` (at some 80 bytes a key, under 100 MiB)."""
@@ -25,11 +29,14 @@ MAX_PENDING_EVENT_KEYS = 1 << 20
 
 class EventBuffer:
     """Events of one tier since the last :meth:`take`, oldest first, at most ``max_keys`` keys
-    (one event larger than that is kept alone)."""
+    (one event larger than that is kept alone). ``on_overflow(buffer)`` is called when an
+    overflow begins: at the first drop since the last :meth:`take`."""
 
-    __slots__ = ("_events", "_keys", "_overflowing", "dropped_events", "dropped_keys", "max_keys", "tier")
+    __slots__ = ("_events", "_keys", "_on_overflow", "_overflowing", "dropped_events", "dropped_keys", "max_keys",
+                 "tier")
 
-    def __init__(self, tier: str, max_keys: int | None = None) -> None:
+    def __init__(self, tier: str, max_keys: int | None = None, *,
+                 on_overflow: Callable[[EventBuffer], None] | None = None) -> None:
         if max_keys is None:
             max_keys = MAX_PENDING_EVENT_KEYS  # read now: a test may lower it
         if not isinstance(max_keys, int) or isinstance(max_keys, bool) or max_keys < 1:
@@ -39,6 +46,7 @@ class EventBuffer:
         self._events: collections.deque[OffloadingEvent] = collections.deque()
         self._keys = 0
         self._overflowing = False
+        self._on_overflow = on_overflow
         self.dropped_events = 0  # in all, since the buffer was made
         self.dropped_keys = 0
 
@@ -47,7 +55,7 @@ class EventBuffer:
 
     def add(self, keys: Iterable[OffloadKey], removed: bool) -> bool:
         """Keep one event of ``keys`` (none if there are none). Whether this call began an
-        overflow: the first drop since the last :meth:`take` (for its owner to log once)."""
+        overflow (the first drop since the last :meth:`take`)."""
         batch = tuple(keys)
         if not batch:
             return False
@@ -64,6 +72,8 @@ class EventBuffer:
             self.dropped_keys += dropped
             self.dropped_events += 1
         began, self._overflowing = not self._overflowing, True
+        if began and self._on_overflow is not None:
+            self._on_overflow(self)
         return began
 
     def take(self) -> list[OffloadingEvent]:
@@ -73,3 +83,19 @@ class EventBuffer:
         self._keys = 0
         self._overflowing = False
         return events
+
+
+def warn_on_overflow(log: EventLogger, *, pool: bool = False) -> Callable[[EventBuffer], None]:
+    """An ``on_overflow`` that logs one warning per overflow: ``events_dropped`` (a tier's
+    component log) or, with ``pool``, ``pool_events_dropped`` (the primary's lifecycle log)."""
+    detail = "take_events was not called for too long"
+
+    def warn(buffer: EventBuffer) -> None:
+        if pool:
+            log.warning("pool_events_dropped", tier=buffer.tier, dropped_keys=buffer.dropped_keys,
+                        max_keys=buffer.max_keys, detail=detail)
+        else:
+            log.warning("events_dropped", tier=buffer.tier, dropped_keys=buffer.dropped_keys,
+                        max_keys=buffer.max_keys, detail=detail)
+
+    return warn

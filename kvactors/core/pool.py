@@ -221,7 +221,7 @@ class BlockPool(PoolRows):
                         policy.add(key)
             self._n_pending -= len(stored)
             self._n_ready += len(stored)
-            self._event(stored, False)
+            self._events.add(stored, False)
             return StoreOutcome(len(rows), 0, stored, tuple(rows))
         live = stale = 0
         done: list[OffloadKey] = []
@@ -238,7 +238,7 @@ class BlockPool(PoolRows):
                 stale += 1
             self._settle(row)
         if done:
-            self._event(done, False)
+            self._events.add(done, False)
         return StoreOutcome(live, stale, tuple(done), tuple(rows))
 
     def detach_write(self, writer: Writer, key: OffloadKey) -> bool:
@@ -380,7 +380,7 @@ class BlockPool(PoolRows):
         if hold:
             self._held_jobs[job_id] = tuple(row for _, row in entries)
         if stored:
-            self._event(stored, False)
+            self._events.add(stored, False)
         return tuple(stored)
 
     # ------------------------------------------------------------------ tests
@@ -426,7 +426,7 @@ class BlockPool(PoolRows):
             else:
                 evicted = tuple(self._evict_one(spare) for _ in range(shortfall))
             self.evicted_keys += shortfall
-            self._event(evicted, True)
+            self._events.add(evicted, True)
         if rows_policy is None or shortfall <= 0:
             cut = len(free) - count
             taken = free[cut:]

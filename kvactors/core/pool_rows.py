@@ -9,7 +9,7 @@ pool lives inside one actor.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvactors.core.events import EventBuffer
 from kvactors.core.load_pins import LoadPinBook
@@ -49,8 +49,7 @@ class PoolRows:
         self._job_pins: dict[int, tuple[int, ...]] = {}
         self._held_jobs: dict[int, tuple[int, ...]] = {}
         self._promotions: dict[int, tuple[tuple[OffloadKey, int], ...]] = {}
-        self._events = EventBuffer(tier)
-        self._on_events_dropped = on_events_dropped
+        self._events = EventBuffer(tier, on_overflow=on_events_dropped)
         self._n_ready = 0
         self._n_pending = 0
         self._n_pinned = 0
@@ -121,12 +120,8 @@ class PoolRows:
             self._unindex(row)
             self._settle(row)
         if removed_ready:
-            self._event([k for k in removed_ready if k is not None], True)
+            self._events.add([k for k in removed_ready if k is not None], True)
         return len(rows)
-
-    def _event(self, keys: Iterable[OffloadKey], removed: bool) -> None:
-        if self._events.add(keys, removed) and self._on_events_dropped is not None:
-            self._on_events_dropped(self._events)
 
     @property
     def event_keys_dropped(self) -> int:

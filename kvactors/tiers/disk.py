@@ -25,13 +25,13 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvactors.core.arguments import check_flag, check_int
-from kvactors.core.events import EventBuffer
+from kvactors.core.events import EventBuffer, warn_on_overflow
 from kvactors.logs import component_logger
 from kvactors.tiers import codec
 from kvactors.tiers.base import ReportFn, SecondaryTier
@@ -148,7 +148,7 @@ class DiskTier(SecondaryTier):
 
         self._lock = threading.Lock()
         self._index = DiskIndex(capacity_bytes, self._unlink_quietly)  # guarded by _lock, like _events
-        self._events = EventBuffer(name)
+        self._events = EventBuffer(name, on_overflow=warn_on_overflow(self._log))
         self._flat = memoryview(b"")  # the pool's bytes, flat (set by attach)
         self._row_bytes = 0
         # Unique file names without a syscall per file: a random tag per tier, then a counter.
@@ -332,12 +332,6 @@ class DiskTier(SecondaryTier):
             with self._lock:
                 self._index.unpin(keys)
 
-    def _emit(self, keys: Iterable[OffloadKey], removed: bool) -> None:
-        """Keep an event for ``take_events``; the caller holds the lock."""
-        if self._events.add(keys, removed):
-            self._log.warning("events_dropped", tier=self.name, dropped_keys=self._events.dropped_keys,
-                              max_keys=self._events.max_keys, detail="take_events was not called for too long")
-
     def _row(self, row: int) -> memoryview:
         """A zero-copy view of pool row ``row``."""
         size = self._row_bytes
@@ -389,7 +383,7 @@ class DiskTier(SecondaryTier):
                     slot = self._index.get(keys[i])
                     if file is not None and slot is not None and slot.file is file:
                         self._index.remove(keys[i])
-                        self._emit((keys[i],), removed=True)
+                        self._events.add((keys[i],), removed=True)
                         failed[i] = sync_failed
             # A job larger than the room evicts its own earlier keys to store its later ones:
             # those are not in the tier because of this store, so they are not reported stored.
@@ -417,7 +411,7 @@ class DiskTier(SecondaryTier):
             try:
                 self._index.reserve(size, evicted)  # unlinks under the lock: the disk never exceeds the capacity
             finally:
-                self._emit(evicted, removed=True)
+                self._events.add(evicted, removed=True)
                 if evicted_here is not None:
                     evicted_here.update(evicted)
         seq = next(self._seq)
@@ -435,7 +429,7 @@ class DiskTier(SecondaryTier):
                     os.replace(tmp, self._path(final))
                     renamed = True
                     file = DiskFile(final, size, self._row_bytes, head=table.head_bytes)
-                    self._emit(self._index.add(file, entries, reserved=size), removed=False)
+                    self._events.add(self._index.add(file, entries, reserved=size), removed=False)
         finally:
             if not renamed:
                 # The bytes stay counted while the file is on disk (also if it cannot be removed).
@@ -474,7 +468,7 @@ class DiskTier(SecondaryTier):
                     for i, slot, key, _ in items:
                         if i in bad and self._index.get(key) is slot:  # not replaced meanwhile
                             self._index.remove(key)
-                            self._emit((key,), removed=True)
+                            self._events.add((key,), removed=True)
                 failed.update(bad)
         return failed
 

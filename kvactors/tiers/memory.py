@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from kvactors.core.arguments import check_int
-from kvactors.core.events import EventBuffer
+from kvactors.core.events import EventBuffer, warn_on_overflow
 from kvactors.logs import component_logger
 from kvactors.tiers.base import SecondaryTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
@@ -36,9 +36,8 @@ class MemoryTier(SecondaryTier):
         super().__init__(name=name)
         self.capacity_blocks = check_int(capacity_blocks, "capacity_blocks")
         self._blocks: OrderedDict[OffloadKey, torch.Tensor] = OrderedDict()
-        self._events = EventBuffer(name)
+        self._events = EventBuffer(name, on_overflow=warn_on_overflow(component_logger("tiers.memory", tier=name)))
         self._lock = threading.Lock()
-        self._log = component_logger("tiers.memory", tier=name)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -77,8 +76,8 @@ class MemoryTier(SecondaryTier):
             while len(self._blocks) > self.capacity_blocks:
                 key, _ = self._blocks.popitem(last=False)
                 evicted.append(key)
-            self._note(stored, removed=False)
-            self._note(evicted, removed=True)
+            self._events.add(stored, removed=False)
+            self._events.add(evicted, removed=True)
         lost = set(evicted) & set(job.keys)
         for key in lost:
             failed.setdefault(key, f"evicted by its own job (capacity {self.capacity_blocks})")
@@ -107,12 +106,6 @@ class MemoryTier(SecondaryTier):
     def take_events(self) -> list[OffloadingEvent]:
         with self._lock:
             return self._events.take()
-
-    def _note(self, keys: list[OffloadKey], *, removed: bool) -> None:
-        """Keep an event for ``take_events`` (the caller holds the lock)."""
-        if self._events.add(keys, removed):
-            self._log.warning("events_dropped", tier=self.name, dropped_keys=self._events.dropped_keys,
-                              max_keys=self._events.max_keys, detail="take_events was not called for too long")
 
 
 def _result(job: TransferJob, failed: dict[OffloadKey, str]) -> JobResult:

@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvactors.core.arguments import check_flag, check_int, check_timeout
-from kvactors.core.events import EventBuffer
+from kvactors.core.events import EventBuffer, warn_on_overflow
 from kvactors.logs import component_logger
 from kvactors.tiers import redis_cluster as rc
 from kvactors.tiers.base import ReportFn, SecondaryTier
@@ -156,7 +156,7 @@ class RedisTier(RedisJobs, SecondaryTier):
         self._evict_script = self._client.register_script(EVICT_LUA)  # one server only
 
         self._lock = threading.Lock()
-        self._events = EventBuffer(name)
+        self._events = EventBuffer(name, on_overflow=warn_on_overflow(self._log))
         self._runner = JobRunner(name=name, workers=io_workers, thread_name=f"kvactors-redis-{name}",
                                  report=self.report, log=self._log, emit=self._record, on_error=self._failed)
         # Degraded mode: no server calls before _down_until (monotonic); answer _down_answer.
@@ -327,10 +327,7 @@ class RedisTier(RedisJobs, SecondaryTier):
     def _record(self, events: Sequence[OffloadingEvent]) -> None:
         with self._lock:
             for event in events:
-                if self._events.add(event.keys, event.removed):
-                    self._log.warning("events_dropped", tier=self.name, dropped_keys=self._events.dropped_keys,
-                                      max_keys=self._events.max_keys,
-                                      detail="take_events was not called for too long")
+                self._events.add(event.keys, event.removed)
 
     def _submit(self, job: TransferJob, work: Callable[[RunningJob], Outcome]) -> None:
         if self.pool is None:
