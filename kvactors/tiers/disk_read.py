@@ -18,9 +18,10 @@ from kvactors.tiers.disk_group import GROUP_SUFFIX, key_checksum, read_run, read
 from kvactors.tiers.disk_index import DiskFile, Entry, Slot
 from kvactors.types import OffloadKey
 
-VERIFY_BYTES = 256 << 10
+VERIFY_BYTES = 2 << 20
 """A load reads at most this many bytes per ``preadv`` (at least one block) and verifies them
-at once: hashing a block still in the CPU's cache costs a fraction of hashing it cold."""
+at once: the bytes are still in the core's cache, and each ``preadv`` gives up the GIL and takes
+it back, which the tier's other workers contend for (fewer, larger reads: docs/performance.md)."""
 
 _OPEN_READ = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW
 
