@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from kvactors.core.policies.base import EvictionPolicy
 from kvactors.core.policies.row_lru import RowLRUPolicy
+from kvactors.core.pool_check import eviction_order
 from kvactors.core.pool_types import Identity, PoolError, StoreOutcome, StorePlan, Writer
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
 
@@ -422,7 +423,7 @@ class ReferencePool:
             self._pins.tolist(), self._holds.tolist(), list(self._free), dict(self._pending_writes),
             {k: (dict(v.rows), v.owed) for k, v in self._load_pins.items()}, dict(self._job_pins),
             dict(self._held_jobs),
-            dict(self._promotions), len(self._policy), set(self._detached),
+            dict(self._promotions), eviction_order(self), set(self._detached),  # type: ignore[arg-type]
         )
 
     # ------------------------------------------------------------------ internals

@@ -104,6 +104,23 @@ def test_every_pin_needs_exactly_one_unpin():
     p.check_invariants()
 
 
+def test_a_refused_unpin_leaves_the_pins_as_they_were_in_order() -> None:
+    p = pool()
+    keys = [b"k1", b"k2", b"k3"]
+    p.prepare_store(keys, A)
+    p.complete_store(keys, A, success=True)
+    p.pin_for_load(keys, B)
+    before = list(p._pin_book.entries()), p.snapshot()
+    with pytest.raises(PoolError):
+        p.unpin_load([b"k1", b"k2", b"never-pinned"], B)
+    with pytest.raises(PoolError):
+        p.unpin_load([b"k2", b"k2"], B)  # pinned once
+    assert (list(p._pin_book.entries()), p.snapshot()) == before
+    p.unpin_load(keys, B)
+    assert p.stats()["blocks_pinned"] == 0
+    p.check_invariants()
+
+
 def test_reset_keeps_busy_rows_until_their_users_end():
     p = pool(2)
     p.prepare_store([b"read"], A)

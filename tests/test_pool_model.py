@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvactors.core import pool_check
 from kvactors.core.policies import ARCPolicy, LRUPolicy
 from kvactors.core.pool import BlockPool, PoolError
 from tests.reference_pool import ReferencePool
@@ -60,18 +61,10 @@ POLICIES: dict[str, Callable[[], Any]] = {"lru": LRUPolicy, "arc": lambda: ARCPo
 
 
 def eviction_order(pool: Any) -> object:
-    """What the pool's policy would evict next, in order (without changing it)."""
-    policy = pool._policy
-    rows = getattr(pool, "_rows", None)
-    if rows is not None:
-        order, row = [], rows._next[rows._tail]
-        while row != rows._tail:
-            order.append(pool._keys[row])
-            row = rows._next[row]
-        return order
-    if isinstance(policy, ARCPolicy):
-        return list(policy._t1), list(policy._t2), list(policy._b1), list(policy._b2), policy.target_recent
-    return list(policy._order), policy.calls
+    """What the pool's policy would evict next, in order (without changing it), and the calls a
+    recording policy saw."""
+    calls = getattr(pool._policy, "calls", None)
+    return pool_check.eviction_order(pool), calls
 
 
 def both(call: Callable[[Any], object], new: BlockPool, ref: ReferencePool) -> object:

@@ -116,21 +116,19 @@ class LoadPinBook:
         """
         mine = self.single.get(owner)
         if mine is not None:
-            # The common case: every key pinned once, each given once. Pop as we go,
-            # put back if a key is not there (then the general path decides).
-            rows = []
-            pop = mine.pop
-            for key in keys:
-                row = pop(key, None)
-                if row is None:
-                    break
-                rows.append(row)
-            else:
+            # The common case: every key pinned once, each given once. Checked before
+            # anything is popped, so that a refused release leaves the book as it was
+            # (its order too); otherwise the general path decides.
+            try:
+                rows = list(map(mine.__getitem__, keys))
+            except KeyError:
+                rows = None
+            if rows is not None and len(set(keys)) == len(keys):
+                for key in keys:
+                    del mine[key]
                 if not mine:
                     del self.single[owner]
                 return rows
-            for key, row in zip(keys, rows, strict=False):  # the keys popped so far
-                mine[key] = row
         return self._take_general(owner, keys, mine)
 
     def _take_general(self, owner: Identity, keys: Sequence[OffloadKey],

@@ -35,8 +35,29 @@ def snapshot(pool: BlockPool) -> tuple[object, ...]:
         list(pool._pins), list(pool._holds), list(pool._free),
         {(writer, key): row for writer, key, row in pending_writes(pool)},
         load_pins(pool), dict(pool._job_pins), dict(pool._held_jobs),
-        dict(pool._promotions), len(pool._policy), set(pool._detached),
+        dict(pool._promotions), eviction_order(pool), set(pool._detached),
     )
+
+
+def eviction_order(pool: BlockPool) -> tuple[object, ...]:
+    """The pool's eviction state, in order: a refused call must not even touch a key's recency.
+    (Duck-typed: the reference pool of the tests has the same fields.)"""
+    from kvactors.core.policies.arc import ARCPolicy
+    from kvactors.core.policies.lru import LRUPolicy
+
+    rows = pool._rows
+    if rows is not None:
+        order, row = [], rows._next[rows._tail]
+        while row != rows._tail:
+            order.append(pool._keys[row])
+            row = rows._next[row]
+        return tuple(order)
+    policy = pool._policy
+    if isinstance(policy, LRUPolicy):
+        return tuple(policy._order)
+    if isinstance(policy, ARCPolicy):
+        return policy._p, tuple(policy._t1), tuple(policy._t2), tuple(policy._b1), tuple(policy._b2)
+    return (len(policy),)
 
 
 def check_invariants(pool: BlockPool) -> None:
