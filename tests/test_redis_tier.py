@@ -314,6 +314,33 @@ def test_capacity_evicts_least_recently_used(
     assert not res.success and res.error is not None and "missing" in res.error
 
 
+def test_out_of_memory_leaves_no_block_uncounted(
+    redis_server_factory: Callable[..., RedisServer], make_tier: Callable[..., Harness]
+) -> None:
+    """A full server with ``noeviction`` refuses writes, and may take a job's blocks and then
+    refuse their LRU entries: such a block would never be counted or evicted by the tier.
+    However the refusals fall, every block present is tracked (and only those), and every key
+    reported stored is present."""
+    server = redis_server_factory(maxmemory="3mb", extra_args=("--maxmemory-policy", "noeviction")).start()
+    h = make_tier(server.url, capacity_bytes=1 << 30, namespace="oom")
+    client = redis.Redis.from_url(server.url)
+    reported: set[bytes] = set()
+    refused = 0
+    for job in range(40):  # 40 jobs of 8 blocks of 16 KiB: 5 MiB, past the 3 MiB
+        keys = keys_(f"o{job}", 8)
+        res = h.result(h.store(keys, range(8)))
+        stored = keys if res.success else list(res.successful_keys or ())
+        reported.update(stored)
+        refused += len(keys) - len(stored)
+    assert refused, "the server never ran out of memory"
+    members = {bytes.fromhex(m.decode()) for m in client.zrange(b"oom:__lru__", 0, -1)}
+    present = {bytes.fromhex(k[len(b"oom:"):].decode()) for k in client.scan_iter(match=b"oom:*")
+               if k != b"oom:__lru__"}
+    assert present == members
+    assert reported <= present
+    client.close()
+
+
 def test_io_threads_are_named(redis_server: RedisServer, make_tier: Callable[..., Harness]) -> None:
     h = make_tier(redis_server.url, name="named", io_workers=2)
     h.store_ok(keys_("n", 1), [0])

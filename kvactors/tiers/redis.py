@@ -308,8 +308,10 @@ class RedisTier(RedisJobs, SecondaryTier):
     # ----------------------------------------------------------------- jobs
 
     def submit_store(self, job: TransferJob) -> None:
-        """Store ``pool[job.block_ids]`` under ``job.keys`` (one pipeline of ``SET``) on an
-        I/O thread; returns at once. Reports exactly once."""
+        """Store ``pool[job.block_ids]`` under ``job.keys`` (one pipeline of ``SET``; with
+        ``capacity_bytes`` a second one adds the keys stored to the LRU set) on an I/O thread;
+        returns at once. Reports exactly once. A key the server took but whose LRU entry it
+        refused (out of memory) is deleted and fails: no block stays that the tier cannot evict."""
         self._submit(job, self._do_store)
 
     def submit_load(self, job: TransferJob) -> None:

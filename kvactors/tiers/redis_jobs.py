@@ -81,12 +81,6 @@ class RedisJobs:
         pipe = self._pipeline()
         for key, record in zip(job.keys, records, strict=True):
             pipe.set(self.redis_key(key), record)
-        capacity = self.capacity_bytes
-        groups = self._lru_groups(job.keys) if capacity is not None else {}
-        now = time.time()
-        for lru_key, (_, members) in groups.items():
-            pipe.zadd(lru_key, {key.hex(): now for key in members})
-            pipe.zcard(lru_key)
         # Per command: one SET refused (OOM, a read-only replica) fails that key only;
         # on a cluster, so does a shard that cannot be reached.
         replies = pipe.execute(raise_on_error=False)
@@ -95,25 +89,54 @@ class RedisJobs:
         for key, reply in zip(job.keys, replies, strict=False):
             if isinstance(reply, Exception):
                 failed.setdefault(key, _describe(reply))
-        stored = tuple(key for key in dict.fromkeys(job.keys) if key not in failed)
-        events = [OffloadingEvent(keys=stored, tier=self.name, removed=False)] if stored else []
+        stored = [key for key in dict.fromkeys(job.keys) if key not in failed]
+        removed: list[OffloadKey] = []
+        capacity = self.capacity_bytes
         if capacity is not None and stored:
             # Each LRU set bounds its share of the capacity (the whole of it on one server).
             limit = max(1, capacity // len(records[0]) // self._lru_sets)
-            counts = replies[len(records) + 1 :: 2]  # after the SETs: ZADD, ZCARD per set
-            over: list[tuple[bytes, bytes, int]] = []
-            for (lru_key, (prefix, _)), count in zip(groups.items(), counts, strict=True):
-                if isinstance(count, Exception):
-                    self._log.warning("evict_failed", job_id=job.job_id, error=_describe(count))
-                elif int(count) > limit:
-                    over.append((lru_key, prefix, int(count) - limit))
-            evicted = self._evict(over, job.job_id) if over else []
-            if evicted:
-                events.append(OffloadingEvent(keys=tuple(evicted), tier=self.name, removed=True))
+            removed = self._track(stored, failed, limit, job.job_id)
+            stored = [key for key in stored if key not in failed]
+        events = [OffloadingEvent(keys=tuple(stored), tier=self.name, removed=False)] if stored else []
+        if removed:
+            events.append(OffloadingEvent(keys=tuple(removed), tier=self.name, removed=True))
         if not failed:
             return Outcome(events=events)
         error = f"{len(failed)} of {len(set(job.keys))} blocks not stored ({next(iter(failed.values()))})"
         return Outcome(_positions(job.keys, failed), error, events)
+
+    def _track(self, stored: list[OffloadKey], failed: dict[OffloadKey, str], limit: int,
+               job_id: int) -> list[OffloadKey]:
+        """Add the keys just stored to their LRU sets and evict past ``limit`` blocks per set; the
+        keys removed. Only keys whose ``SET`` succeeded are added (a second round trip), so no set
+        counts a block that is not there. A key its set refused (OOM with ``noeviction``)
+        would never be evicted: it is deleted and fails (added to ``failed``)."""
+        groups = self._lru_groups(stored)
+        now = time.time()
+        pipe = self._pipeline()
+        for lru_key, (_, members) in groups.items():
+            pipe.zadd(lru_key, {key.hex(): now for key in members})
+            pipe.zcard(lru_key)
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as exc:  # the server went away between the two round trips
+            self._failed(exc)
+            replies = [exc, exc] * len(groups)
+        over: list[tuple[bytes, bytes, int]] = []
+        untracked: list[OffloadKey] = []
+        for (lru_key, (prefix, members)), added, count in zip(groups.items(), replies[::2], replies[1::2],
+                                                               strict=True):
+            if isinstance(added, Exception):
+                untracked += members
+                failed.update(dict.fromkeys(members, f"not tracked for eviction: {_describe(added)}"))
+            elif isinstance(count, Exception):
+                self._log.warning("evict_failed", job_id=job_id, error=_describe(count))
+            elif int(count) > limit:
+                over.append((lru_key, prefix, int(count) - limit))
+        # Deleted (best effort: a block left is valid, found by lookups, but only the server's own
+        # policy can evict it); a re-stored key may have been announced before: its removal is.
+        removed = self._forget([], untracked, job_id) if untracked else []
+        return removed + (self._evict(over, job_id) if over else [])
 
     def _evict(self, over: list[tuple[bytes, bytes, int]], job_id: int) -> list[OffloadKey]:
         """For each ``(LRU set, key prefix, count)``, remove the ``count`` least recently used
