@@ -51,10 +51,12 @@ _MIN_CHUNK_BYTES = 4 << 20
 """A job is split across workers in chunks of at least this many payload bytes:
 below it, the per-chunk overhead costs more than the parallelism wins."""
 
-DEFAULT_IO_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+DEFAULT_IO_WORKERS = min(4, 1 + (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                   else os.cpu_count() or 1))
-"""``io_workers`` by default: 4, or fewer on a machine with fewer usable CPUs (reads from the
-page cache are memory copies; past the cores, more workers only contend for the GIL)."""
+"""``io_workers`` by default: one more than the usable CPUs, at most 4. Reads from the page cache
+are memory copies, one core's each; the extra worker keeps every core reading while the
+scheduler has put two workers that hand the GIL to each other on one core
+(docs/performance.md). Past that, more workers only contend for the GIL."""
 
 _SHUTDOWN_DRAIN_S = 1.0
 """How long :meth:`DiskTier.shutdown` lets running and queued jobs finish before cancelling."""
