@@ -297,6 +297,25 @@ def test_an_existing_event_log_needs_append_log(tmp_path: Path) -> None:
         module.plan(parser.parse_args(["--event-log", str(log), "--append-log"]))
 
 
+def test_stress_checks_the_event_log_the_environment_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --event-log the manager writes to $KVACTORS_EVENT_LOG: the same file, the same rule."""
+    from kvactors.commands import stress
+    from kvactors.commands.options import OptionError
+
+    log = tmp_path / "events.jsonl"
+    log.write_text("")
+    monkeypatch.setenv("KVACTORS_EVENT_LOG", str(log))
+    parser = argparse.ArgumentParser()
+    stress.add_arguments(parser)
+    with pytest.raises(OptionError, match=r"KVACTORS_EVENT_LOG .*--append-log"):
+        stress.plan(parser.parse_args([]))
+    assert stress.plan(parser.parse_args(["--append-log"])).event_log == str(log)
+    other = tmp_path / "other.jsonl"
+    assert stress.plan(parser.parse_args(["--event-log", str(other)])).event_log == str(other)
+    monkeypatch.delenv("KVACTORS_EVENT_LOG")
+    assert stress.plan(parser.parse_args([])).event_log is None
+
+
 def test_simulate_redis_capacity_is_its_own_option(tmp_path: Path) -> None:
     from kvactors.commands.simulate.runner import SimConfig, Simulation
 

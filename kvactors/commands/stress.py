@@ -26,6 +26,7 @@ from typing import Any
 from kvactors.commands import options as opt
 from kvactors.commands.scratch import drop_redis_namespace
 from kvactors.commands.watch import Watch, all_stacks
+from kvactors.logs import ENV_EVENT_LOG
 
 __all__ = ["HELP", "PROG", "Plan", "Watch", "add_arguments", "all_stacks", "drop_redis_namespace", "plan", "run",
            "run_stress", "verdict"]
@@ -92,8 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default max(10, 3 x --transfer-timeout))")
     o = parser.add_argument_group("output")
     o.add_argument("--event-log", type=opt.output_file, default=None, metavar="FILE",
-                   help="write the lifecycle events here, JSON lines (default: none); an existing file "
-                        "is refused unless --append-log")
+                   help="write the lifecycle events here, JSON lines (default: $KVACTORS_EVENT_LOG, if set, "
+                        "else none); an existing file is refused unless --append-log")
     o.add_argument("--append-log", action="store_true", help="append to an existing --event-log file")
     o.add_argument("--json", action="store_true",
                    help="print only a JSON summary on stdout (the table goes to stderr)")
@@ -109,6 +110,8 @@ class Plan:
     hang_after: float
     disk_bytes: int
     redis_bytes: int | None
+    event_log: str | None
+    """``--event-log``, or else ``KVACTORS_EVENT_LOG`` (where the manager would write anyway)."""
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -140,15 +143,18 @@ def plan(args: argparse.Namespace) -> Plan:
         if disk_bytes > free:
             raise opt.OptionError(f"--disk-bytes {opt.format_bytes(disk_bytes)} is more than the "
                                   f"{opt.format_bytes(free)} free on the disk tier's file system")
-    if args.event_log is not None and os.path.exists(args.event_log) and not args.append_log:
-        raise opt.OptionError(f"--event-log {args.event_log}: the file exists (add --append-log to append to it)")
+    event_log, source = args.event_log, "--event-log"
+    if event_log is None and os.environ.get(ENV_EVENT_LOG):
+        event_log, source = os.environ[ENV_EVENT_LOG], ENV_EVENT_LOG
+    if event_log is not None and os.path.exists(event_log) and not args.append_log:
+        raise opt.OptionError(f"{source} {event_log}: the file exists (add --append-log to append to it)")
     try:
         opt.check_memory([("the CPU pool (--cpu-blocks x --block-bytes)", args.cpu_blocks * block),
                           ("block patterns (--keys x --block-bytes)", min(args.keys, 100_001) * block)])
     except opt.OptionError as exc:
         raise opt.OptionError(f"--cpu-blocks {args.cpu_blocks} --block-bytes {block}: {exc}") from None
     return Plan(tiers=tuple(tiers), requests=requests, hang_after=hang_after, disk_bytes=disk_bytes,
-                redis_bytes=args.redis_bytes)
+                redis_bytes=args.redis_bytes, event_log=event_log)
 
 
 def run_stress(args: argparse.Namespace, state: dict[str, Any] | None = None) -> dict[str, Any]:

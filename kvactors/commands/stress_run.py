@@ -99,8 +99,8 @@ def run_planned(args: argparse.Namespace, plan: Plan, cleanup: contextlib.ExitSt
         else:
             opt.prepare_dir(args.disk_dir, "--disk-dir", created)
             disk_root = args.disk_dir
-    if args.event_log is not None:
-        opt.prepare_dir(os.path.dirname(args.event_log), "--event-log", created)
+    if plan.event_log is not None:
+        opt.prepare_dir(os.path.dirname(plan.event_log), "--event-log", created)
     namespace = run_namespace("stress")
     if args.redis is not None:
         cleanup.callback(drop_redis_namespace, args.redis, namespace)
@@ -121,7 +121,7 @@ def run_planned(args: argparse.Namespace, plan: Plan, cleanup: contextlib.ExitSt
     try:
         manager = TieringManager.start(num_blocks=args.cpu_blocks, block_bytes=args.block_bytes,
                                        secondary_tiers=tiers, transfer_timeout_s=timeout,
-                                       lookup_timeout_s=timeout, event_log=args.event_log)
+                                       lookup_timeout_s=timeout, event_log=plan.event_log)
     except Exception as exc:
         if opt.is_allocation_error(exc):
             raise opt.OptionError(f"--cpu-blocks {args.cpu_blocks} --block-bytes {args.block_bytes}: "
