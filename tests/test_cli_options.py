@@ -316,6 +316,50 @@ def test_stress_checks_the_event_log_the_environment_names(tmp_path: Path, monke
     assert stress.plan(parser.parse_args([])).event_log is None
 
 
+@pytest.mark.parametrize("value, error", [
+    ("{dir}", "KVACTORS_EVENT_LOG: .*is a directory"),
+    ("{dir}/", "KVACTORS_EVENT_LOG: .*is a directory"),
+    ("   ", "KVACTORS_EVENT_LOG: the file name is empty"),
+    ("{file}/below-a-file.jsonl", "KVACTORS_EVENT_LOG: "),
+])
+def test_stress_refuses_an_event_log_the_environment_names_badly(
+    value: str, error: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvactors.commands import stress
+    from kvactors.commands.options import OptionError
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KVACTORS_EVENT_LOG", value.format(dir=tmp_path, file=tmp_path / "a-file"))
+    parser = argparse.ArgumentParser()
+    stress.add_arguments(parser)
+    for argv in ([], ["--append-log"]):
+        with pytest.raises(OptionError, match=error):
+            stress.plan(parser.parse_args(argv))
+
+
+def test_stress_takes_a_relative_event_log_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvactors.commands import stress
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVACTORS_EVENT_LOG", "events.jsonl")
+    parser = argparse.ArgumentParser()
+    stress.add_arguments(parser)
+    plan = stress.plan(parser.parse_args([]))
+    assert plan.event_log == str(tmp_path / "events.jsonl") and plan.event_log_source == "KVACTORS_EVENT_LOG"
+
+
+def test_prepare_dir_of_a_bare_file_name_is_the_current_directory(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvactors.commands.options import prepare_dir
+
+    monkeypatch.chdir(tmp_path)
+    created: list[str] = []
+    prepare_dir("", "--event-log", created)  # os.path.dirname("events.jsonl"): it looped for ever
+    assert created == []
+    prepare_dir("new/sub", "--event-log", created)
+    assert created == [str(tmp_path / "new"), str(tmp_path / "new" / "sub")]
+
+
 def test_simulate_redis_capacity_is_its_own_option(tmp_path: Path) -> None:
     from kvactors.commands.simulate.runner import SimConfig, Simulation
 

@@ -219,6 +219,7 @@ def prepare_dir(path: str, option: str, created: list[str]) -> None:
     The directories this call created are appended to ``created`` (outermost
     first), so that the caller can remove them when the run does not go ahead.
     """
+    path = os.path.abspath(path or os.curdir)  # "" (a bare file name's directory) is the current one
     missing = []
     parent = path
     while not os.path.lexists(parent):

@@ -112,6 +112,8 @@ class Plan:
     redis_bytes: int | None
     event_log: str | None
     """``--event-log``, or else ``KVACTORS_EVENT_LOG`` (where the manager would write anyway)."""
+    event_log_source: str
+    """Which of the two named it (for errors)."""
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -145,7 +147,12 @@ def plan(args: argparse.Namespace) -> Plan:
                                   f"{opt.format_bytes(free)} free on the disk tier's file system")
     event_log, source = args.event_log, "--event-log"
     if event_log is None and os.environ.get(ENV_EVENT_LOG):
-        event_log, source = os.environ[ENV_EVENT_LOG], ENV_EVENT_LOG
+        # Where the manager would write: checked as --event-log is.
+        source = ENV_EVENT_LOG
+        try:
+            event_log = opt.output_file(os.environ[ENV_EVENT_LOG])
+        except argparse.ArgumentTypeError as exc:
+            raise opt.OptionError(f"{ENV_EVENT_LOG}: {exc}") from None
     if event_log is not None and os.path.exists(event_log) and not args.append_log:
         raise opt.OptionError(f"{source} {event_log}: the file exists (add --append-log to append to it)")
     try:
@@ -154,7 +161,7 @@ def plan(args: argparse.Namespace) -> Plan:
     except opt.OptionError as exc:
         raise opt.OptionError(f"--cpu-blocks {args.cpu_blocks} --block-bytes {block}: {exc}") from None
     return Plan(tiers=tuple(tiers), requests=requests, hang_after=hang_after, disk_bytes=disk_bytes,
-                redis_bytes=args.redis_bytes, event_log=event_log)
+                redis_bytes=args.redis_bytes, event_log=event_log, event_log_source=source)
 
 
 def run_stress(args: argparse.Namespace, state: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -100,7 +100,7 @@ def run_planned(args: argparse.Namespace, plan: Plan, cleanup: contextlib.ExitSt
             opt.prepare_dir(args.disk_dir, "--disk-dir", created)
             disk_root = args.disk_dir
     if plan.event_log is not None:
-        opt.prepare_dir(os.path.dirname(plan.event_log), "--event-log", created)
+        opt.prepare_dir(os.path.dirname(plan.event_log), plan.event_log_source, created)
     namespace = run_namespace("stress")
     if args.redis is not None:
         cleanup.callback(drop_redis_namespace, args.redis, namespace)
