@@ -341,6 +341,25 @@ def test_out_of_memory_leaves_no_block_uncounted(
     client.close()
 
 
+def test_a_key_deleted_after_its_lru_entry_was_refused_is_announced_removed(
+    redis_server: RedisServer, make_tier: Callable[..., Harness]
+) -> None:
+    """A re-store whose LRU entry the server refuses deletes the key, which the first store
+    announced: its removal is announced too, even when the rest of the clean-up fails."""
+    h = make_tier(redis_server.url, capacity_bytes=1 << 30, namespace="wt")
+    (key,) = keys_("w", 1)
+    h.store_ok([key], [0])
+    assert h.tier.take_events() == [OffloadingEvent((key,), "redis", removed=False)]
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(b"wt:__lru__", b"not a sorted set")  # every ZADD and ZREM on it fails (WRONGTYPE)
+    res = h.result(h.store([key], [1]))
+    assert not res.success and not res.successful_keys and res.error is not None and "WRONGTYPE" in res.error
+    assert not client.exists(h.tier.redis_key(key))
+    assert h.tier.take_events() == [OffloadingEvent((key,), "redis", removed=True)]
+    assert h.tier.lookup([key], CTX) == [MISS]
+    client.close()
+
+
 def test_io_threads_are_named(redis_server: RedisServer, make_tier: Callable[..., Harness]) -> None:
     h = make_tier(redis_server.url, name="named", io_workers=2)
     h.store_ok(keys_("n", 1), [0])

@@ -311,7 +311,8 @@ class RedisTier(RedisJobs, SecondaryTier):
         """Store ``pool[job.block_ids]`` under ``job.keys`` (one pipeline of ``SET``; with
         ``capacity_bytes`` a second one adds the keys stored to the LRU set) on an I/O thread;
         returns at once. Reports exactly once. A key the server took but whose LRU entry it
-        refused (out of memory) is deleted and fails: no block stays that the tier cannot evict."""
+        refused (out of memory) fails and is deleted (if the server still answers: a block left
+        is logged, ``forget_failed``)."""
         self._submit(job, self._do_store)
 
     def submit_load(self, job: TransferJob) -> None:

@@ -109,8 +109,10 @@ class RedisJobs:
                job_id: int) -> list[OffloadKey]:
         """Add the keys just stored to their LRU sets and evict past ``limit`` blocks per set; the
         keys removed. Only keys whose ``SET`` succeeded are added (a second round trip), so no set
-        counts a block that is not there. A key its set refused (OOM with ``noeviction``)
-        would never be evicted: it is deleted and fails (added to ``failed``)."""
+        counts a block that is not there. A key its set refused (OOM with ``noeviction``), or
+        that could not be added because the server went away meanwhile, would never be evicted:
+        it fails (added to ``failed``) and its delete is tried; one that fails too is logged
+        (``forget_failed``), and the block stays, valid, for the server's own policy to evict."""
         groups = self._lru_groups(stored)
         now = time.time()
         pipe = self._pipeline()
@@ -133,8 +135,7 @@ class RedisJobs:
                 self._log.warning("evict_failed", job_id=job_id, error=_describe(count))
             elif int(count) > limit:
                 over.append((lru_key, prefix, int(count) - limit))
-        # Deleted (best effort: a block left is valid, found by lookups, but only the server's own
-        # policy can evict it); a re-stored key may have been announced before: its removal is.
+        # A re-stored key may have been announced before: its removal is.
         removed = self._forget([], untracked, job_id) if untracked else []
         return removed + (self._evict(over, job_id) if over else [])
 
@@ -237,15 +238,16 @@ class RedisJobs:
             if self.capacity_bytes is not None:
                 for lru_key, (_, members) in self._lru_groups([*missing, *corrupt]).items():
                     pipe.zrem(lru_key, *[k.hex() for k in members])
-            replies = pipe.execute()
+            # Per command (not a transaction: an UNLINK that ran counts, whatever failed after it).
+            replies = pipe.execute(raise_on_error=False)
         except Exception as exc:
             self._failed(exc)
             self._log.warning("forget_failed", job_id=job_id, error=_describe(exc))
             return []
-        # One server raises on any failure; a cluster answers per command (per shard).
         deleted = [key for key, reply in zip(corrupt, replies, strict=False) if not isinstance(reply, Exception)]
-        if len(deleted) < len(corrupt) or any(isinstance(r, Exception) for r in replies):
-            self._log.warning("forget_failed", job_id=job_id, error="a shard did not answer")
+        errors = [reply for reply in replies if isinstance(reply, Exception)]
+        if errors:
+            self._log.warning("forget_failed", job_id=job_id, error=_describe(errors[0]), failed=len(errors))
         return deleted
 
 
