@@ -81,8 +81,8 @@ class DiskTier(SecondaryTier):
     whole files, the least recently used first (a file is as recent as its most
     recent block): evicting a block alone would free nothing.
 
-    ``io_workers`` threads (named ``kvactors-disk-<name>-N``; default: 4, fewer on a
-    machine with fewer usable CPUs) do the I/O; ``submit_store``/``submit_load``
+    ``io_workers`` threads (named ``kvactors-disk-<name>-N``; default: one more than the
+    usable CPUs, at most 4: :data:`DEFAULT_IO_WORKERS`) do the I/O; ``submit_store``/``submit_load``
     return at once and every job is reported exactly once, from a worker (or from
     the thread that shut the tier down, for a job cancelled by :meth:`shutdown`).
     ``fsync=True`` makes a store durable before it is reported (the file and the
