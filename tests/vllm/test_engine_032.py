@@ -61,9 +61,21 @@ def assert_idle(r: dict) -> None:
     assert st["blocks_pinned"] == 0 and st["jobs_in_flight"] == 0, st
 
 
+LOGPROB_TOLERANCE = 1e-2
+"""Round 2 against the reference when some prompt loaded fewer tokens than the reference had
+cached (a tier failed: it computed them instead), so that the steps compute other token counts
+and round differently: 5.7e-4 seen on an AMX CPU. A wrong load gives NaN or other tokens
+(the negative control's diff is inf)."""
+
+
 def assert_correct(r: dict) -> None:
+    """The same greedy tokens in all three runs, and round 2's logprobs those of the engine's own
+    cache: bit for bit where every prompt was served as many cached tokens (the same steps)."""
     assert r["tokens_equal"], r
-    assert r["max_logprob_diff"] == 0.0, r
+    if r["cached_round2"] == r["cached_reference"]:
+        assert r["max_logprob_diff"] == 0.0, r
+    else:
+        assert r["max_logprob_diff"] <= LOGPROB_TOLERANCE, r
 
 
 @pytest.mark.timeout(450)
@@ -73,8 +85,10 @@ def test_round_two_is_served_from_kvactors_with_identical_output(engine):
     # engine's own cache. Which one depends on when each lookup is answered (lookup_wait_s = 0
     # defers a request whose answer is not in yet): not on the prompt's position.
     assert min(r["cached_round1"]) == 0, r
-    # Round 2, engine cache dropped: every prompt, the first too, starts from kvactors' blocks.
+    # Round 2, engine cache dropped: every prompt, the first too, starts from kvactors' blocks, as
+    # many as the engine's own cache served (so the output is compared bit for bit).
     assert all(c >= 128 for c in r["cached_round2"]), r
+    assert r["cached_round2"] == r["cached_reference"], r
     assert r["stats"]["vllm_keys_loaded"] >= 4, r["stats"]
     assert r["worker"]["bytes_loaded"] > 0 and r["worker"]["load_failures"] == 0, r["worker"]
     assert_correct(r)
