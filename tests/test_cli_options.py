@@ -337,7 +337,8 @@ def test_stress_refuses_an_event_log_the_environment_names_badly(
             stress.plan(parser.parse_args(argv))
 
 
-def test_stress_takes_a_relative_event_log_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stress_takes_a_relative_event_log_from_the_environment(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from kvactors.commands import stress
 
     monkeypatch.chdir(tmp_path)
