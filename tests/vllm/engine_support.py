@@ -149,21 +149,33 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(math.inf if math.isnan(d) else d for d in diffs)
 
 
+def one_by_one(llm: Any, batch: list[list[int]]) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """:func:`summarize` of each prompt generated alone, one after the other."""
+    tokens, lps, cached = [], [], []
+    for prompt in batch:
+        (t,), (lp,), (c,) = summarize(generate(llm, [prompt]))
+        tokens.append(t)
+        lps.append(lp)
+        cached.append(c)
+    return tokens, lps, cached
+
+
 def rounds(llm: Any, settled: Callable[[], bool], before_round2: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Round 1 stores the shared prefix; the engine's prefix cache is dropped; round 2 loads it back.
 
-    Round 2 is compared with a reference: the same batch again before the drop, served from the
-    engine's own prefix cache (``cached_reference`` tokens per prompt). Not with round 1: the
-    CPU kernels' rounding depends on how many tokens a step computes (an AMX CPU's bf16 GEMMs
-    do), so only a run that computes as many tokens is bit for bit the same."""
+    Round 2 is compared with a reference: the same prompts before the drop, served from the
+    engine's own prefix cache (``cached_reference`` tokens each). Both run one prompt at a
+    time: the CPU kernels' rounding depends on how many tokens a step computes (an AMX CPU's
+    bf16 GEMMs do), and a batch's steps depend on when each prompt's load ends, so only
+    steps of one prompt, with as many tokens cached, give the same output bit for bit."""
     batch = prompts()
     t1, l1, c1 = summarize(generate(llm, batch))
     settle(llm, settled)
-    t_ref, l_ref, c_ref = summarize(generate(llm, batch))
+    t_ref, l_ref, c_ref = one_by_one(llm, batch)
     assert llm.reset_prefix_cache(), "the engine's prefix cache was not reset"
     if before_round2 is not None:
         before_round2()
-    t2, l2, c2 = summarize(generate(llm, batch))
+    t2, l2, c2 = one_by_one(llm, batch)
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
     return {"cached_round1": c1, "cached_reference": c_ref, "cached_round2": c2,
             "tokens_equal": t1 == t_ref == t2, "max_logprob_diff": _max_diff(l_ref, l2),
