@@ -197,6 +197,13 @@ def output_file(text: str) -> str:
     return path
 
 
+def check_event_log(path: str | None, source: str, append: bool) -> None:
+    """An existing event log ``path`` (named by ``source``) is written to only with ``--append-log``;
+    raises :class:`OptionError`."""
+    if path is not None and os.path.exists(path) and not append:
+        raise OptionError(f"{source} {path}: the file exists (add --append-log to append to it)")
+
+
 def plot_file(text: str) -> str:
     """A ``type=`` for ``--plot``: a file whose suffix matplotlib can write (matplotlib must be installed)."""
     path = output_file(text)

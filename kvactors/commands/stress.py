@@ -153,8 +153,7 @@ def plan(args: argparse.Namespace) -> Plan:
             event_log = opt.output_file(os.environ[ENV_EVENT_LOG])
         except argparse.ArgumentTypeError as exc:
             raise opt.OptionError(f"{ENV_EVENT_LOG}: {exc}") from None
-    if event_log is not None and os.path.exists(event_log) and not args.append_log:
-        raise opt.OptionError(f"{source} {event_log}: the file exists (add --append-log to append to it)")
+    opt.check_event_log(event_log, source, args.append_log)
     try:
         opt.check_memory([("the CPU pool (--cpu-blocks x --block-bytes)", args.cpu_blocks * block),
                           ("block patterns (--keys x --block-bytes)", min(args.keys, 100_001) * block)])

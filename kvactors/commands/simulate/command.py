@@ -172,8 +172,7 @@ def plan(args: argparse.Namespace) -> Plan:
         if disk_bytes > free:
             raise OptionError(f"--disk-bytes {opt.format_bytes(disk_bytes)} is more than the "
                               f"{opt.format_bytes(free)} free on the disk tier's file system")
-    if args.event_log is not None and os.path.exists(args.event_log) and not args.append_log:
-        raise OptionError(f"--event-log {args.event_log}: the file exists (add --append-log to append to it)")
+    opt.check_event_log(args.event_log, "--event-log", args.append_log)
     device = _device(args.device)
     pool = cpu_blocks * block_bytes
     cache = threads * WorkloadShape().max_request_blocks * block_bytes
