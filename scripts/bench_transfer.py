@@ -10,6 +10,9 @@ Measured in one run, on the same bytes:
   resolved (so ``prepare_*``, the copies and ``complete_*`` are all counted);
 * the baseline: one contiguous ``copy_`` of the same total size between the
   same two tensors (device cache and pool), in each direction;
+* the bare pipeline (``bare_pipeline_*``, device -> pool): the engine's threads and
+  batches with no control work at all (:class:`BarePipeline`), the ceiling of
+  ``offload_ratio`` on the machine at hand;
 * if ``kvactors.tiers.disk.DiskTier`` is importable: its store/load GB/s,
   driven through the ``SecondaryTier`` interface with jobs of the same size,
   vs writing/reading the same bytes as plain files, one file per block. The
@@ -37,6 +40,7 @@ import argparse
 import itertools
 import json
 import os
+import queue
 import shutil
 import statistics
 import sys
@@ -109,6 +113,72 @@ def engine_trial(manager: TieringManager, engine: TransferEngine, device: torch.
     manager.on_request_finished(ctx)
     manager.reset_cache()
     return t_offload, t_onboard, requests * per_request / runs
+
+
+class BarePipeline:
+    """The engine's thread shape with no control work: the ceiling of a pipelined copy here.
+
+    A caller thread submits requests (a future each, at most ``window`` in flight), one copy
+    thread takes them in batches of up to 16 MiB and copies each batch's rows as one slice
+    (torch's threads, as the engine), one completer thread resolves the futures. No manager,
+    no checks, no keys: what this reaches is what the engine could reach if its control work
+    cost nothing.
+    """
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, per_request: int) -> None:
+        self._dst, self._src, self._per = dst, src, per_request
+        self._jobs: queue.SimpleQueue[tuple[int, Future[None]] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[Future[None] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._copy, daemon=True),
+                         threading.Thread(target=self._complete, daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def _copy(self) -> None:
+        limit = max(1, (16 << 20) // (self._per * self._src.shape[1]))
+        while (job := self._jobs.get()) is not None:
+            batch = [job]
+            while len(batch) < limit:
+                try:
+                    more = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._jobs.put(None)
+                    break
+                batch.append(more)
+            first, last = batch[0][0], batch[-1][0] + self._per
+            if last - first == len(batch) * self._per:
+                self._dst[first:last].copy_(self._src[first:last])
+            else:
+                for row, _ in batch:
+                    self._dst[row : row + self._per].copy_(self._src[row : row + self._per])
+            for _, future in batch:
+                self._done.put(future)
+        self._done.put(None)
+
+    def _complete(self) -> None:
+        while (future := self._done.get()) is not None:
+            future.set_result(None)
+
+    def trial(self, requests: int, window: int) -> float:
+        inflight: deque[Future[None]] = deque()
+        start = time.perf_counter()
+        for i in range(requests):
+            if len(inflight) >= window:
+                inflight.popleft().result(60)
+            future: Future[None] = Future()
+            future.set_running_or_notify_cancel()
+            self._jobs.put((i * self._per, future))
+            inflight.append(future)
+        while inflight:
+            inflight.popleft().result(60)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        for thread in self._threads:
+            thread.join(60)
 
 
 # ---------------------------------------------------------------- disk
@@ -189,7 +259,8 @@ def disk_only(args: argparse.Namespace, requests: int, per_request: int, block_b
     pool = (pool + torch.arange(blocks).to(torch.uint8)[:, None]).contiguous()  # rows differ
     disk = disk_bench(pool, requests, per_request, trials)
     engine_names = ("offload_gbps", "onboard_gbps", "baseline_copy_gbps", "baseline_offload_dir_gbps",
-                    "baseline_onboard_dir_gbps", "offload_ratio", "onboard_ratio")
+                    "baseline_onboard_dir_gbps", "offload_ratio", "onboard_ratio", "bare_pipeline_gbps",
+                    "bare_pipeline_ratio")
     result: dict[str, Any] = {**dict.fromkeys(engine_names), "disk_write_ratio": None, "disk_read_ratio": None,
                               **disk, "blocks_per_copy_run": None,
                               "config": {"requests": requests, "blocks_per_request": per_request,
@@ -480,19 +551,25 @@ def main(argv: list[str] | None = None) -> int:
     device = seed_rows.repeat((total_blocks + 63) // 64, 1)[:total_blocks].contiguous()
     device += torch.arange(total_blocks).to(torch.uint8)[:, None]
     reference = device.clone()
-    offload_t, onboard_t, base_off_t, base_on_t, per_run = [], [], [], [], []
+    offload_t, onboard_t, base_off_t, base_on_t, per_run, bare_t = [], [], [], [], [], []
     with TieringManager.start(num_blocks=total_blocks, block_bytes=block_bytes) as manager:
         pool = manager.pool
+        bare = BarePipeline(pool, device, per_request)
         with TransferEngine(manager, device, copy_workers=args.copy_workers) as engine:
-            engine_trial(manager, engine, device, reference, -1, min(requests, 8), per_request, args.window)  # warm
-            for trial in range(trials):
-                base_off_t.append(baseline_copy(pool, device))
-                base_on_t.append(baseline_copy(device, pool))
-                t_off, t_on, blocks_per_run = engine_trial(
-                    manager, engine, device, reference, trial, requests, per_request, args.window)
-                offload_t.append(t_off)
-                onboard_t.append(t_on)
-                per_run.append(blocks_per_run)
+            try:
+                engine_trial(manager, engine, device, reference, -1, min(requests, 8), per_request, args.window)
+                bare.trial(min(requests, 8), args.window)  # both warm
+                for trial in range(trials):
+                    base_off_t.append(baseline_copy(pool, device))
+                    base_on_t.append(baseline_copy(device, pool))
+                    bare_t.append(bare.trial(requests, args.window))
+                    t_off, t_on, blocks_per_run = engine_trial(
+                        manager, engine, device, reference, trial, requests, per_request, args.window)
+                    offload_t.append(t_off)
+                    onboard_t.append(t_on)
+                    per_run.append(blocks_per_run)
+            finally:
+                bare.close()
         disk = disk_bench(pool, min(disk_requests, requests), per_request, trials)
     layout = vllm_layout_bench(requests, per_request, block_bytes, args.layers, args.window, trials)
 
@@ -509,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_onboard_dir_gbps": base_on,
         "offload_ratio": offload / base_off,
         "onboard_ratio": onboard / base_on,
+        "bare_pipeline_gbps": gbps(nbytes, statistics.median(bare_t)),
+        "bare_pipeline_ratio": gbps(nbytes, statistics.median(bare_t)) / base_off,
         "disk_write_ratio": None,
         "disk_read_ratio": None,
         **disk,
@@ -530,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'baseline copy_ pool->device':<34}{fmt(base_on):>9}")
     print(f"{'engine offload':<34}{fmt(offload):>9}{fmt(result['offload_ratio']):>9}")
     print(f"{'engine onboard':<34}{fmt(onboard):>9}{fmt(result['onboard_ratio']):>9}")
+    print(f"{'bare pipeline (no control work)':<34}{fmt(result['bare_pipeline_gbps']):>9}"
+          f"{fmt(result['bare_pipeline_ratio']):>9}")
     print(f"{'blocks per coalesced copy':<34}{fmt(result['blocks_per_copy_run']):>9}")
     print_disk(disk)
     if layout.get("vllm_layout_available"):

@@ -632,3 +632,18 @@ def test_rows_for_consecutive_keys_ascend_after_eviction():
     assert plan is not None and len(plan.evicted) == 8
     assert list(plan.rows) == sorted(plan.rows) == list(range(8))
     p.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_stores_after_a_reset_continue_each_others_rows(policy):
+    """The engine merges the copies of consecutive requests whose rows continue each other."""
+    p = pool(12, policy)
+    for i in range(3):
+        keys = [bytes([i, n]) for n in range(4)]
+        p.prepare_store(keys, A)
+        p.complete_store(keys, A, success=True)
+    p.reset()
+    plans = [p.prepare_store([bytes([9, i, n]) for n in range(4)], A) for i in range(3)]
+    rows = [row for plan in plans for row in plan.rows]
+    assert rows == list(range(12))
+    p.check_invariants()

@@ -114,11 +114,16 @@ class PoolRows:
         """
         removed_ready = []
         rows = list(self._index.values())
+        freed_from = len(self._free)
         for row in rows:
             if self._ready[row]:
                 removed_ready.append(self._keys[row])
             self._unindex(row)
             self._settle(row)
+        # The free list is taken from its end: the freed rows go there highest first, so the
+        # stores after a reset get ascending rows and the copies of consecutive requests
+        # coalesce (docs/performance.md).
+        self._free[freed_from:] = sorted(self._free[freed_from:], reverse=True)
         if removed_ready:
             self._events.add([k for k in removed_ready if k is not None], True)
         return len(rows)
