@@ -290,7 +290,9 @@ class TieringManager:
     def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """One result per key. A key found only in a secondary tier starts its
         promotion (at most one per key, on behalf of ``ctx``) and answers
-        ``HIT_PENDING``. ``LifecycleError`` if the request is unknown or finished."""
+        ``HIT_PENDING``; ``RETRY`` if the pool has no row to promote it into now
+        (every row pending, pinned or held). ``LifecycleError`` if the request is
+        unknown or finished."""
         reply: Reply[list[LookupResult]] = Reply()
         return self._ask(m.Lookup(*check_request(keys, ctx), reply), reply)
 

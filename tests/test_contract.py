@@ -363,6 +363,27 @@ def test_failed_promotion_is_never_served():
         assert settled(manager)["active_requests"] == 0
 
 
+def test_a_key_the_pool_has_no_room_to_promote_is_retry_not_miss():
+    """MISS means nowhere: a tier's key waits for room (api.md: "the key is RETRY")."""
+    seeder, ctx = ReqContext("seed"), ReqContext("r")
+    with start(MemoryTier(capacity_blocks=8), num_blocks=2) as manager:
+        manager.on_new_request(seeder)
+        store(manager, seeder, [1])
+        manager.on_request_finished(seeder)
+        settled(manager)
+        manager.reset_cache()
+        manager.on_new_request(ctx)
+        pending = store(manager, ctx, [2, 3], complete=False)  # every row pending: nothing to evict
+        assert manager.lookup(keys(1), ctx) == [LookupResult.RETRY]
+        assert manager.stats()["blocks_pending"] == 2
+        manager.complete_store(pending.keys_to_store, ctx)
+        assert manager.wait_idle(10)  # the cascades of 2 and 3 hold their rows until they end
+        assert manager.lookup(keys(1), ctx) == [LookupResult.HIT_PENDING]
+        assert wait_for(lambda: manager.lookup(keys(1), ctx) == [LookupResult.HIT])
+        manager.on_request_finished(ctx)
+        assert settled(manager)["active_requests"] == 0
+
+
 def test_raising_tier_fails_its_job_and_spares_the_others():
     bad = ControlledTier(name="bad", raise_on=["submit_store", "lookup"])
     good = RecordingTier(name="good")

@@ -352,7 +352,9 @@ class PrimaryTier(Actor):
             job_id = next(self.work_ids)
             rows = self.pool.allocate_promotion(job_id, absent)
             if rows is None:
-                answer.update(dict.fromkeys(absent, LookupResult.MISS))  # no room to promote into
+                # No room to promote into now (rows pending, pinned or held): the key is
+                # there, so the caller asks again rather than recomputing (api.md).
+                answer.update(dict.fromkeys(absent, LookupResult.RETRY))
                 continue
             answer.update(dict.fromkeys(absent, LookupResult.HIT_PENDING))
             jobs.append(m.CascadeJob(tier, TransferJob(job_id, absent, rows, msg.ctx, True)))
