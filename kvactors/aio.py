@@ -29,7 +29,7 @@ from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.core.arguments import check_ctx, check_flag, check_request, check_timeout
 from kvactors.core.errors import ManagerStoppedError
-from kvactors.manager import TieringManager
+from kvactors.manager import STOP_GRACE_S, TieringManager
 from kvactors.types import (
     LoadStoreSpec,
     LookupResult,
@@ -45,6 +45,16 @@ __all__ = ["AsyncTieringManager"]
 
 
 _Undo = Callable[[Any], None] | None
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    """On ``future``'s loop: its result, unless its awaiting task gave up on it."""
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(None)
 
 
 class _Inbox:
@@ -157,6 +167,10 @@ class AsyncTieringManager:
         self._claims = check_flag(claims, "claims")
         self._orphan_events: list[OffloadingEvent] = []
         self._inbox: _Inbox | None = None
+        self._stop_lock = threading.Lock()
+        self._stop_thread: threading.Thread | None = None
+        self._stop_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._stop_ended = False
 
     # ------------------------------------------------------------ the bridge
 
@@ -266,29 +280,42 @@ class AsyncTieringManager:
     async def stop(self, timeout: float | None = None) -> None:
         """As :meth:`TieringManager.stop`. Its last step joins the actors' threads (a
         tier stuck in a call may hold it up to ``timeout``), so it runs on one thread
-        of its own, started here, never on the loop's; a cancelled stop still completes."""
+        of its own, never on the loop's: the first call starts it, and every call,
+        also a concurrent or later one, awaits its end (one thread per wrapper, not
+        per call). A later call with a ``timeout`` returns once that stop ended or
+        ``timeout + 2 * STOP_GRACE_S`` passed, as the blocking one does. A
+        cancelled stop still completes."""
+        timeout = check_timeout(timeout, "timeout")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-
-        def deliver(error: BaseException | None) -> None:
-            if future.cancelled():
+        with self._stop_lock:
+            if self._stop_ended:
                 return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(None)
+            self._stop_waiters.append((loop, future))
+            first = self._stop_thread is None
+            if first:
+                self._stop_thread = threading.Thread(target=self._run_stop, args=(timeout,),
+                                                     name="kvactors-async-stop", daemon=True)
+                self._stop_thread.start()
+        if first or timeout is None:
+            await future
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(future), timeout + 2 * STOP_GRACE_S)
 
-        def run() -> None:
-            error: BaseException | None = None
-            try:
-                self.manager.stop(timeout)
-            except BaseException as exc:
-                error = exc
-            with contextlib.suppress(RuntimeError):  # the loop is closed
-                loop.call_soon_threadsafe(deliver, error)
-
-        threading.Thread(target=run, name="kvactors-async-stop", daemon=True).start()
-        await future
+    def _run_stop(self, timeout: float | None) -> None:
+        """The stop thread: the blocking stop, then every waiting call's future, on its loop."""
+        error: BaseException | None = None
+        try:
+            self.manager.stop(timeout)
+        except BaseException as exc:
+            error = exc
+        with self._stop_lock:
+            self._stop_ended = True
+            waiters, self._stop_waiters = self._stop_waiters, []
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop is closed
+                loop.call_soon_threadsafe(_settle, future, error)
 
     # ------------------------------------------------------------ non-blocking calls
 

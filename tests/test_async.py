@@ -286,6 +286,50 @@ def test_the_same_errors_as_the_blocking_api():
         AsyncTieringManager("not a manager")  # type: ignore[arg-type]
 
 
+def test_concurrent_stops_share_one_thread_and_each_keeps_its_bound(monkeypatch: pytest.MonkeyPatch):
+    """No thread per call: ten stops at once start one stop thread; a later one returns at once."""
+    gate = threading.Event()
+    started_names: list[str] = []
+    start_thread = threading.Thread.start
+
+    def counting_start(thread: threading.Thread) -> None:
+        started_names.append(thread.name)
+        start_thread(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counting_start)
+
+    class StuckLookup(ControlledTier):
+        def lookup(self, keys_, ctx):
+            gate.wait(30)
+            return super().lookup(keys_, ctx)
+
+    manager = TieringManager.start(num_blocks=4, block_bytes=32, secondary_tiers=[StuckLookup(hold=False)],
+                                   transfer_timeout_s=0.5, lookup_timeout_s=0.2)
+    amgr = AsyncTieringManager(manager)
+    ctx = ReqContext("a")
+    try:
+        async def main() -> None:
+            await amgr.on_new_request(ctx)
+            assert await amgr.lookup(keys(1), ctx) == [LookupResult.RETRY]  # the tier is stuck in it
+            started = time.monotonic()
+            await asyncio.gather(*(amgr.stop(0.2) for _ in range(10)))
+            took = time.monotonic() - started
+            assert started_names.count("kvactors-async-stop") == 1, started_names
+            assert took < 0.2 + 2 * 0.5 + 1.0, took  # each within timeout + 2 * STOP_GRACE_S (and slack)
+            assert manager.stopped
+            started = time.monotonic()
+            await amgr.stop()
+            assert time.monotonic() - started < 0.5  # stopped: returns at once
+            assert started_names.count("kvactors-async-stop") == 1, started_names
+            with pytest.raises(ValueError):
+                await amgr.stop(-1)
+
+        run(main())
+    finally:
+        gate.set()
+        manager.stop(1)
+
+
 # ------------------------------------------------------------------ cancellation
 
 
