@@ -314,6 +314,22 @@ def test_capacity_evicts_least_recently_used(
     assert not res.success and res.error is not None and "missing" in res.error
 
 
+def test_a_store_larger_than_the_room_fails_the_keys_it_evicted_itself(
+    redis_server: RedisServer, make_tier: Callable[..., Harness]
+) -> None:
+    """Exactly the keys reported successful are in the tier, as DiskTier and MemoryTier promise."""
+    record = BLOCK + 64
+    h = make_tier(redis_server.url, capacity_bytes=2 * record, namespace="self")
+    keys = keys_("s", 6)
+    res = h.result(h.store(keys, range(6)))
+    assert not res.success and res.successful_keys is not None and len(res.successful_keys) == 2
+    present = [k for k, r in zip(keys, h.tier.lookup(keys, CTX), strict=True) if r is HIT]
+    assert sorted(res.successful_keys) == sorted(present)
+    for key in res.successful_keys:
+        h.load_ok([key], [20])
+        assert torch.equal(h.pool[20], h.pool[keys.index(key)])
+
+
 def test_out_of_memory_leaves_no_block_uncounted(
     redis_server_factory: Callable[..., RedisServer], make_tier: Callable[..., Harness]
 ) -> None:

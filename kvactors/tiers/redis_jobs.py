@@ -96,6 +96,9 @@ class RedisJobs:
             # Each LRU set bounds its share of the capacity (the whole of it on one server).
             limit = max(1, capacity // len(records[0]) // self._lru_sets)
             removed = self._track(stored, failed, limit, job.job_id)
+            # A job larger than the room evicts some of its own keys: those are not stored.
+            for key in set(stored).intersection(removed):
+                failed.setdefault(key, "evicted by its own store (the job is larger than the room)")
             stored = [key for key in stored if key not in failed]
         events = [OffloadingEvent(keys=tuple(stored), tier=self.name, removed=False)] if stored else []
         if removed:
