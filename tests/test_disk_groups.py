@@ -470,3 +470,31 @@ def test_the_tier_never_exceeds_its_capacity_when_an_unlink_fails(harness, monke
         assert disk_bytes(h.root) == h.tier.used_bytes <= h.tier.capacity_bytes
     assert refused and not os.path.exists(refused[0])  # removed on a later try
     assert h.tier.lookup([b"k5"], CTX) == [HIT]
+
+
+def test_a_chunk_that_evicts_another_chunks_key_of_its_job_fails_that_key(harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Exactly the keys reported successful are in the tier, also when a job's chunks (one per
+    worker) make room by evicting each other's files."""
+    import kvactors.tiers.disk as disk_mod
+
+    monkeypatch.setattr(disk_mod, "_MIN_CHUNK_BYTES", 1)  # one chunk per key, with two workers
+    keys = [b"chunk-0", b"chunk-1"]
+    h = harness(io_workers=2, capacity_bytes=group_size(keys[:1], BLOCK) + 100)  # room for one file
+    first_stored = threading.Event()
+    store_group = DiskTier._store_group
+
+    def ordered(tier, job, positions, evicted_here=None):  # type: ignore[no-untyped-def]
+        if positions == [1]:
+            assert first_stored.wait(WAIT)  # chunk 1 reserves once chunk 0's file is in: it evicts it
+            return store_group(tier, job, positions, evicted_here)
+        try:
+            return store_group(tier, job, positions, evicted_here)
+        finally:
+            first_stored.set()
+
+    monkeypatch.setattr(DiskTier, "_store_group", ordered)
+    result = h.run(keys, [0, 1], False)
+    present = {k for k in keys if h.tier.lookup([k], CTX) == [HIT]}
+    assert present == {keys[1]}
+    assert not result.success and set(result.successful_keys or ()) == present
+    assert "evicted to make room" in (result.error or "")

@@ -44,6 +44,34 @@ def test_chunks_merge_into_one_report_naming_the_keys_that_succeeded() -> None:
     assert reports.empty()
 
 
+def test_settle_runs_once_after_every_chunk_and_may_fail_keys_or_the_job() -> None:
+    r, reports = runner()
+    ended: list[tuple[int, int]] = []
+    settled: list[list[tuple[int, int]]] = []
+
+    def work(running: RunningJob, lo: int, hi: int) -> Outcome:
+        ended.append((lo, hi))
+        return Outcome()
+
+    def settle(failed: dict[int, str]) -> None:
+        settled.append(sorted(ended))
+        failed[0] = "evicted by another chunk"
+
+    assert r.submit(job(1, 4), work, chunks=2, settle=settle)
+    keys = job(1, 4).keys
+    assert reports.get(timeout=WAIT) == JobResult(1, False, "1 of 4 blocks failed: evicted by another chunk",
+                                                  successful_keys=keys[1:])
+    assert settled == [[(0, 2), (2, 4)]]  # once, after both chunks
+
+    def broken(failed: dict[int, str]) -> None:
+        raise RuntimeError("planted")
+
+    assert r.submit(job(2, 2), work, chunks=2, settle=broken)
+    assert reports.get(timeout=WAIT) == JobResult(2, False, "settling the job failed: RuntimeError: planted")
+    r.shutdown(WAIT)
+    assert reports.empty()
+
+
 def test_a_raising_one_chunk_job_fails_whole_and_on_error_sees_it() -> None:
     errors: list[BaseException] = []
     r, reports = runner(on_error=errors.append)

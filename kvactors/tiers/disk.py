@@ -317,15 +317,23 @@ class DiskTier(SecondaryTier):
         if pinned:
             with self._lock:
                 self._index.pin(pinned)
-        do_chunk = self._load_chunk if load else self._store_chunk
+        # The keys this job's chunks evicted to make room, seen by every chunk: one may
+        # evict what another stored.
+        evicted_here: set[OffloadKey] = set()
 
         def work(running: RunningJob, lo: int, hi: int) -> Outcome:
-            return Outcome(do_chunk(running.job, lo, hi))
+            if load:
+                return Outcome(self._load_chunk(running.job, lo, hi))
+            return Outcome(self._store_chunk(running.job, lo, hi, evicted_here))
 
         def release(lo: int, hi: int) -> None:
             self._unpin(pinned[lo:hi])
 
-        if not self._runner.submit(job, work, chunks=chunks, release=release if pinned else None):
+        def settle(failed: dict[int, str]) -> None:
+            self._fail_self_evicted(job, evicted_here, failed)
+
+        if not self._runner.submit(job, work, chunks=chunks, release=release if pinned else None,
+                                   settle=None if load else settle):
             self._unpin(pinned)
             self._runner.fail(job, f"tier {self.name!r} is shut down")
 
@@ -341,11 +349,12 @@ class DiskTier(SecondaryTier):
 
     # --------------------------------------------------------------- store
 
-    def _store_chunk(self, job: TransferJob, lo: int, hi: int) -> dict[int, str]:
+    def _store_chunk(self, job: TransferJob, lo: int, hi: int, evicted_here: set[OffloadKey]) -> dict[int, str]:
         """Store keys ``lo:hi`` of the job in one group file (or a few: see ``plan_groups``).
 
         A group whose write fails is retried one key per file, so that a key fails alone.
-        Returns the failed positions.
+        The keys evicted to make room are added to ``evicted_here`` (the job's, shared by
+        its chunks). Returns the failed positions.
         """
         keys = job.keys
         new: list[int] = []
@@ -357,7 +366,6 @@ class DiskTier(SecondaryTier):
                 seen.add(keys[i])
         failed: dict[int, str] = {}
         written: list[tuple[int, DiskFile | None]] = []  # (position, the file it went into, if ours)
-        evicted_here: set[OffloadKey] = set()
         for group in plan_groups(keys, new, self._row_bytes, self.capacity_bytes):
             try:
                 file = self._store_group(job, group, evicted_here)
@@ -387,14 +395,19 @@ class DiskTier(SecondaryTier):
                         self._index.remove(keys[i])
                         self._events.add((keys[i],), removed=True)
                         failed[i] = sync_failed
-            # A job larger than the room evicts its own earlier keys to store its later ones:
-            # those are not in the tier because of this store, so they are not reported stored.
-            # (A key another job evicts afterwards was stored: that is a cache at work.)
-            for i in range(lo, hi):
-                if i not in failed and keys[i] in evicted_here and keys[i] not in self._index:
-                    failed[i] = (f"DiskTierError: block {keys[i].hex()[:32]} was evicted to make room for "
-                                 f"this store's other blocks (capacity_bytes={self.capacity_bytes})")
         return failed
+
+    def _fail_self_evicted(self, job: TransferJob, evicted_here: set[OffloadKey], failed: dict[int, str]) -> None:
+        """Once every chunk of a store ended: a job larger than the room evicts its own keys
+        (one chunk's, to store another's) to store its later ones; those are not in the tier
+        because of this store, so they are not reported stored. (A key another job evicts
+        afterwards was stored: that is a cache at work.)"""
+        keys = job.keys
+        with self._lock:
+            for i, key in enumerate(keys):
+                if i not in failed and key in evicted_here and key not in self._index:
+                    failed[i] = (f"DiskTierError: block {key.hex()[:32]} was evicted to make room for "
+                                 f"this store's other blocks (capacity_bytes={self.capacity_bytes})")
 
     def _store_group(self, job: TransferJob, positions: list[int],
                      evicted_here: set[OffloadKey] | None = None) -> DiskFile | None:

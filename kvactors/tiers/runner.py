@@ -55,10 +55,12 @@ class RunningJob:
     tier, every access to the job's pool rows: hold it and check ``reported`` first, and
     the rows are never touched after the job was reported."""
 
-    __slots__ = ("error", "events", "failed", "fatal", "job", "lock", "remaining", "reported")
+    __slots__ = ("error", "events", "failed", "fatal", "job", "lock", "remaining", "reported", "settle")
 
-    def __init__(self, job: TransferJob, chunks: int) -> None:
+    def __init__(self, job: TransferJob, chunks: int,
+                 settle: Callable[[dict[int, str]], None] | None = None) -> None:
         self.job = job
+        self.settle = settle
         self.lock = threading.Lock()
         self.reported = False
         self.remaining = chunks
@@ -140,16 +142,21 @@ class JobRunner:
     # ------------------------------------------------------------ submitting
 
     def submit(self, job: TransferJob, work: Work, *, chunks: int = 1,
-               release: Callable[[int, int], None] | None = None) -> bool:
+               release: Callable[[int, int], None] | None = None,
+               settle: Callable[[dict[int, str]], None] | None = None) -> bool:
         """Run ``job`` as ``chunks`` contiguous chunks of its keys (1 to ``len(job.keys)``).
 
         ``release(lo, hi)`` runs once per chunk when it ends (ran or cancelled), before
-        the report. Returns ``False``, having done nothing, once the runner is shut down:
-        the caller then reports the job (e.g. with :meth:`fail`).
+        the report. ``settle(failed)`` runs once, after the last chunk ended and before
+        the report (under the job's lock, on the worker that ran the last chunk), unless
+        the whole job failed: it may add failed positions to ``failed`` (what one chunk
+        cannot see alone, e.g. a key another chunk evicted); if it raises, the job fails.
+        Returns ``False``, having done nothing, once the runner is shut down: the caller
+        then reports the job (e.g. with :meth:`fail`).
         """
         n = len(job.keys)
         chunks = max(1, min(chunks, n))
-        running = RunningJob(job, chunks)
+        running = RunningJob(job, chunks, settle)
         with self._lock:
             if self._closed:
                 return False
@@ -313,6 +320,11 @@ class JobRunner:
             running.remaining -= 1
             if running.remaining > 0:
                 return
+            if running.settle is not None and running.fatal is None:
+                try:
+                    running.settle(running.failed)
+                except Exception as exc:
+                    running.fatal = f"settling the job failed: {describe(exc)}"
             running.reported = True
             result = running.result()
         if running.events and self._emit is not None:
