@@ -176,6 +176,54 @@ def test_events_stored_then_taken_once(make) -> None:
     assert h.tier.take_events() == []
 
 
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path, 0o600)
+
+
+def _directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _symlink(path: Path) -> None:
+    target = path.with_name("elsewhere")
+    path.rename(target)
+    path.symlink_to(target)
+
+
+@pytest.mark.parametrize("replace", [_fifo, _directory, _symlink], ids=lambda f: f.__name__[1:])
+def test_a_load_from_what_is_not_a_regular_file_fails_at_once(make, tmp_path: Path, replace) -> None:
+    """Never a wait (a FIFO's open waits for a writer) nor a read of something else."""
+    h = make(io_workers=1)
+    key = b"key"
+    assert h.store([key], [0]).success
+    path, _, _ = where(h, key)
+    replace(path)
+    try:
+        res = h.load([key], [5])
+        assert not res.success and "key" not in (res.successful_keys or ())
+        assert h.tier.lookup([key], CTX) == [MISS]
+        assert h.store([key], [1]).success  # stored again, into a new file
+        h.pool[5].zero_()
+        assert h.load([key], [5]).success and torch.equal(h.pool[5], h.pool[1])
+    finally:
+        if path.is_fifo():  # a worker stuck in open() (the bug) gets its writer: no hung teardown
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_restart_skips_a_fifo_named_as_a_tier_file(make, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    h1 = make(root)
+    assert h1.store([b"key"], [0]).success
+    h1.tier.shutdown()
+    os.mkfifo(root / ("0" * 16 + GROUP_SUFFIX), 0o600)
+    os.mkfifo(root / file_name(b"fifo"), 0o600)
+    h2 = make(root)
+    assert h2.tier.lookup([b"key", b"fifo"], CTX) == [HIT, MISS]
+
+
 def test_constructor_validation(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         DiskTier(tmp_path / "a", capacity_bytes=0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 
 from kvactors.tiers import codec
 from kvactors.types import OffloadKey
@@ -30,6 +31,8 @@ MAX_NAME_CHARS = 200
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# Without it, opening a FIFO put where a file was would wait for a writer, for ever.
+_OPEN_READ = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
 
 
 class DiskTierError(RuntimeError):
@@ -57,10 +60,28 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def open_to_read(path: str) -> int:
+    """A descriptor of the regular file ``path``, opened to read; never waits.
+
+    A symlink (``O_NOFOLLOW``), a FIFO, a device or a socket where a tier file was is
+    an error (``OSError``, or :class:`DiskTierError` once opened), never a wait or a
+    read of something else: the caller fails what it meant to read from it.
+    """
+    fd = os.open(path, _OPEN_READ)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DiskTierError(f"{os.path.basename(path)} is not a regular file (mode {stat.filemode(mode)})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_key(path: str, fname: str, size: int) -> OffloadKey | None:
     """The key of the block file ``path`` (named ``fname``, ``size`` bytes) if its header,
     name and size agree, else None. Raises ``OSError``/``CorruptRecordError`` if unreadable."""
-    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+    fd = open_to_read(path)
     try:
         head = os.pread(fd, codec.HEADER_SIZE, 0)
         key_len, payload_len = codec.decode_header(head)
@@ -85,7 +106,7 @@ def read_record_into(path: str, key: OffloadKey, head: memoryview, row: memoryvi
     block_bytes = row.nbytes
     head_size = codec.HEADER_SIZE + len(key)
     expected = head_size + block_bytes
-    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+    fd = open_to_read(path)
     try:
         got = _read_full(fd, [head[:head_size], row, head[head_size:]], expected)
         if got != expected:

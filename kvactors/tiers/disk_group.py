@@ -28,7 +28,7 @@ import xxhash
 
 from kvactors.tiers.codec import CorruptRecordError
 from kvactors.tiers.codec import checksum as key_checksum  # XXH3-64 of key then payload, as in KVA2
-from kvactors.tiers.disk_files import O_CLOEXEC, O_NOFOLLOW
+from kvactors.tiers.disk_files import O_CLOEXEC, open_to_read
 from kvactors.types import OffloadKey
 
 __all__ = ["ALIGN", "ENTRY_BYTES", "GROUP_MAGIC", "GROUP_SUFFIX", "HEAD_BYTES", "MAX_KEYS", "GroupTable", "data_offset",
@@ -155,7 +155,7 @@ def decode_head(data: bytes, file_size: int) -> GroupTable:
 
 def read_table(path: str) -> GroupTable:
     """Read and check the head of the group file at ``path`` (``OSError``/``CorruptRecordError``)."""
-    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
+    fd = open_to_read(path)
     try:
         size = os.fstat(fd).st_size
         data = os.pread(fd, ALIGN, 0)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvactors.tiers import codec
-from kvactors.tiers.disk_files import O_CLOEXEC, O_NOFOLLOW, SUFFIX, TMP_PREFIX, describe, read_key, read_record_into
+from kvactors.tiers.disk_files import SUFFIX, TMP_PREFIX, describe, open_to_read, read_key, read_record_into
 from kvactors.tiers.disk_group import GROUP_SUFFIX, key_checksum, read_run, read_table
 from kvactors.tiers.disk_index import DiskFile, Entry, Slot
 from kvactors.types import OffloadKey
@@ -23,7 +23,6 @@ VERIFY_BYTES = 2 << 20
 at once: the bytes are still in the core's cache, and each ``preadv`` gives up the GIL and takes
 it back, which the tier's other workers contend for (fewer, larger reads: docs/performance.md)."""
 
-_OPEN_READ = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW
 
 Item = tuple[int, Slot, OffloadKey, memoryview]
 """One key to load: its position in the job, its slot, the key, the view of its row."""
@@ -122,7 +121,7 @@ def load_group(path: str, file: DiskFile, items: list[Item]) -> dict[int, str]:
     it was written; a file cut short fails the keys past the cut only.
     """
     try:
-        fd = os.open(path, _OPEN_READ)
+        fd = open_to_read(path)
     except (FileNotFoundError, NotADirectoryError) as exc:
         return dict.fromkeys((i for i, *_ in items), f"DiskTierError: file is missing: {describe(exc)}")
     except Exception as exc:
