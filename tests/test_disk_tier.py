@@ -233,6 +233,15 @@ def test_constructor_validation(tmp_path: Path) -> None:
         DiskTier(tmp_path / "c", capacity_bytes=100, io_workers=0)
 
 
+@pytest.mark.parametrize("root", ["", 5, None, b"/tmp/x", "a\0b", ["/tmp"]])
+def test_a_root_that_is_not_a_path_is_refused(root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".tmp-user-notes").write_bytes(b"mine")
+    with pytest.raises(ValueError, match="root must be"):
+        DiskTier(root, capacity_bytes=1 << 20)
+    assert [p.name for p in tmp_path.iterdir()] == [".tmp-user-notes"]  # nothing touched
+
+
 # ---------------------------------------------------------------- files
 
 

@@ -141,7 +141,11 @@ class DiskTier(SecondaryTier):
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be an int > 0, got {capacity_bytes!r}")
         check_int(io_workers, "io_workers")
-        self.root = os.path.abspath(os.fspath(root))
+        path = os.fspath(root) if isinstance(root, str | os.PathLike) else None
+        if not isinstance(path, str) or not path or "\0" in path:
+            # abspath("") is the working directory: a tier there would clean up its files.
+            raise ValueError(f"root must be a non-empty str or os.PathLike path, got {root!r}")
+        self.root = os.path.abspath(path)
         self._prefix = os.path.join(self.root, "")
         self.capacity_bytes = capacity_bytes
         self.fsync = check_flag(fsync, "fsync")  # "no" is a str, not False
