@@ -103,6 +103,8 @@ def test_reports_are_routed_late_duplicate_unknown_foreign_and_queued() -> None:
     assert b.report("a", JobResult(2, True), 0.1).route is Route.UNEXPECTED  # not sent yet
     assert b.report("a", JobResult(99, True), 0.1).route is Route.UNEXPECTED  # unknown
     assert b.report("b", JobResult(1, True), 0.1).route is Route.UNEXPECTED  # another tier's word
+    for garbage in (True, 1.0, [1], None, "1"):  # True == 1.0 == 1, a list is unhashable
+        assert b.report("a", JobResult(garbage, True), 0.1).route is Route.UNEXPECTED  # type: ignore[arg-type]
     assert b.in_flight("a") == 1 and b.queue("a") == (2,)  # those changed nothing
     ended = b.report("a", JobResult(1, True, successful_keys=(K1, b"stranger")), 0.2)
     assert ended.route is Route.ENDED and ended.outcomes is not None

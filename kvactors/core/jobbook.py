@@ -223,6 +223,8 @@ class JobBook:
         with :func:`~kvactors.core.outcomes.key_outcomes`), its slot goes to the queue.
         ``LATE``: a held job's report; it is done. ``UNEXPECTED``: nothing changes."""
         job_id = result.job_id
+        if type(job_id) is not int:  # a plugin's garbage: unhashable, or True standing for job 1
+            return Report(Route.UNEXPECTED)
         entry = self._jobs.get(job_id)
         if entry is None or not entry.submitted or entry.tier != tier:
             late = self._held.get(job_id)
