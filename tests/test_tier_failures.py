@@ -294,7 +294,8 @@ SCRIPTS: dict[str, tuple[Callable[[TransferJob], Sequence[JobResult]], set[Offlo
     "stranger_key": (lambda j: [JobResult(j.job_id, True, None, (A, B, C, b"other"))], set(), {"invalid_reports": 1}),
     "a_list": (lambda j: [JobResult(j.job_id, True, None, [A, B, C])], set(), {"invalid_reports": 1}),  # type: ignore[arg-type]
     "not_bytes": (lambda j: [JobResult(j.job_id, True, None, (A, "b"))], set(), {"invalid_reports": 1}),  # type: ignore[arg-type]
-    "failed_names_all": (lambda j: [JobResult(j.job_id, False, None, (A, B, C))], set(), {"invalid_reports": 1}),
+    # The tuple governs, whatever success says (api.md): every key named succeeded.
+    "failed_names_all": (lambda j: [JobResult(j.job_id, False, None, (A, B, C))], {A, B, C}, {"invalid_reports": 0}),
     "success_not_bool": (lambda j: [JobResult(j.job_id, "yes")], set(), {"invalid_reports": 1}),  # type: ignore[arg-type]
     "empty_tuple": (lambda j: [JobResult(j.job_id, False, None, ())], set(), {"jobs_partial": 0}),
     "twice": (lambda j: [JobResult(j.job_id, True), JobResult(j.job_id, False)], {A, B, C},
@@ -399,11 +400,8 @@ def test_every_per_key_outcome_pattern_is_applied_per_key(seed: int, outcomes: l
         manager.on_new_request(reader)
         assert manager.lookup(keys, reader) == [PENDING] * len(keys)
         assert manager.wait_idle(5.0)
-        all_named = as_tuple and all(outcomes)
-        if as_tuple:
-            ready = set() if (not success and all_named) else {k for k in keys if table[k]}
-        else:
-            ready = set(keys) if success else set()
+        # A tuple governs, whatever success says; without one every key follows success.
+        ready = {k for k in keys if table[k]} if as_tuple else set(keys) if success else set()
         results = manager.lookup(keys, reader)
         assert results == [HIT if key in ready else MISS for key in keys]
         for key in ready:
@@ -496,9 +494,9 @@ def test_key_outcomes_never_names_a_stranger_and_partitions_the_job(keys: list[b
     assert len(out.ok) == len(set(out.ok)) and len(out.failed) == len(set(out.failed))
     if named is None:
         assert set(out.ok) == (set(keys) if success else set())
-    elif not set(named) <= set(keys) or (not success and set(named) == set(keys)):
-        assert out.ok == () and out.problem is not None  # a stranger named, or a report that contradicts itself
-    else:
+    elif not set(named) <= set(keys):
+        assert out.ok == () and out.problem is not None  # a stranger named: no one's word for any key
+    else:  # the tuple governs, whatever success says
         assert set(out.ok) == set(named) and out.problem is None
 
 

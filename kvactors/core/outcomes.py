@@ -42,11 +42,11 @@ def key_outcomes(job_keys: Sequence[OffloadKey], result: JobResult) -> KeyOutcom
     * ``successful_keys is None``: every key follows ``success``, which must be
       a ``bool``.
     * a tuple of keys of the job: those succeeded, the job's others failed,
-      whatever ``success`` says. A key named twice counts once.
+      whatever ``success`` says (api.md), also ``success=False`` with every key
+      named. A key named twice counts once.
     * anything else fails every key, with a ``problem``: ``success`` not a
       bool; ``successful_keys`` not a tuple, holding a non-``bytes`` item or a
-      key the job does not have; or ``success=False`` with every key of the
-      job named (the report contradicts itself).
+      key the job does not have.
     """
     unique = tuple(dict.fromkeys(job_keys))
     success, named = result.success, result.successful_keys
@@ -65,6 +65,4 @@ def key_outcomes(job_keys: Sequence[OffloadKey], result: JobResult) -> KeyOutcom
     said = set(named)
     ok = tuple(key for key in unique if key in said)
     failed = tuple(key for key in unique if key not in said)
-    if not success and not failed and ok:
-        return KeyOutcomes((), unique, "success=False, yet successful_keys names every key")
     return KeyOutcomes(ok, failed)
