@@ -102,6 +102,29 @@ def test_a_log_that_proves_nothing_is_inconclusive(tmp_path: Path, logs: dict[st
     assert rc in (1, 3) and "not in kvactors.log_schema: tier_finalised" in out, out
 
 
+def test_lines_no_log_holds_are_not_checked_and_never_a_traceback(tmp_path: Path,
+                                                                 logs: dict[str, list[dict]]) -> None:
+    """Nested past the parser's recursion limit, or a pid/manager that is a list or an object:
+    counted, reported, INCONCLUSIVE (3), not exit 1 (a violation) with a traceback."""
+    one = by_manager(logs["sim"])[0]
+    good = "".join(json.dumps(e) + "\n" for e in one)
+    cases = {
+        "deep_line": "[" * 100_000 + "\n",
+        "deep_field": json.dumps({**one[1], "extra": 0}).replace('"extra": 0', '"extra": ' + "[" * 3000 + "]" * 3000)
+                      + "\n",
+        "list_manager": json.dumps({**one[1], "manager": [0]}) + "\n",
+        "dict_pid": json.dumps({**one[1], "pid": {"a": 1}}) + "\n",
+    }
+    for name, line in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(good + line)
+        rc, out, err = _run(path)
+        assert rc == 3 and "INCONCLUSIVE" in out and "Traceback" not in err, (name, rc, out, err)
+    for name in ("list_manager", "dict_pid"):  # parsed events, as check_events takes them
+        result = check_events([*one, json.loads(cases[name])])
+        assert result.verdict is Verdict.INCONCLUSIVE and "not an int or a str" in " ".join(result.inconclusive)
+
+
 def test_the_cli_in_a_fresh_process(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b"\x00\x01garbage\n")

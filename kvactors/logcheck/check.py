@@ -57,6 +57,7 @@ class LogChecker:
         self.out = CheckResult()
         self.managers: dict[ManagerKey, _Manager] = {}
         self.foreign = 0  # events of no manager
+        self.unkeyed = 0  # events whose pid or manager is neither an int nor a str (nor absent)
         self.malformed_examples: list[str] = []
         self._started = time.perf_counter()
 
@@ -69,7 +70,10 @@ class LogChecker:
         out = self.out
         out.events += 1
         name = event.get("event")
-        key = (event.get("pid"), event.get("manager"))
+        key = _manager_key(event)
+        if key is None:
+            self.unkeyed += 1
+            return
         if key[1] is None:
             self.foreign += 1
             return
@@ -134,6 +138,8 @@ class LogChecker:
             notes.append(f"no event of any manager ({self.foreign} event(s) without a 'manager' field)")
         elif self.foreign:
             notes.append(f"{self.foreign} event(s) of no manager (no 'manager' field) were not checked")
+        if self.unkeyed:
+            notes.append(f"{self.unkeyed} event(s) whose 'pid' or 'manager' is not an int or a str were not checked")
         for (pid, number), manager in sorted(self.managers.items(), key=str):
             who = f"manager {number} (pid {pid})"
             if manager.skipped:
@@ -159,12 +165,24 @@ class LogChecker:
         return out
 
 
+def _manager_key(event: Event) -> ManagerKey | None:
+    """``(pid, manager)`` of an event, or ``None`` if either is something a log never holds."""
+    pid, manager = event.get("pid"), event.get("manager")
+    if not (pid is None or type(pid) in (int, str)) or not (manager is None or type(manager) in (int, str)):
+        return None
+    return pid, manager
+
+
 def check_events(events: Iterable[Event]) -> CheckResult:
     """Check parsed events in any order: each manager's are replayed sorted by ``seq``."""
     by_manager: dict[ManagerKey, list[Event]] = {}
     checker = LogChecker()
     for event in events:
-        by_manager.setdefault((event.get("pid"), event.get("manager")), []).append(event)
+        key = _manager_key(event)
+        if key is None:
+            checker.feed(event)  # counted, not checked
+        else:
+            by_manager.setdefault(key, []).append(event)
     for key in sorted(by_manager, key=str):
         for event in sorted(by_manager[key], key=lambda e: e.get("seq", -1) if type(e.get("seq")) is int else -1):
             checker.feed(event)

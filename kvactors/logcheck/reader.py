@@ -63,7 +63,7 @@ def iter_events(stream: BinaryIO, stats: ReadStats, max_line: int = MAX_LINE_BYT
             continue
         try:
             event = loads(text)
-        except ValueError as exc:  # json.JSONDecodeError, or a number too long to convert
+        except (ValueError, RecursionError) as exc:  # not JSON, a number too long, or nested too deep
             if not complete:  # readline stopped short of max_line without a newline: the end of the file
                 stats.truncated = True  # the last line, cut short: what a crash leaves
                 stats.errors.append(f"line {number}: truncated last line (not JSON: {exc})")
