@@ -116,7 +116,31 @@ def _drop(kind: str, where: Callable[[list[Event], Event], bool] = lambda events
     return mutate
 
 
-MUTATIONS: dict[str, tuple[Mutation, str]] = {
+def _relabel(kind: str, field: str) -> Mutation:
+    """The first ``kind`` event of a job names another request (``req_id``) or tier than its job's others."""
+    def mutate(events: list[Event]) -> list[Event] | None:
+        for i, event in enumerate(events):
+            if event["event"] != kind:
+                continue
+            if field not in event:
+                continue
+            others = [e[field] for e in events if field in e and e[field] != event[field]
+                      and e.get("manager") == event.get("manager")]
+            forged = others[0] if others else f"forged-{event[field]}"
+            return [*events[:i], {**event, field: forged}, *events[i + 1:]]
+        return None
+
+    mutate.__name__ = f"relabel_{kind}_{field}"
+    return mutate
+
+
+MUTATIONS: dict[str, tuple[Mutation, str | None]] = {
+    # Caught as "one-job", or by the rule the forged name breaks first (None: any rule).
+    **{f"relabel {kind} {field}": (_relabel(kind, field), None)
+       for kind in ("cascade_submitted", "tier_submit_received", "cascade_completed", "promotion_submitted",
+                    "promotion_completed", "job_queued")
+       for field in ("tier", "req_id", "keys")},
+    "relabel tier_submit_received promotion": (_relabel("tier_submit_received", "promotion"), "one-job"),
     "move tier finish before a submit": (move_finish_before_submit, "no-submit-after-finish"),
     "move store completion after finalize": (move_store_completion_after_finalize, "finalize-after-stores"),
     "duplicate tier_finish_received": (_duplicate("tier_finish_received"), "one-finish"),
@@ -150,7 +174,7 @@ def test_a_mutated_log_is_caught(name: str, source: str, request: pytest.Fixture
     if mutated is None:
         pytest.skip(f"the {source} log has no event for '{name}'")
     result = check_events(mutated)
-    assert any(v.rule == rule for v in result.violations), [v.format() for v in result.violations[:3]]
+    assert any(rule in (None, v.rule) for v in result.violations), [v.format() for v in result.violations[:3]]
     assert all(v.events for v in result.violations)  # each names the events involved
 
 

@@ -19,7 +19,9 @@ class JobRules(ReplayState):
         """The live job ``event`` names, created (state ``new``) at its first event."""
         job_id = event["job_id"]
         job = self.jobs.get(job_id)
-        if job is None:
+        if job is not None:
+            self._same_job(job, event)
+        else:
             lifetime = self.current.get(self.identity(event)) if "req_id" in event else None
             job = Job(kind, event["tier"], lifetime)
             if lifetime is not None and job_id in lifetime.ended_jobs:
@@ -37,6 +39,25 @@ class JobRules(ReplayState):
         if len(job.events) > 8:
             del job.events[1]
         return job
+
+    def _same_job(self, job: Job, event: Event) -> None:
+        """Every event of a job names its tier, its kind, and its request and its number of keys where
+        it names them: a line that names others would let a job pass as another's."""
+        first = job.events[0] if job.events else None
+        if event["tier"] != job.tier:
+            self.violation("one-job", f"{job.kind} job {event['job_id']} of tier {job.tier} named with tier "
+                           f"{event['tier']}", first, event)
+        elif (first is not None and "req_id" in event and "req_id" in first
+              and self.identity(event) != self.identity(first)):
+            self.violation("one-job", f"{job.kind} job {event['job_id']} of request {first['req_id']}#"
+                           f"{first['attempt']} named with request {event['req_id']}#{event['attempt']}",
+                           first, event)
+        elif first is not None and "keys" in event and "keys" in first and event["keys"] != first["keys"]:
+            self.violation("one-job", f"{job.kind} job {event['job_id']} of {first['keys']} key(s) named with "
+                           f"{event['keys']}", first, event)
+        elif "promotion" in event and event["promotion"] != (job.kind == "promotion"):
+            self.violation("one-job", f"{job.kind} job {event['job_id']} received as "
+                           f"{'a promotion' if event['promotion'] else 'a cascade'}", first, event)
 
     def _end_job(self, job_id: int, job: Job) -> None:
         self.jobs.pop(job_id, None)
@@ -165,6 +186,7 @@ class JobRules(ReplayState):
             self.violation("no-submit-after-finish", f"tier {tier} received job {job_id}, which was not sent to it "
                            "(or received twice)", *(job.events if job else ()), event)
             return
+        self._same_job(job, event)
         job.received = True
         job.events.append(event)
         req = job.lifetime
@@ -182,6 +204,7 @@ class JobRules(ReplayState):
             if job is not None:
                 self._end_job(job_id, job)
             return None
+        self._same_job(job, event)
         job.events.append(event)
         return job
 
