@@ -32,6 +32,8 @@ Every rule is an obligation checked at the latest at ``manager_stopped``:
   none left at the stop; every job ends once (completed after its tier
   received it, dropped before it was submitted, or timed out and then
   reported late once); a promotion is allocated before anything else;
+* **one job**: every event of a job names the same tier, kind, request and
+  number of keys (a line that names others would pass one job off as another);
 * **no state after finalize**: nothing creates state for a lifetime that is
   not live; a store completion still counted as pending for none;
 * the runtime's own alarms and what it says of the caller's calls
