@@ -101,6 +101,20 @@ def test_unwritable_disk_dir_is_a_clear_error(tmp_path, capsys):
         assert "Traceback" not in out + err
 
 
+@pytest.mark.timeout(60)
+def test_a_plot_into_a_new_folder_is_made_and_one_that_cannot_be_is_refused_before_the_run(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "new" / "deeper" / "run.png"
+    rc, out, err = run_cli(capsys, "--quick", "--requests", "50", "--threads", "2", "--disk-dir",
+                           str(tmp_path / "disk"), "--plot", str(png), "--event-log", str(tmp_path / "a.jsonl"))
+    assert rc == 0, out + err
+    assert png.read_bytes().startswith(b"\x89PNG")
+    rc, out, err = run_cli(capsys, "--quick", "--plot", "/proc/kvactors-no-such/run.png",
+                           "--event-log", str(tmp_path / "b.jsonl"))
+    assert rc == 2 and err.startswith("kvactors simulate: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in out + err and not (tmp_path / "b.jsonl").exists()  # refused before the run
+
+
 def test_parse_size():
     assert parse_size("4096") == 4096
     assert parse_size("256KiB") == 256 * 1024

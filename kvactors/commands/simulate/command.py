@@ -254,6 +254,8 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     if own_disk:
         cleanup.callback(shutil.rmtree, disk_dir, True)
     opt.prepare_dir(os.path.dirname(event_log), "--event-log", created)
+    if args.plot:  # before the run, not after it: the plot's folder is made (and tried) as the log's is
+        opt.prepare_dir(os.path.dirname(args.plot), "--plot", created)
 
     config = SimConfig(threads=the_plan.threads, requests=the_plan.requests, seconds=args.seconds, seed=args.seed,
                        block_bytes=the_plan.block_bytes, cpu_blocks=the_plan.cpu_blocks, disk_dir=disk_dir,
