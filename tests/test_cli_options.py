@@ -234,6 +234,9 @@ def test_both_commands_share_the_option_names_and_take_the_old_ones_hidden() -> 
         assert "--num-blocks" not in _options(parser)  # hidden: the old name still parses
         assert parser.parse_args(["--num-blocks", "32"]).cpu_blocks == 32
         assert "--num-blocks" not in parser.format_help()
+        with pytest.raises(SystemExit) as exit_:  # both names: which one wins would be a guess
+            parser.parse_args(["--num-blocks", "16", "--cpu-blocks", "32"])
+        assert exit_.value.code == 2
 
 
 @pytest.mark.parametrize("size", ["4096", "16KiB", "1MiB", "2GiB", "1.5MB", "64k"])

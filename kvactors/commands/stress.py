@@ -70,10 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--disk-dir, --disk-bytes and --redis add theirs)")
     t.add_argument("--block-bytes", type=opt.parse_size, default=64, metavar="SIZE",
                    help="bytes per block (default 64)")
-    t.add_argument("--cpu-blocks", type=opt.integer(1, 2**31), default=64, metavar="N",
-                   help="blocks in the primary CPU pool (default 64)")
-    t.add_argument("--num-blocks", type=opt.integer(1, 2**31), dest="cpu_blocks", default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS)  # the old name
+    blocks = t.add_mutually_exclusive_group()  # one name or the other: both would silently keep the last
+    blocks.add_argument("--cpu-blocks", type=opt.integer(1, 2**31), default=64, metavar="N",
+                        help="blocks in the primary CPU pool (default 64)")
+    blocks.add_argument("--num-blocks", type=opt.integer(1, 2**31), dest="cpu_blocks", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)  # the old name
     t.add_argument("--disk-dir", type=opt.directory, default=None, metavar="DIR",
                    help="directory of the disk tier (default: a temporary one, removed at exit)")
     t.add_argument("--disk-bytes", type=opt.parse_size, default=None, metavar="SIZE",

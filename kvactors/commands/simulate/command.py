@@ -82,11 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--block-bytes", type=opt.parse_size, metavar="SIZE",
                    help=f"bytes per KV block, at least {MIN_BLOCK_BYTES} "
                         f"(default {_size(DEFAULTS['block_bytes'])}, --quick {_size(QUICK['block_bytes'])})")
-    t.add_argument("--cpu-blocks", type=opt.integer(1, 2**31), metavar="N",
-                   help=f"blocks in the primary CPU pool, at least {MIN_CPU_BLOCKS} "
-                        f"(default {DEFAULTS['cpu_blocks']}, --quick {QUICK['cpu_blocks']})")
-    t.add_argument("--num-blocks", type=opt.integer(1, 2**31), dest="cpu_blocks", default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS)  # stress's old name
+    blocks = t.add_mutually_exclusive_group()  # one name or the other: both would silently keep the last
+    blocks.add_argument("--cpu-blocks", type=opt.integer(1, 2**31), metavar="N",
+                        help=f"blocks in the primary CPU pool, at least {MIN_CPU_BLOCKS} "
+                             f"(default {DEFAULTS['cpu_blocks']}, --quick {QUICK['cpu_blocks']})")
+    blocks.add_argument("--num-blocks", type=opt.integer(1, 2**31), dest="cpu_blocks", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)  # stress's old name
     t.add_argument("--disk-dir", type=opt.directory, metavar="DIR",
                    help="directory of the DiskTier (default: a temporary directory, removed at exit)")
     t.add_argument("--disk-bytes", type=opt.parse_size, metavar="SIZE",
