@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Sequence
 from kvactors.core.policies.base import EvictionPolicy
 from kvactors.core.policies.row_lru import RowLRUPolicy
 from kvactors.core.pool_check import eviction_order
-from kvactors.core.pool_types import Identity, PoolError, StoreOutcome, StorePlan, Writer
+from kvactors.core.pool_types import Identity, PoolError, Rewrite, StoreOutcome, StorePlan, Writer
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
 
 
@@ -83,6 +83,7 @@ class ReferencePool:
         # Popping from the end hands out low rows first, which keeps runs contiguous.
         self._free = list(range(num_blocks - 1, -1, -1))
         self._pending_writes: dict[tuple[Writer, OffloadKey], int] = {}
+        self._rewrites: dict[tuple[Writer, OffloadKey], Rewrite] = {}
         self._load_pins: dict[tuple[Identity, OffloadKey], LoadPins] = {}
         self._job_pins: dict[int, tuple[int, ...]] = {}
         self._held_jobs: dict[int, tuple[int, ...]] = {}
@@ -179,10 +180,10 @@ class ReferencePool:
     def prepare_store(self, keys: Sequence[OffloadKey], writer: Identity) -> StorePlan | None:
         """Allocate not-ready rows for the keys that are not present; evict if needed.
 
-        Left out: keys already indexed, duplicates within ``keys`` (each key
-        is stored once, at its first place), and keys ``writer`` is still
-        writing from an earlier, detached store (its late completion must not
-        be confused with a new one).
+        Left out: keys already indexed, and duplicates within ``keys`` (each key
+        is stored once, at its first place). A key ``writer`` is still writing
+        from an earlier, detached store gets a new row; every row of it stays
+        held until each of the writer's writes of it was completed.
 
         The keys of the call that are present (left out because indexed) are
         never evicted to make room for the others: the caller is told they are
@@ -201,13 +202,16 @@ class ReferencePool:
             seen.add(key)
             if key in index:
                 present.append(key)
-            elif (writer, key) not in self._pending_writes:
+            else:
                 new.append(key)
         allocated = self._allocate(new, writer, present)
         if allocated is None:
             return None
         rows, evicted = allocated
         for key, row in zip(new, rows, strict=True):
+            old = self._pending_writes.get((writer, key))
+            if old is not None:  # a detached write of the key: each row waits for every completion
+                self._rewrites.setdefault((writer, key), Rewrite()).stale_rows.append(old)
             self._pending_writes[(writer, key)] = row
         return StorePlan(tuple(new), rows, evicted)
 
@@ -228,11 +232,24 @@ class ReferencePool:
         live = stale = 0
         stored: list[OffloadKey] = []
         for key, row in zip(keys, rows, strict=True):
+            ok = success
+            rewrite = self._rewrites.get((writer, key))
+            if rewrite is not None:
+                rewrite.ended += 1
+                rewrite.ok = rewrite.ok and success
+                if rewrite.ended <= len(rewrite.stale_rows):
+                    stale += 1
+                    continue
+                del self._rewrites[(writer, key)]
+                for old in rewrite.stale_rows:
+                    self._writer[old] = None
+                    self._settle(old)
+                ok = rewrite.ok
             del self._pending_writes[(writer, key)]
             self._writer[row] = None
             if self._indexed[row]:
                 live += 1
-                if success:
+                if ok:
                     self._make_ready(row)
                     stored.append(key)
                 else:
@@ -429,6 +446,7 @@ class ReferencePool:
             {k: (dict(v.rows), v.owed) for k, v in self._load_pins.items()}, dict(self._job_pins),
             dict(self._held_jobs),
             dict(self._promotions), eviction_order(self), set(self._detached),  # type: ignore[arg-type]
+            {pair: (tuple(r.stale_rows), r.ended, r.ok) for pair, r in self._rewrites.items()},
         )
 
     # ------------------------------------------------------------------ internals

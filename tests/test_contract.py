@@ -384,6 +384,48 @@ def test_a_key_the_pool_has_no_room_to_promote_is_retry_not_miss():
         assert settled(manager)["active_requests"] == 0
 
 
+def test_a_key_stored_again_after_a_reset_is_stored_and_the_finish_waits_for_both_writes(rec):
+    """Found in review: the second prepare_store left the key out although it was MISS, so it was
+    never stored. Now it is written again; the request is finalized (the tier told) only after its
+    last completion, and the block cascades once, after both writes ended."""
+    ctx = ReqContext("r")
+    with start(rec) as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1], complete=False)
+        manager.reset_cache()
+        assert manager.lookup(keys(1), ctx) == [LookupResult.MISS]
+        again = store(manager, ctx, [1], complete=False)
+        assert again.keys_to_store == keys(1)
+        manager.complete_store(keys(1), ctx)  # one of the two writes ended: which one is unknown
+        assert manager.lookup(keys(1), ctx) == [LookupResult.HIT_PENDING]
+        manager.on_request_finished(ctx)
+        assert manager.wait_idle(5) and rec.count("on_request_finished", ctx) == 0  # a store is pending
+        manager.complete_store(keys(1), ctx)
+        stats = settled(manager)
+        assert stats["active_requests"] == 0 and stats["blocks_detached"] == 0 and stats["blocks_ready"] == 1
+        assert stats["contract_violations"] == 0 and not rec.violations
+        calls = rec.calls_of(ctx)
+        assert calls.count("submit_store") == 1 and calls.count("on_request_finished") == 1
+        assert calls.index("submit_store") < calls.index("on_request_finished")
+
+
+def test_a_key_stored_again_after_its_deadline_is_stored():
+    ctx = ReqContext("r")
+    with start(transfer_timeout_s=0.3) as manager:
+        manager.on_new_request(ctx)
+        store(manager, ctx, [1], complete=False)
+        assert wait_for(lambda: manager.stats()["stores_timed_out"] == 1)
+        assert manager.lookup(keys(1), ctx) == [LookupResult.MISS]
+        again = store(manager, ctx, [1], complete=False)
+        assert again.keys_to_store == keys(1)
+        manager.complete_store(keys(1), ctx)
+        manager.complete_store(keys(1), ctx)  # both writes ended (unless the second timed out too)
+        manager.on_request_finished(ctx)
+        stats = settled(manager)
+        assert stats["active_requests"] == 0 and stats["blocks_detached"] == 0 and stats["contract_violations"] == 0
+        assert stats["blocks_ready"] + stats["stores_timed_out"] == 2  # ready, or its deadline passed first
+
+
 def test_raising_tier_fails_its_job_and_spares_the_others():
     bad = ControlledTier(name="bad", raise_on=["submit_store", "lookup"])
     good = RecordingTier(name="good")

@@ -140,13 +140,33 @@ def test_reset_keeps_busy_rows_until_their_users_end():
     p.check_invariants()
 
 
-def test_a_writer_cannot_restore_a_key_it_is_still_writing_detached():
+@pytest.mark.parametrize("detach", ["deadline", "reset"])
+@pytest.mark.parametrize("outcomes", [(True, True), (True, False), (False, True)])
+def test_a_writer_stores_again_a_key_whose_write_was_detached(detach, outcomes):
+    """Found in review: the key was left out (keys_to_store empty), so it was never stored although
+    the writer was told nothing was missing. Now it gets a new row; the two completions cannot be told
+    apart, so both rows stay held until the second, and the key is ready only if both succeeded."""
     p = pool()
-    p.prepare_store([b"k"], A)
-    assert p.detach_write(A, b"k")
+    old = p.prepare_store([b"k"], A)
+    if detach == "deadline":
+        assert p.detach_write(A, b"k")
+    else:
+        p.reset()
     plan = p.prepare_store([b"k"], A)
-    assert plan is not None and plan.keys == ()  # left out until the old write ends
-    assert p.prepare_store([b"k"], B).keys == (b"k",)
+    assert plan is not None and plan.keys == (b"k",) and set(plan.rows).isdisjoint(old.rows)
+    assert p.lookup([b"k"]) == [LookupResult.HIT_PENDING]
+    first = p.complete_store([b"k"], A, success=outcomes[0])
+    assert (first.live, first.stale, first.stored) == (0, 1, ())  # one of two writes ended: nothing counted
+    assert p.lookup([b"k"]) == [LookupResult.HIT_PENDING]
+    assert p.stats()["blocks_detached"] == 1  # the old row is still held: its copy may be the one still running
+    p.check_invariants()
+    last = p.complete_store([b"k"], A, success=outcomes[1])
+    assert last.live == 1 and last.stored == ((b"k",) if all(outcomes) else ())
+    assert p.lookup([b"k"]) == [LookupResult.HIT if all(outcomes) else LookupResult.MISS]
+    assert p.stats()["blocks_detached"] == 0 and not p.has_pending_write(A, b"k")
+    with pytest.raises(PoolError):
+        p.complete_store([b"k"], A, success=True)  # a third completion: none is owed
+    assert p.prepare_store([b"k"], B).keys == (() if all(outcomes) else (b"k",))
     p.check_invariants()
 
 
@@ -372,7 +392,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.held: list[int] = []
         self.promotions: list[int] = []
         # The model of every row's holders.
-        self.m_writes: dict[tuple[tuple[str, int], bytes], int] = {}
+        # Per (writer, key): the rows of its writes not yet all completed (more than one: a key
+        # written again after a reset or a deadline detached its write), and the completions so far.
+        self.m_writes: dict[tuple[tuple[str, int], bytes], list[int]] = {}
+        self.m_ended: Counter[tuple[tuple[str, int], bytes]] = Counter()
         self.m_reads: dict[tuple[tuple[str, int], bytes], list[int]] = {}  # rows pinned, one entry per pin
         self.m_released: Counter[tuple[tuple[str, int], bytes]] = Counter()
         self.m_job_rows: dict[int, tuple[int, ...]] = {}  # cascades and promotions, until they end
@@ -382,7 +405,7 @@ class PoolMachine(RuleBasedStateMachine):
         pins: Counter[int] = Counter()
         for entry in self.m_reads.values():
             pins.update(entry)
-        writers = set(self.m_writes.values())
+        writers = {row for rows in self.m_writes.values() for row in rows}
         for job_id in self.promotions:
             writers.update(self.m_job_rows[job_id])
         for job_id in self.job_ids:
@@ -415,8 +438,15 @@ class PoolMachine(RuleBasedStateMachine):
         assert all(self.pool.row_of(key) is not None for key in present), "a present key of the call is gone"
         assert len(set(plan.keys)) == len(plan.keys) and not set(plan.keys) & present
         for key, row in zip(plan.keys, plan.rows, strict=True):
-            self.m_writes[(writer, key)] = row
+            self.m_writes.setdefault((writer, key), []).append(row)
         return plan
+
+    def _completed(self, writer, key):
+        """One completion of ``key`` by ``writer``: its rows are released once each write was completed."""
+        entry = (writer, key)
+        self.m_ended[entry] += 1
+        if self.m_ended[entry] == len(self.m_writes[entry]):
+            del self.m_writes[entry], self.m_ended[entry]
 
     def _pin(self, keys, owner):
         rows = self._guarded(self.pool.pin_for_load, keys, owner)
@@ -446,7 +476,7 @@ class PoolMachine(RuleBasedStateMachine):
     def complete_store(self, keys, writer, ok):
         if self._guarded(self.pool.complete_store, keys, writer, ok) is not None:
             for key in keys:
-                del self.m_writes[(writer, key)]
+                self._completed(writer, key)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3), owner=st.sampled_from(WRITERS))
     def pin(self, keys, owner):
@@ -484,7 +514,7 @@ class PoolMachine(RuleBasedStateMachine):
         if plan is None or not plan.keys:
             return
         self.pool.complete_store([key], writer, True)
-        del self.m_writes[(writer, key)]
+        self._completed(writer, key)
         self._pin([key], owner)
 
     @rule(present=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
@@ -495,7 +525,7 @@ class PoolMachine(RuleBasedStateMachine):
         if plan is not None and plan.keys:
             self.pool.complete_store(list(plan.keys), writer, True)
             for key in plan.keys:
-                del self.m_writes[(writer, key)]
+                self._completed(writer, key)
         self._store([*present, *new, *present], writer)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=2))

@@ -294,8 +294,14 @@ class PrimaryTier(Actor):
         if record is not None:
             record.pending_stores -= outcome.live
             pop = record.store_of.pop
-            for key in msg.keys:  # the writer's one pending write of each key ended
-                pop(key, None)
+            if not self.pool.rewriting(identity):
+                for key in msg.keys:  # the writer's one pending write of each key ended
+                    pop(key, None)
+            else:  # a key written again may still have its live write pending: its deadline stays
+                writing = self.pool.has_pending_write
+                for key in msg.keys:
+                    if not writing(identity, key):
+                        pop(key, None)
         cascades = []
         for tier in self.tier_names if outcome.stored else ():
             job_id = next(self.work_ids)

@@ -40,7 +40,7 @@ from collections.abc import Collection, Iterable, Sequence
 from kvactors.core import pool_check
 from kvactors.core.load_pins import LoadPins, _LoadPins
 from kvactors.core.pool_rows import PoolRows
-from kvactors.core.pool_types import Identity, PoolError, StoreOutcome, StorePlan, Writer
+from kvactors.core.pool_types import Identity, PoolError, Rewrite, StoreOutcome, StorePlan, Writer
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey
 
 __all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "StorePlan", "Writer", "_LoadPins"]
@@ -101,6 +101,10 @@ class BlockPool(PoolRows):
     def has_pending_write(self, writer: Writer, key: OffloadKey) -> bool:
         return key in self._pending_writes.get(writer, ())
 
+    def rewriting(self, writer: Writer) -> bool:
+        """Whether ``writer`` writes some key again (:class:`Rewrite`). O(1) when nobody does."""
+        return bool(self._rewrites) and any(pair[0] == writer for pair in self._rewrites)
+
     def pending_writes_of(self, writer: Writer) -> list[OffloadKey]:
         """Keys ``writer`` is still writing (indexed or detached). O(its pending writes)."""
         return list(self._pending_writes.get(writer, ()))
@@ -141,10 +145,12 @@ class BlockPool(PoolRows):
     def prepare_store(self, keys: Sequence[OffloadKey], writer: Identity) -> StorePlan | None:
         """Allocate not-ready rows for the keys that are not present; evict if needed.
 
-        Left out: keys already indexed, duplicates within ``keys`` (each key
-        is stored once, at its first place), and keys ``writer`` is still
-        writing from an earlier, detached store (its late completion must not
-        be confused with a new one).
+        Left out: keys already indexed, and duplicates within ``keys`` (each key
+        is stored once, at its first place). A key ``writer`` is still writing
+        from an earlier store that a reset or a deadline detached gets a new
+        row: its completions cannot tell the writes apart, so every row of the
+        key stays held until the writer completed each of them, and the new row
+        becomes ready only if every one succeeded (:class:`Rewrite`).
 
         The keys of the call that are present (left out because indexed) are
         never evicted to make room for the others: the caller is told they are
@@ -158,8 +164,6 @@ class BlockPool(PoolRows):
         unique = dict.fromkeys(keys)  # each key once, at its first place
         new = [key for key in unique if key not in index]
         present = [key for key in unique if key in index] if len(new) != len(unique) else []
-        if mine is not None:
-            new = [key for key in new if key not in mine]
         allocated = self._allocate(new, writer, present)
         if allocated is None:
             return None
@@ -168,6 +172,11 @@ class BlockPool(PoolRows):
             if mine is None:
                 self._pending_writes[writer] = dict(zip(new, rows, strict=True))
             else:
+                # A key of ``mine`` that is not indexed is a detached write of it: a rewrite.
+                for key in new:
+                    old = mine.get(key)
+                    if old is not None:
+                        self._rewrites.setdefault((writer, key), Rewrite()).stale_rows.append(old)
                 mine.update(zip(new, rows, strict=True))
         return StorePlan(tuple(new), rows, evicted)
 
@@ -188,6 +197,8 @@ class BlockPool(PoolRows):
         if not rows:
             return StoreOutcome(0, 0, (), ())
         assert mine is not None
+        if self._rewrites and any((writer, key) in self._rewrites for key in keys):
+            return self._complete_rewrites(keys, rows, writer, mine, success)
         if len(rows) == len(mine):
             del self._pending_writes[writer]  # every write of the writer ends: no del per key
         else:
@@ -237,6 +248,44 @@ class BlockPool(PoolRows):
             else:
                 stale += 1
             self._settle(row)
+        if done:
+            self._events.add(done, False)
+        return StoreOutcome(live, stale, tuple(done), tuple(rows))
+
+    def _complete_rewrites(self, keys: Sequence[OffloadKey], rows: list[int], writer: Writer,
+                           mine: dict[OffloadKey, int], success: bool) -> StoreOutcome:
+        """:meth:`complete_store` of keys some of which ``writer`` writes again (:class:`Rewrite`)."""
+        live = stale = 0
+        done: list[OffloadKey] = []
+        writers, indexed = self._writer, self._indexed
+        for key, row in zip(keys, rows, strict=True):
+            ok = success
+            rewrite = self._rewrites.get((writer, key))
+            if rewrite is not None:
+                rewrite.ended += 1
+                rewrite.ok = rewrite.ok and success
+                if rewrite.ended <= len(rewrite.stale_rows):
+                    stale += 1  # one of its writes ended, which one is unknown: every row stays held
+                    continue
+                del self._rewrites[(writer, key)]
+                for old in rewrite.stale_rows:
+                    writers[old] = None
+                    self._settle(old)
+                ok = rewrite.ok
+            del mine[key]
+            writers[row] = None
+            if indexed[row]:
+                live += 1
+                if ok:
+                    self._make_ready(row)
+                    done.append(key)
+                else:
+                    self._unindex(row)
+            else:
+                stale += 1
+            self._settle(row)
+        if not mine:
+            del self._pending_writes[writer]
         if done:
             self._events.add(done, False)
         return StoreOutcome(live, stale, tuple(done), tuple(rows))

@@ -36,6 +36,7 @@ def snapshot(pool: BlockPool) -> tuple[object, ...]:
         {(writer, key): row for writer, key, row in pending_writes(pool)},
         load_pins(pool), dict(pool._job_pins), dict(pool._held_jobs),
         dict(pool._promotions), eviction_order(pool), set(pool._detached),
+        {pair: (tuple(r.stale_rows), r.ended, r.ok) for pair, r in pool._rewrites.items()},
     )
 
 
@@ -84,6 +85,13 @@ def check_invariants(pool: BlockPool) -> None:
     for writer, key, row in pending_writes(pool):
         assert pool._keys[row] == key and row not in writers
         writers[row] = writer
+    for (writer, key), rewrite in pool._rewrites.items():
+        # Its live write is pending still; each earlier one holds its detached row.
+        assert pool.has_pending_write(writer, key) and rewrite.stale_rows
+        assert 0 <= rewrite.ended <= len(rewrite.stale_rows) and (rewrite.ok or rewrite.ended)
+        for row in rewrite.stale_rows:
+            assert pool._keys[row] == key and not pool._indexed[row] and row not in writers
+            writers[row] = writer
     for job_id, entries in pool._promotions.items():
         for key, row in entries:
             assert pool._keys[row] == key and row not in writers

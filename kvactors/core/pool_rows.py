@@ -15,7 +15,7 @@ from kvactors.core.events import EventBuffer
 from kvactors.core.load_pins import LoadPinBook
 from kvactors.core.policies.base import EvictionPolicy
 from kvactors.core.policies.row_lru import RowLRUPolicy
-from kvactors.core.pool_types import PoolError, Writer
+from kvactors.core.pool_types import PoolError, Rewrite, Writer
 from kvactors.types import PRIMARY_TIER_NAME, OffloadKey
 
 
@@ -44,6 +44,7 @@ class PoolRows:
         self._free = list(range(num_blocks - 1, -1, -1))
         # Per writer, so a request's calls find their keys without a tuple per key.
         self._pending_writes: dict[Writer, dict[OffloadKey, int]] = {}
+        self._rewrites: dict[tuple[Writer, OffloadKey], Rewrite] = {}  # keys written again by their writer
         self._pin_book = LoadPinBook()
         self._load_pins = self._pin_book.multi  # keys pinned more than once by a request
         self._job_pins: dict[int, tuple[int, ...]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple, TypeAlias
 
 from kvactors.types import OffloadKey
@@ -37,3 +38,19 @@ class StoreOutcome(NamedTuple):
     stale: int
     stored: tuple[OffloadKey, ...]
     rows: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Rewrite:
+    """A key its writer prepared again while its earlier writes of that key were detached
+    (by a reset or a deadline), none of them completed yet.
+
+    Each of the writer's completions of the key ends one of those writes, but which one
+    is unknown: every row stays held until the last completion (``ended`` reaches
+    ``len(stale_rows) + 1``), and the live row becomes ready only if all of them
+    succeeded (``ok``).
+    """
+
+    stale_rows: list[int] = field(default_factory=list)
+    ended: int = 0
+    ok: bool = True
