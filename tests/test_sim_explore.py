@@ -162,7 +162,8 @@ def test_planted_promotion_that_makes_failed_keys_ready(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(BlockPool, "end_promotion", all_or_nothing)
     _more_report_faults(monkeypatch)
-    _hunt(400, 0.015, "do not hold their blocks", base=PER_KEY_WORKLOAD)
+    # 5 of 400 seeds after 962c1cb: fewer reports fail keys since success=False naming every key is a success.
+    _hunt(400, 0.01, "do not hold their blocks", base=PER_KEY_WORKLOAD)
 
 
 def test_planted_report_taken_at_its_word(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -281,6 +281,7 @@ class PrimaryTier(Actor):
                 live=outcome.live,
                 stale=outcome.stale,
                 success=msg.success,
+                stored=len(outcome.stored),
                 tier=PRIMARY_TIER_NAME,
             )
         if outcome.live == 0:

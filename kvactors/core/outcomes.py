@@ -42,7 +42,7 @@ def key_outcomes(job_keys: Sequence[OffloadKey], result: JobResult) -> KeyOutcom
     * ``successful_keys is None``: every key follows ``success``, which must be
       a ``bool``.
     * a tuple of keys of the job: those succeeded, the job's others failed,
-      whatever ``success`` says (api.md), also ``success=False`` with every key
+      whatever ``success`` says (the public API's rule), also ``success=False`` with every key
       named. A key named twice counts once.
     * anything else fails every key, with a ``problem``: ``success`` not a
       bool; ``successful_keys`` not a tuple, holding a non-``bytes`` item or a

@@ -100,7 +100,10 @@ class JobRules(ReplayState):
 
     def on_store_completed(self, event: Event) -> None:
         self._stores_done(event, event["live"])
-        if event["live"] and event["success"] and self.tiers:
+        # What became ready cascades: a key written again that one of its writes failed does not,
+        # whatever the call said (logs without ``stored``: every live key of a success).
+        stored = event.get("stored")
+        if (event["live"] and event["success"] if stored is None else stored) and self.tiers:
             req = self.current.get(self.identity(event))
             if req is not None:  # each stored block cascades to every tier: one job per tier
                 for tier in self.tiers:

@@ -8,7 +8,7 @@ from typing import Any
 
 Event = dict[str, Any]
 
-_SHOWN = ("req_id", "attempt", "tier", "job_id", "kind", "keys", "live", "stale", "success", "reason", "call",
+_SHOWN = ("req_id", "attempt", "tier", "job_id", "kind", "keys", "live", "stale", "success", "stored", "reason", "call",
           "finished", "pending_stores")
 
 
