@@ -109,10 +109,11 @@ class JobResult:
 
     ``successful_keys=None``: every key of the job follows ``success``. A
     tuple: the job ended for each key on its own: those keys succeeded, the
-    job's other keys failed (as vLLM's ``JobResult.successful_keys``). How the
-    runtime reads a report that does not fit its job (a key the job does not
-    have, a value that is not a tuple of keys, ``success=False`` naming every
-    key) is :func:`kvactors.core.outcomes.key_outcomes`: every key failed.
+    job's other keys failed (as vLLM's ``JobResult.successful_keys``), whatever
+    ``success`` says. How the runtime reads a report that does not fit its job
+    (a key the job does not have, a value that is not a tuple of keys, a
+    ``success`` that is not a bool) is :func:`kvactors.core.outcomes.key_outcomes`:
+    every key failed.
     """
 
     job_id: int

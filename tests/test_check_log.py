@@ -120,9 +120,7 @@ def _relabel(kind: str, field: str) -> Mutation:
     """The first ``kind`` event of a job names another request (``req_id``) or tier than its job's others."""
     def mutate(events: list[Event]) -> list[Event] | None:
         for i, event in enumerate(events):
-            if event["event"] != kind:
-                continue
-            if field not in event:
+            if event["event"] != kind or field not in event or "job_id" not in event:
                 continue
             others = [e[field] for e in events if field in e and e[field] != event[field]
                       and e.get("manager") == event.get("manager")]
@@ -134,6 +132,19 @@ def _relabel(kind: str, field: str) -> Mutation:
     return mutate
 
 
+def _store_outcome(*, success: bool = True, extra: int = 0) -> Mutation:
+    """The first store_completed that made blocks ready says ``success`` / ``extra`` more blocks stored."""
+    def mutate(events: list[Event]) -> list[Event] | None:
+        for i, event in enumerate(events):
+            if event["event"] == "store_completed" and event.get("stored"):
+                forged = {**event, "success": success, "stored": event["stored"] + extra}
+                return [*events[:i], forged, *events[i + 1:]]
+        return None
+
+    mutate.__name__ = "store_outcome"
+    return mutate
+
+
 MUTATIONS: dict[str, tuple[Mutation, str | None]] = {
     # Caught as "one-job", or by the rule the forged name breaks first (None: any rule).
     **{f"relabel {kind} {field}": (_relabel(kind, field), None)
@@ -141,6 +152,10 @@ MUTATIONS: dict[str, tuple[Mutation, str | None]] = {
                     "promotion_completed", "job_queued")
        for field in ("tier", "req_id", "keys")},
     "relabel tier_submit_received promotion": (_relabel("tier_submit_received", "promotion"), "one-job"),
+    **{f"relabel {kind} {field}": (_relabel(kind, field), "one-job")
+       for kind, field in (("job_timed_out", "tier"), ("job_timed_out", "req_id"), ("late_report_ignored", "tier"))},
+    "a failed store that made blocks ready": (_store_outcome(success=False), None),
+    "a store that made more blocks ready than it wrote": (_store_outcome(extra=1), "failure-not-success"),
     "move tier finish before a submit": (move_finish_before_submit, "no-submit-after-finish"),
     "move store completion after finalize": (move_store_completion_after_finalize, "finalize-after-stores"),
     "duplicate tier_finish_received": (_duplicate("tier_finish_received"), "one-finish"),

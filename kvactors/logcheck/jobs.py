@@ -103,7 +103,10 @@ class JobRules(ReplayState):
         # What became ready cascades: a key written again that one of its writes failed does not,
         # whatever the call said (logs without ``stored``: every live key of a success).
         stored = event.get("stored")
-        if (event["live"] and event["success"] if stored is None else stored) and self.tiers:
+        if stored is not None and (stored > event["live"] or (stored and not event["success"])):
+            self.violation("failure-not-success", f"store_completed made {stored} block(s) ready of "
+                           f"{event['live']} live write(s), success={event['success']}", event)
+        if event["live"] and event["success"] and (stored is None or stored) and self.tiers:
             req = self.current.get(self.identity(event))
             if req is not None:  # each stored block cascades to every tier: one job per tier
                 for tier in self.tiers:
@@ -241,6 +244,7 @@ class JobRules(ReplayState):
             self.violation("one-job-end", f"job {job_id} timed out but was not in flight",
                            *(job.events if job else ()), event)
             return
+        self._same_job(job, event)
         job.events.append(event)
         job.state = "timed_out"  # its rows stay held until the late report; a stuck tier may never receive it
         if job.lifetime is not None:
@@ -252,6 +256,7 @@ class JobRules(ReplayState):
             self.violation("pin-released-once", "late report (rows released) without a timeout, or twice",
                            *(job.events if job else ()), event)
             return
+        self._same_job(job, event)
         if not job.received:
             self.violation("one-job-end", f"late report of job {event['job_id']}, which its tier never received",
                            *job.events, event)
