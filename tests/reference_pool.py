@@ -202,7 +202,7 @@ class ReferencePool:
             seen.add(key)
             if key in index:
                 present.append(key)
-            else:
+            elif (writer, key) not in self._rewrites:  # written again once already: left out
                 new.append(key)
         allocated = self._allocate(new, writer, present)
         if allocated is None:

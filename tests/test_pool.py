@@ -170,6 +170,25 @@ def test_a_writer_stores_again_a_key_whose_write_was_detached(detach, outcomes):
     p.check_invariants()
 
 
+def test_a_copy_that_never_ends_holds_two_rows_not_one_more_per_retry():
+    """Found in review: each retry of a key whose first copy hung added a held row for good."""
+    p = pool(8)
+    p.prepare_store([b"k"], A)  # its copy never ends
+    assert p.detach_write(A, b"k")
+    second = p.prepare_store([b"k"], A)
+    assert second is not None and second.keys == (b"k",)
+    p.complete_store([b"k"], A, success=True)  # which write ended is unknown: both rows stay held
+    assert p.detach_write(A, b"k")  # the second write's deadline passes too
+    for _ in range(3):
+        retry = p.prepare_store([b"k"], A)
+        assert retry is not None and retry.keys == ()  # left out: no third row
+    assert p.stats()["blocks_detached"] == 2 and p.stats()["blocks_free"] == 6
+    p.complete_store([b"k"], A, success=True)  # the hung copy ends at last: every row comes back
+    assert p.stats()["blocks_detached"] == 0 and p.stats()["blocks_free"] == 8
+    assert p.prepare_store([b"k"], A).keys == (b"k",)
+    p.check_invariants()
+
+
 def test_cascade_pins_and_timed_out_holds():
     p = pool(2)
     p.prepare_store([b"k"], A)

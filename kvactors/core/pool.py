@@ -150,7 +150,10 @@ class BlockPool(PoolRows):
         from an earlier store that a reset or a deadline detached gets a new
         row: its completions cannot tell the writes apart, so every row of the
         key stays held until the writer completed each of them, and the new row
-        becomes ready only if every one succeeded (:class:`Rewrite`).
+        becomes ready only if every one succeeded (:class:`Rewrite`). Once only:
+        a key whose second write was detached too is left out until the
+        writer's writes of it end (a copy that never ends holds two rows, not
+        one more per retry).
 
         The keys of the call that are present (left out because indexed) are
         never evicted to make room for the others: the caller is told they are
@@ -164,6 +167,10 @@ class BlockPool(PoolRows):
         unique = dict.fromkeys(keys)  # each key once, at its first place
         new = [key for key in unique if key not in index]
         present = [key for key in unique if key in index] if len(new) != len(unique) else []
+        if self._rewrites and mine is not None:
+            # Written again once already, and that write detached too: a third row would be one
+            # more held for good if the first copy never ends. Left out until the writes end.
+            new = [key for key in new if (writer, key) not in self._rewrites]
         allocated = self._allocate(new, writer, present)
         if allocated is None:
             return None
