@@ -213,6 +213,27 @@ def test_a_load_from_what_is_not_a_regular_file_fails_at_once(make, tmp_path: Pa
                 os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
+def test_a_file_turned_into_a_fifo_during_the_restart_scan_is_unreadable(make, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvactors.tiers.disk_read as disk_read
+
+    root = tmp_path / "tier"
+    h1 = make(root)
+    assert h1.store([b"key"], [0]).success and h1.store([b"other"], [1]).success
+    path, _, _ = where(h1, b"key")
+    h1.tier.shutdown()
+    open_group = disk_read._open_group
+
+    def swapped(file_path, fname):  # type: ignore[no-untyped-def]
+        if file_path == str(path):  # listed as a regular file, a FIFO by the time it is opened
+            _fifo(path)
+        return open_group(file_path, fname)
+
+    monkeypatch.setattr(disk_read, "_open_group", swapped)
+    h2 = make(root)  # the constructor returns: the FIFO is an unreadable file, kept
+    assert h2.tier.lookup([b"key", b"other"], CTX) == [MISS, HIT]
+
+
 def test_a_restart_skips_a_fifo_named_as_a_tier_file(make, tmp_path: Path) -> None:
     root = tmp_path / "tier"
     h1 = make(root)

@@ -64,14 +64,14 @@ def open_to_read(path: str) -> int:
     """A descriptor of the regular file ``path``, opened to read; never waits.
 
     A symlink (``O_NOFOLLOW``), a FIFO, a device or a socket where a tier file was is
-    an error (``OSError``, or :class:`DiskTierError` once opened), never a wait or a
+    an ``OSError`` (``EINVAL`` once opened, as an unreadable file), never a wait or a
     read of something else: the caller fails what it meant to read from it.
     """
     fd = os.open(path, _OPEN_READ)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise DiskTierError(f"{os.path.basename(path)} is not a regular file (mode {stat.filemode(mode)})")
+            raise OSError(errno.EINVAL, f"not a regular file (mode {stat.filemode(mode)})", path)
     except BaseException:
         os.close(fd)
         raise
