@@ -97,7 +97,7 @@ class RedisTier(RedisJobs, SecondaryTier):
     Threading
         As for every ``SecondaryTier``, the methods are called on the tier actor's
         thread, one at a time. ``lookup`` is synchronous there (one pipelined round
-        trip, bounded by ``timeout_s``); ``submit_store``/``submit_load``/``touch``
+        trip, each socket read bounded by ``timeout_s``); ``submit_store``/``submit_load``/``touch``
         return at once and the I/O runs on the I/O threads. Each job is reported
         exactly once, from an I/O thread (or from the calling thread when it fails
         before reaching one), even when the worker raises or the tier shuts down.
@@ -228,8 +228,11 @@ class RedisTier(RedisJobs, SecondaryTier):
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """``HIT``/``MISS`` per key from one pipelined round trip of ``EXISTS``.
 
-        Runs on the caller's thread, bounded by ``timeout_s``: a timeout answers
-        ``RETRY`` for every key, any other failure ``MISS``. Never raises.
+        Runs on the caller's thread, each socket operation bounded by ``timeout_s``:
+        a timeout answers ``RETRY`` for every key, any other failure ``MISS``. Never
+        raises. A server that trickles its reply (a byte within each ``timeout_s``)
+        holds the call longer: the manager's ``lookup_timeout_s`` still bounds the
+        caller, and the tier is reported stuck meanwhile.
         """
         n = len(keys)
         if n == 0:
