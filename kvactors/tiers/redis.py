@@ -232,7 +232,7 @@ class RedisTier(RedisJobs, SecondaryTier):
         a timeout answers ``RETRY`` for every key, any other failure ``MISS``. Never
         raises. A server that trickles its reply (a byte within each ``timeout_s``)
         holds the call longer: the manager's ``lookup_timeout_s`` still bounds the
-        caller, and the tier is reported stuck meanwhile.
+        caller, and the tier is reported stuck once it stays silent past its bound.
         """
         n = len(keys)
         if n == 0:
