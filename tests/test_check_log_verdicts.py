@@ -125,6 +125,20 @@ def test_lines_no_log_holds_are_not_checked_and_never_a_traceback(tmp_path: Path
         assert result.verdict is Verdict.INCONCLUSIVE and "not an int or a str" in " ".join(result.inconclusive)
 
 
+def test_finishes_a_tier_left_behind_at_the_stop_never_received_are_not_proven_either_way(
+        logs: dict[str, list[dict]]) -> None:
+    """Found with a stuck tier under vLLM: its actor, abandoned at the stop, logged no receipt."""
+    one = next(m for m in by_manager(logs["sim"]) if any(e["event"] == "tier_finish_received" for e in m))
+    tier = next(e["tier"] for e in one if e["event"] == "tier_finish_received")
+    lost = [e for e in one if not (e["event"] == "tier_finish_received" and e["tier"] == tier)]
+    renumbered = [{**e, "seq": i} for i, e in enumerate(lost)]
+    assert check_events(renumbered).verdict is Verdict.VIOLATION  # a tier that simply never received them
+    abandoned = [{**e, "abandoned": f"tier-{tier}"} if e["event"] == "manager_stopped" else e for e in renumbered]
+    result = check_events(abandoned)
+    assert result.verdict is Verdict.INCONCLUSIVE and not result.violations
+    assert any(f"tier {tier}'s actor was left behind" in note for note in result.inconclusive)
+
+
 def test_the_cli_in_a_fresh_process(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b"\x00\x01garbage\n")

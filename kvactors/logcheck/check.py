@@ -109,7 +109,7 @@ class LogChecker:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             self._malformed(manager, event, f"{type(exc).__name__}: {exc}")
         if replay.stopped is not None:
-            self._close(manager)
+            self._close(manager, key)
             manager.stopped = True
 
     def _malformed(self, manager: _Manager, event: Event, why: str) -> None:
@@ -117,10 +117,11 @@ class LogChecker:
         if len(self.malformed_examples) < 5:
             self.malformed_examples.append(f"seq {event.get('seq')} {event.get('event')}: {why}")
 
-    def _close(self, manager: _Manager) -> None:
+    def _close(self, manager: _Manager, key: ManagerKey) -> None:
         assert manager.replay is not None
         self.out.requests += manager.replay.requests
         self.out.misuse += manager.replay.misuse
+        self.out.inconclusive.extend(f"manager {key[1]} (pid {key[0]}): {note}" for note in manager.replay.notes)
         manager.replay = None  # every state of this manager is freed
 
     def result(self, stats: ReadStats | None = None) -> CheckResult:
@@ -148,7 +149,7 @@ class LogChecker:
             if manager.replay is not None:
                 notes.append(f"{who} never stopped (no manager_stopped): what must hold at the stop (every "
                              "finish, every pin and job released) was not checked")
-                self._close(manager)
+                self._close(manager, (pid, number))
             if manager.missing:
                 notes.append(f"{who}: {manager.missing} event(s) missing ({manager.gaps} gap(s) in seq)")
             if manager.went_back:

@@ -172,8 +172,19 @@ class LifetimeRules(ReplayState):
             if req.finished is not None and req.pending_stores == 0 and not in_flight:
                 self.violation("one-finish", "finished with nothing pending at the stop, never finalized",
                                req.finished, req.roll_call, stopped)
+        # A tier whose actor was left behind at the stop (stuck in a call) logs nothing more: what it
+        # still owed is not in the log, and cannot be proven either way.
+        abandoned = {name[len("tier-"):] for name in str(stopped.get("abandoned") or "").split(",")
+                     if name.startswith("tier-")}
+        unproven: dict[str, int] = {}
         for lifetimes in self.draining.values():
             for req in lifetimes:
                 for tier in sorted(req.tiers_owed):
+                    if tier in abandoned:
+                        unproven[tier] = unproven.get(tier, 0) + 1
+                        continue
                     self.violation("one-finish", f"tier {tier} was finalized but never received on_request_finished",
                                    req.tier_finalized[tier], stopped)
+        for tier, count in sorted(unproven.items()):
+            self.notes.append(f"tier {tier}'s actor was left behind at the stop (actor_abandoned): {count} finish(es) "
+                              "it was told were not seen received")

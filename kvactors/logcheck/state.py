@@ -73,6 +73,7 @@ class ReplayState:
         self.requests = 0
         self.misuse = 0
         self.resets = 0
+        self.notes: list[str] = []  # what this manager's log could not prove (the verdict is INCONCLUSIVE)
 
     def violation(self, rule: str, message: str, *events: Event | None) -> None:
         self.report(Violation(rule, message, [e for e in events if e is not None]))
