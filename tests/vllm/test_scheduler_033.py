@@ -72,3 +72,41 @@ def test_hundreds_of_requests_preemptions_aborts_reset(tmp_path):
     check = subprocess.run([sys.executable, "-m", "kvactors.cli", "check-log", str(tmp_path / "events.kvlog")],
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("b_tokens", [40, 41])
+def test_a_request_waiting_for_device_blocks_keeps_its_hits_past_the_lookup_timeout(tmp_path, b_tokens):
+    """Found in review: a request answered HIT on one step and asked again on the next (its answers
+    are dropped at each step's end) while it waits for device blocks lost its hits once
+    lookup_timeout_s had passed since its first RETRY, and recomputed its prefix. C's prefix is in
+    the pool; B holds nearly all device blocks for about 40 steps of 20 ms (0.8 s > 0.3 s)."""
+    import time
+
+    cfg = extra(str(tmp_path), pool_blocks=64, tiers=[])
+    cfg["lookup_timeout_s"] = 0.3
+    h = Harness(str(tmp_path), cfg, num_gpu_blocks=24, max_num_seqs=4, max_batched=512)
+    run = Run(h)
+
+    def steps_until(done, limit=600):
+        for _ in range(limit):
+            if done():
+                return True
+            run.step()
+            time.sleep(0.02)  # a model step's time: what lookup_timeout_s is measured against
+        return done()
+
+    prefix = [(i * 7) % 400 + 3 for i in range(4 * BLOCK)]
+    run.add("A", prefix + [11] * 5, max_tokens=2)
+    assert steps_until(lambda: "A" not in h.scheduler.requests)
+    stats = h.manager.tm.stats
+    assert steps_until(lambda: stats()["blocks_pending"] == 0 and stats()["blocks_ready"] >= 4, limit=100)
+    h.scheduler.reset_prefix_cache()  # the engine's own cache only: C's prefix must come from kvactors
+    run.add("B", [13 + i % 300 for i in range(20 * BLOCK)], max_tokens=b_tokens)
+    for _ in range(4):  # B admitted, prefilled, decoding
+        run.step()
+    run.add("C", prefix + [17] * 5, max_tokens=2)
+    loaded_before = h.manager.counters["keys_loaded"]
+    assert steps_until(lambda: "C" not in h.scheduler.requests)
+    loaded = h.manager.counters["keys_loaded"] - loaded_before
+    assert loaded >= 4, (loaded, h.manager.counters["lookups_given_up"])

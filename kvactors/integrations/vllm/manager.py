@@ -191,7 +191,7 @@ class KvactorsOffloadingManager(OffloadingManager):
             req.read = True
             answer = req.answers.get(key)
             if answer is not None:
-                return _TO_VLLM[answer]
+                return self._answered(req, answer)
             job = req.job if req.job is not None else self._start_lookup(req, key, req_context)
             budget = min(self.lookup_wait_s, self.step_wait_s - self._step_waited)
         if budget > 0 and not job.done.is_set():
@@ -202,12 +202,23 @@ class KvactorsOffloadingManager(OffloadingManager):
         with self._lock:
             answer = req.answers.get(key)
             if answer is not None:
-                return _TO_VLLM[answer]
+                return self._answered(req, answer)
             if job.done.is_set() and req.job is None and not req.finished:
                 # Answered, but not for this key (another group, a partial tail): ask for it next.
                 self._start_lookup(req, key, req_context)
             self.counters["lookup_retries"] += 1
             return VLookup.RETRY
+
+    @staticmethod
+    def _answered(req: Request, answer: LookupResult) -> VLookup:
+        """vLLM's answer for a key the core answered (caller holds the lock). A final one (HIT,
+        MISS) ends the wait ``lookup_timeout_s`` bounds: a request asked again on a later step
+        (its answers are dropped at each step's end, e.g. while it waits for device blocks) starts
+        a new one, instead of losing its hits once the first wait would have run out."""
+        result = _TO_VLLM[answer]
+        if result is VLookup.HIT or result is VLookup.MISS:
+            req.unsure_since = None
+        return result
 
     def get_load_source(self, key: OffloadKey, req_context: VReqContext) -> CacheHitSource:
         with self._lock:
