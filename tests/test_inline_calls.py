@@ -58,13 +58,14 @@ def test_an_idle_tier_answers_on_the_asking_thread_only_when_inline(inline):
     assert stats["lookups_in_flight"] == 0 and stats["active_requests"] == 0
 
 
-def test_a_failing_inline_lookup_answers_retry_and_is_the_tiers_failure():
+def test_a_failing_inline_lookup_answers_miss_and_is_the_tiers_failure():
     tier = ThreadNotingTier(inline=True, fail_lookups=True)
     ctx = ReqContext("r")
     with start(tier) as manager:
         manager.on_new_request(ctx)
         assert manager.wait_idle(10)
-        assert manager.lookup(keys(1, 2), ctx) == [LookupResult.RETRY, LookupResult.RETRY]
+        # A failed tier's answer is a miss: asking again would wait on it for every request.
+        assert manager.lookup(keys(1, 2), ctx) == [LookupResult.MISS, LookupResult.MISS]
         manager.on_request_finished(ctx)
         stats = settled(manager)
     assert not tier.lookup_threads[0].endswith("-tier-mem")  # it did run inline

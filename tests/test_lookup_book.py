@@ -39,7 +39,7 @@ def test_a_lookup_asks_each_key_once_and_resolves_with_its_last_answer() -> None
     assert book.answered(1, "t2", (HIT, HIT)) is None  # too late: nothing happens
 
 
-def test_a_stuck_tier_is_not_waited_for_and_its_keys_are_retry() -> None:
+def test_a_stuck_tier_is_not_waited_for_and_counts_as_failed() -> None:
     book: LookupBook[str] = LookupBook(TIERS, 1.0)
     pending = begin(book, skip=("t2",))
     assert pending.waiting == {"t1"}
@@ -49,8 +49,9 @@ def test_a_stuck_tier_is_not_waited_for_and_its_keys_are_retry() -> None:
     book.wait(other, 0.0)
     assert book.tier_stuck("t1") == [pending]  # its last wait
     assert other.waiting == {"t2"}
+    assert pending.answers == {"t2": None, "t1": None} and other.answers == {"t1": None}  # failed
     resolution = book.resolve(pending)
-    assert resolution.results == [RETRY, RETRY, RETRY] and resolution.plan == {}
+    assert resolution.results == [MISS, MISS, MISS] and resolution.plan == {}
 
 
 def test_a_lookup_past_its_deadline_expires_once() -> None:

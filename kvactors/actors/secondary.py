@@ -2,7 +2,7 @@
 
 It calls the plugin's methods one at a time on its own thread, and turns
 everything the plugin does wrong into that tier's failure: an exception in
-``submit_*`` is a failed job, an exception in ``lookup`` is a ``RETRY`` answer,
+``submit_*`` is a failed job, an exception in ``lookup`` a failed answer (a miss),
 an exception in a hook is logged and counted. Nothing a plugin raises reaches
 the supervisor or the other tiers.
 

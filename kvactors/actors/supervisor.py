@@ -351,7 +351,7 @@ class LifecycleSupervisor(SupervisorRounds):
         if self.stopping or self._count(msg.ctx, "pending_lookups", +1) is None:
             msg.reply.set_result(list(msg.results))
             return
-        # A stuck tier is not asked: its keys are RETRY unless another tier has them.
+        # A stuck tier is not asked: it counts as failed (its keys are a MISS unless another tier has them).
         pending = self.lookups.begin(msg.lookup_id, msg.ctx, msg.keys, msg.missing, msg.results, msg.reply,
                                      skip=self._watch.stuck())
         now = self.runtime.now()

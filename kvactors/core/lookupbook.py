@@ -117,8 +117,10 @@ class LookupBook(Generic[R]):
             raise ValueError("missing must index keys, and results hold one per key")
         skipped = set(skip)
         asked = tuple(dict.fromkeys(keys[i] for i in missing))
+        # A stuck tier counts as failed: its answer is a miss, not a wait for every request.
         return PendingLookup(lookup_id, ctx, keys, missing, list(results), reply, asked,
-                             {tier for tier in self.tier_order if tier not in skipped})
+                             {tier for tier in self.tier_order if tier not in skipped},
+                             {tier: None for tier in self.tier_order if tier in skipped})
 
     def wait(self, pending: PendingLookup[R], now: float) -> float:
         """``pending`` still waits for a tier's message: open it, with its deadline (returned)."""
@@ -140,11 +142,13 @@ class LookupBook(Generic[R]):
 
     def tier_stuck(self, tier: str) -> list[PendingLookup[R]]:
         """``tier`` is stuck: no open lookup waits for it any more. Returns those it
-        was the last wait of (resolve them); its keys are ``RETRY`` unless another tier has them."""
+        was the last wait of (resolve them); it counts as failed there (its keys are a
+        ``MISS`` unless another tier has them)."""
         done = []
         for pending in self._open.values():
             if tier in pending.waiting:
                 pending.waiting.discard(tier)
+                pending.answers[tier] = None
                 if not pending.waiting:
                     done.append(pending)
         return done

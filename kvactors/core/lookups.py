@@ -26,17 +26,19 @@ def resolve_lookup(
     ``results``: the primary's answer (``MISS`` at the ``missing`` positions);
     ``asked``: the missing keys, de-duplicated, as the tiers were asked;
     ``answers``: per tier, one result per asked key, or ``None`` if the tier
-    failed (a tier absent from ``answers`` did not answer in time).
+    failed or is stuck (a tier absent from ``answers`` did not answer in time).
 
     Per key, the first tier in ``tier_order`` that answers ``HIT`` promotes it
     (when ``promote``; the key stays at the primary's answer until the promotion
-    is allocated). Without a hit, ``RETRY`` if some tier failed, timed out or
-    said ``RETRY``, else ``MISS``; a hit that is not promoted is a ``RETRY``.
+    is allocated). Without a hit, ``RETRY`` if some tier did not answer in time
+    or said ``RETRY``, else ``MISS``: a failed tier's answer is a miss (asking
+    again would wait on it for every request, for nothing). A hit that is not
+    promoted is a ``RETRY``.
     Returns the results (a new list) and the plan: tier -> keys, in key order.
     """
     out = list(results)
     if len(answers) == len(tier_order) and all(
-        answer is not None and LookupResult.HIT not in answer and LookupResult.RETRY not in answer
+        answer is None or (LookupResult.HIT not in answer and LookupResult.RETRY not in answer)
         for answer in answers.values()
     ):
         return out, {}  # every tier answered MISS for every key: the primary's answer stands
@@ -46,8 +48,11 @@ def resolve_lookup(
         key = keys[i]
         verdict, source = LookupResult.MISS, None
         for tier in tier_order:
-            answer = answers.get(tier)
-            result = LookupResult.RETRY if answer is None else answer[position[key]]
+            if tier not in answers:
+                result = LookupResult.RETRY  # not answered in time
+            else:
+                answer = answers[tier]
+                result = LookupResult.MISS if answer is None else answer[position[key]]
             if result is LookupResult.HIT:
                 verdict, source = result, tier
                 break
