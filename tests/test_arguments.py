@@ -400,3 +400,34 @@ def test_a_disk_root_that_cannot_be_a_directory_is_a_value_error(tmp_path, where
                            "tiers": [{"type": "disk", "root": str(root), "capacity_bytes": 1 << 20}]})
     with pytest.raises(ValueError, match=r"tiers\[0\] \(disk\)"):
         build_tiers(config)
+
+
+@pytest.mark.parametrize("where", ["missing folder", "a directory", "NUL", "not a path"])
+def test_a_vllm_event_log_that_cannot_be_written_names_the_key(tmp_path, where: str) -> None:
+    """Found in review: the runtime's own OSError came out of the engine's start, naming no key."""
+    from kvactors.integrations.vllm.config import parse_config
+
+    value = {"missing folder": str(tmp_path / "no" / "events.jsonl"), "a directory": str(tmp_path),
+             "NUL": "ev\0.jsonl", "not a path": 5}[where]
+    with pytest.raises(ValueError, match="kvactors: event_log"):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "event_log": value})
+    assert parse_config({"cpu_bytes_to_use": 1 << 20, "event_log": str(tmp_path / "ok.jsonl")}).event_log
+
+
+@pytest.mark.parametrize("failure", ["syntax", "import raises", "constructor raises"])
+def test_a_custom_vllm_tier_that_fails_to_load_names_its_entry(tmp_path, monkeypatch, failure: str) -> None:
+    from kvactors.integrations.vllm.config import build_tiers, parse_config
+
+    source = {"syntax": "def broken(:\n",
+              "import raises": "raise RuntimeError('planted at import')\n",
+              "constructor raises": ("from kvactors import MemoryTier\n"
+                                     "class Tier(MemoryTier):\n"
+                                     "    def __init__(self):\n"
+                                     "        raise RuntimeError('planted in __init__')\n")}[failure]
+    (tmp_path / f"planted_{failure.replace(' ', '_')}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [
+        {"type": "memory", "capacity_blocks": 4},
+        {"type": "custom", "class": f"planted_{failure.replace(' ', '_')}:Tier"}]})
+    with pytest.raises(ValueError, match=r"kvactors: tiers\[1\]"):
+        build_tiers(config)

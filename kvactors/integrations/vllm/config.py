@@ -108,8 +108,8 @@ def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
         raise ValueError(f"kvactors: tiers must be a list of tier entries, got {tiers_raw!r}")
     tiers = tuple(_check_tier(i, entry) for i, entry in enumerate(tiers_raw))
     event_log = extra.get("event_log")
-    if event_log is not None and (not isinstance(event_log, str | os.PathLike) or not str(event_log)):
-        raise ValueError(f"kvactors: event_log must be a path, got {event_log!r}")
+    if event_log is not None:
+        _check_event_log(event_log)
     return KvactorsConfig(
         cpu_bytes_to_use=cpu_bytes,
         eviction_policy=str(policy),
@@ -120,12 +120,28 @@ def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
     )
 
 
+def _check_event_log(event_log: object) -> None:
+    """A file the log can be created in or appended to; ``ValueError`` naming ``event_log``."""
+    if not isinstance(event_log, str | os.PathLike) or not isinstance(os.fspath(event_log), str) \
+            or not os.fspath(event_log) or "\0" in os.fspath(event_log):
+        raise ValueError(f"kvactors: event_log must be a path, got {event_log!r}")
+    path = os.path.abspath(os.fspath(event_log))
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise ValueError(f"kvactors: event_log {event_log!r} is a directory, not a file")
+    if not os.path.isdir(folder):
+        raise ValueError(f"kvactors: event_log {event_log!r}: its folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"kvactors: event_log {event_log!r} cannot be written")
+
+
 def _load_class(spec: str, where: str) -> type:
     module_name, _, attr = spec.partition(":")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"kvactors: {where}.class {spec!r} cannot be imported: {exc}") from exc
+    except Exception as exc:  # not found, or its module raised (a SyntaxError too) while importing
+        raise ValueError(f"kvactors: {where}.class {spec!r} cannot be imported: "
+                         f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(obj, type) or not issubclass(obj, SecondaryTier):
         raise ValueError(f"kvactors: {where}.class {spec!r} is not a SecondaryTier subclass")
     return obj
@@ -154,6 +170,9 @@ def build_tiers(config: KvactorsConfig) -> list[SecondaryTier]:
                     tier = cls(**dict(entry.get("kwargs", {})))
             except (TypeError, ValueError, OSError) as exc:  # OSError: a root it may not create
                 raise ValueError(f"kvactors: {where} ({kind}): {exc}") from exc
+            except Exception as exc:  # a custom tier's constructor raised something else
+                raise ValueError(f"kvactors: {where} ({kind}): its constructor raised "
+                                 f"{type(exc).__name__}: {exc}") from exc
             tiers.append(tier)
     except BaseException:
         for tier in tiers:

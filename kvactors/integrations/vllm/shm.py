@@ -87,6 +87,11 @@ class SharedPool:
             if current == 0:
                 os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if getattr(self, "created", False):  # ours, and never mapped: nothing may keep it
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
         finally:
             os.close(fd)
         with _open_lock:

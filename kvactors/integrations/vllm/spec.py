@@ -9,6 +9,7 @@ multiprocess engine works like the in-process one.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
@@ -21,6 +22,20 @@ from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
 from kvactors.integrations.vllm.shm import SharedPool, pool_path
 from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
 from kvactors.manager import TieringManager
+
+
+def _check_pool_memory(cpu_bytes: int, size: int, folder: str) -> None:
+    """``ValueError`` naming ``cpu_bytes_to_use`` if the pool (a shared file in ``folder``, backed by
+    memory) cannot fit: more than the machine's memory, or than ``folder`` has free."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
+    if total is not None and size > total:
+        raise ValueError(f"kvactors: cpu_bytes_to_use={cpu_bytes}: the pool needs {size} bytes, more than the "
+                         f"machine's {total} bytes of memory")
+    stat = os.statvfs(folder)
+    free = stat.f_bavail * stat.f_frsize
+    if size > free:
+        raise ValueError(f"kvactors: cpu_bytes_to_use={cpu_bytes}: the pool needs {size} bytes of shared memory, "
+                         f"{folder} has {free} free")
 
 
 class KvactorsOffloadingSpec(OffloadingSpec):
@@ -53,6 +68,8 @@ class KvactorsOffloadingSpec(OffloadingSpec):
             raise ValueError(f"kvactors: cpu_bytes_to_use={self.kv_config.cpu_bytes_to_use} holds no block of "
                              f"{self.block_bytes} bytes")
         self.pool_path = pool_path(config.engine_id)
+        _check_pool_memory(self.kv_config.cpu_bytes_to_use, self.num_blocks * (self.block_bytes + self.num_writers),
+                           os.path.dirname(self.pool_path))
 
     def _open_pool(self) -> SharedPool:
         return SharedPool(self.pool_path, num_blocks=self.num_blocks, block_bytes=self.block_bytes,
@@ -67,6 +84,14 @@ class KvactorsOffloadingSpec(OffloadingSpec):
                 eviction=self.kv_config.eviction_policy, transfer_timeout_s=self.kv_config.transfer_timeout_s,
                 lookup_timeout_s=self.kv_config.lookup_timeout_s, event_log=self.kv_config.event_log,
                 pool=shared.pool)
+        except ValueError:
+            shared.close(unlink=True)
+            raise
+        except Exception as exc:  # a tier's attach raised, say: say so, and which tiers there are
+            shared.close(unlink=True)
+            names = ", ".join(f"tiers[{i}] ({entry['type']})" for i, entry in enumerate(self.kv_config.tiers))
+            raise ValueError(f"kvactors: the runtime did not start ({names or 'no tiers'}): "
+                             f"{type(exc).__name__}: {exc}") from exc
         except BaseException:
             shared.close(unlink=True)
             raise
