@@ -431,3 +431,11 @@ def test_a_custom_vllm_tier_that_fails_to_load_names_its_entry(tmp_path, monkeyp
         {"type": "custom", "class": f"planted_{failure.replace(' ', '_')}:Tier"}]})
     with pytest.raises(ValueError, match=r"kvactors: tiers\[1\]"):
         build_tiers(config)
+
+
+@pytest.mark.parametrize("spec", [":Good", "pkg:", " : ", "nocolon"])
+def test_a_custom_vllm_tier_class_that_is_not_module_colon_class_is_refused(spec: str) -> None:
+    from kvactors.integrations.vllm.config import parse_config
+
+    with pytest.raises(ValueError, match=r"tiers\[0\]\.class must be 'module:Class'"):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "custom", "class": spec}]})

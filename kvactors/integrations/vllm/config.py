@@ -84,7 +84,8 @@ def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
             raise ValueError(f"kvactors: {where}.{key} must be a non-empty string, got {entry[key]!r}")
     if kind == "custom":
         spec = str(entry["class"])
-        if ":" not in spec:
+        module_name, _, attr = spec.partition(":")
+        if not module_name.strip() or not attr.strip():
             raise ValueError(f"kvactors: {where}.class must be 'module:Class', got {spec!r}")
         if not isinstance(entry.get("kwargs", {}), Mapping):
             raise ValueError(f"kvactors: {where}.kwargs must be a mapping, got {entry['kwargs']!r}")
@@ -168,7 +169,9 @@ def build_tiers(config: KvactorsConfig) -> list[SecondaryTier]:
                 else:
                     cls = _load_class(str(entry["class"]), where)
                     tier = cls(**dict(entry.get("kwargs", {})))
-            except (TypeError, ValueError, OSError) as exc:  # OSError: a root it may not create
+            except OSError as exc:  # a root it may not create or write
+                raise ValueError(f"kvactors: {where}{'.root' if kind == 'disk' else ''} ({kind}): {exc}") from exc
+            except (TypeError, ValueError) as exc:
                 raise ValueError(f"kvactors: {where} ({kind}): {exc}") from exc
             except Exception as exc:  # a custom tier's constructor raised something else
                 raise ValueError(f"kvactors: {where} ({kind}): its constructor raised "
