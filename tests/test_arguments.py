@@ -439,3 +439,25 @@ def test_a_custom_vllm_tier_class_that_is_not_module_colon_class_is_refused(spec
 
     with pytest.raises(ValueError, match=r"tiers\[0\]\.class must be 'module:Class'"):
         parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "custom", "class": spec}]})
+
+
+def test_a_vllm_pool_larger_than_the_machine_names_the_key_and_leaves_no_file(tmp_path, monkeypatch) -> None:
+    """Found in review: cpu_bytes_to_use=1 << 50 gave a bare OSError and left a 1 PB file in /dev/shm."""
+    from kvactors.integrations.vllm.shm import SharedPool, check_pool_fits
+
+    with pytest.raises(ValueError, match=r"kvactors: cpu_bytes_to_use=1125899906842624: .*machine's"):
+        check_pool_fits(1 << 50, 1 << 50, str(tmp_path))
+    check_pool_fits(1 << 20, 1 << 20, str(tmp_path))  # fits
+    real_statvfs = os.statvfs
+
+    class Small:  # the shared-memory folder with 1 MiB free (a container's default /dev/shm is 64 MiB)
+        f_bavail, f_frsize = 256, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda folder: Small())
+    with pytest.raises(ValueError, match=r"kvactors: cpu_bytes_to_use=2097152: .* 1048576 free"):
+        check_pool_fits(2 << 20, 2 << 20, str(tmp_path))
+    monkeypatch.setattr(os, "statvfs", real_statvfs)
+    path = tmp_path / "pool"
+    with pytest.raises(OSError):  # too large to size or map, past any check
+        SharedPool(str(path), num_blocks=1 << 30, block_bytes=1 << 20)
+    assert not path.exists()  # the file it created is gone

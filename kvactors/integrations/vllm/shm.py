@@ -60,6 +60,20 @@ def _unlink_all_at_exit() -> None:
 atexit.register(_unlink_all_at_exit)
 
 
+def check_pool_fits(cpu_bytes: int, size: int, folder: str) -> None:
+    """``ValueError`` naming ``cpu_bytes_to_use`` if the pool (a shared file in ``folder``, backed by
+    memory) cannot fit: more than the machine's memory, or than ``folder`` has free."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
+    if total is not None and size > total:
+        raise ValueError(f"kvactors: cpu_bytes_to_use={cpu_bytes}: the pool needs {size} bytes, more than the "
+                         f"machine's {total} bytes of memory")
+    stat = os.statvfs(folder)
+    free = stat.f_bavail * stat.f_frsize
+    if size > free:
+        raise ValueError(f"kvactors: cpu_bytes_to_use={cpu_bytes}: the pool needs {size} bytes of shared memory, "
+                         f"{folder} has {free} free")
+
+
 class SharedPool:
     """A shared mapping of the pool file: ``pool`` (``uint8 (num_blocks, block_bytes)``) and
     ``status`` (``uint8 (num_blocks, num_writers)``).

@@ -19,23 +19,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvactors.integrations.vllm import compat
 from kvactors.integrations.vllm.config import build_tiers, parse_config
 from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
-from kvactors.integrations.vllm.shm import SharedPool, pool_path
+from kvactors.integrations.vllm.shm import SharedPool, check_pool_fits, pool_path
 from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
 from kvactors.manager import TieringManager
-
-
-def _check_pool_memory(cpu_bytes: int, size: int, folder: str) -> None:
-    """``ValueError`` naming ``cpu_bytes_to_use`` if the pool (a shared file in ``folder``, backed by
-    memory) cannot fit: more than the machine's memory, or than ``folder`` has free."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
-    if total is not None and size > total:
-        raise ValueError(f"kvactors: cpu_bytes_to_use={cpu_bytes}: the pool needs {size} bytes, more than the "
-                         f"machine's {total} bytes of memory")
-    stat = os.statvfs(folder)
-    free = stat.f_bavail * stat.f_frsize
-    if size > free:
-        raise ValueError(f"kvactors: cpu_bytes_to_use={cpu_bytes}: the pool needs {size} bytes of shared memory, "
-                         f"{folder} has {free} free")
 
 
 class KvactorsOffloadingSpec(OffloadingSpec):
@@ -68,8 +54,8 @@ class KvactorsOffloadingSpec(OffloadingSpec):
             raise ValueError(f"kvactors: cpu_bytes_to_use={self.kv_config.cpu_bytes_to_use} holds no block of "
                              f"{self.block_bytes} bytes")
         self.pool_path = pool_path(config.engine_id)
-        _check_pool_memory(self.kv_config.cpu_bytes_to_use, self.num_blocks * (self.block_bytes + self.num_writers),
-                           os.path.dirname(self.pool_path))
+        check_pool_fits(self.kv_config.cpu_bytes_to_use, self.num_blocks * (self.block_bytes + self.num_writers),
+                        os.path.dirname(self.pool_path))
 
     def _open_pool(self) -> SharedPool:
         return SharedPool(self.pool_path, num_blocks=self.num_blocks, block_bytes=self.block_bytes,
