@@ -241,30 +241,31 @@ class BlockPool(PoolRows):
             self._n_ready += len(stored)
             self._events.add(stored, False)
             return StoreOutcome(len(rows), 0, stored, tuple(rows))
-        live = stale = 0
         done: list[OffloadKey] = []
-        for key, row in zip(keys, rows, strict=True):
-            writers[row] = None
-            if indexed[row]:
-                live += 1
-                if success:
-                    self._make_ready(row)
-                    done.append(key)
-                else:
-                    self._unindex(row)
-            else:
-                stale += 1
-            self._settle(row)
+        live = sum(self._end_write(key, row, success, done) for key, row in zip(keys, rows, strict=True))
         if done:
             self._events.add(done, False)
-        return StoreOutcome(live, stale, tuple(done), tuple(rows))
+        return StoreOutcome(live, len(rows) - live, tuple(done), tuple(rows))
+
+    def _end_write(self, key: OffloadKey, row: int, ok: bool, done: list[OffloadKey]) -> bool:
+        """The write of ``key`` into ``row`` ended: ready if ``ok`` (appended to ``done``), else removed;
+        a detached row is only freed. Whether the write was still live (indexed)."""
+        self._writer[row] = None
+        live = bool(self._indexed[row])
+        if live:
+            if ok:
+                self._make_ready(row)
+                done.append(key)
+            else:
+                self._unindex(row)
+        self._settle(row)
+        return live
 
     def _complete_rewrites(self, keys: Sequence[OffloadKey], rows: list[int], writer: Writer,
                            mine: dict[OffloadKey, int], success: bool) -> StoreOutcome:
         """:meth:`complete_store` of keys some of which ``writer`` writes again (:class:`Rewrite`)."""
-        live = stale = 0
+        live = 0
         done: list[OffloadKey] = []
-        writers, indexed = self._writer, self._indexed
         for key, row in zip(keys, rows, strict=True):
             ok = success
             rewrite = self._rewrites.get((writer, key))
@@ -272,30 +273,19 @@ class BlockPool(PoolRows):
                 rewrite.ended += 1
                 rewrite.ok = rewrite.ok and success
                 if rewrite.ended <= len(rewrite.stale_rows):
-                    stale += 1  # one of its writes ended, which one is unknown: every row stays held
-                    continue
+                    continue  # one of its writes ended (stale), which one is unknown: every row stays held
                 del self._rewrites[(writer, key)]
                 for old in rewrite.stale_rows:
-                    writers[old] = None
+                    self._writer[old] = None
                     self._settle(old)
                 ok = rewrite.ok
             del mine[key]
-            writers[row] = None
-            if indexed[row]:
-                live += 1
-                if ok:
-                    self._make_ready(row)
-                    done.append(key)
-                else:
-                    self._unindex(row)
-            else:
-                stale += 1
-            self._settle(row)
+            live += self._end_write(key, row, ok, done)
         if not mine:
             del self._pending_writes[writer]
         if done:
             self._events.add(done, False)
-        return StoreOutcome(live, stale, tuple(done), tuple(rows))
+        return StoreOutcome(live, len(rows) - live, tuple(done), tuple(rows))
 
     def detach_write(self, writer: Writer, key: OffloadKey) -> bool:
         """A pending store passed its deadline: unindex it, keep the row for its writer.
