@@ -31,7 +31,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
 fi
 if ! .venv/bin/python -c "import kvactors, pytest, hypothesis, pytest_timeout, prometheus_client" >/dev/null 2>&1 \
    || [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/mypy ] \
-   || [ pyproject.toml -nt .venv/.kvactors-installed ]; then
+   || [ pyproject.toml -nt .venv/.kvactors-installed ] || [ setup.py -nt .venv/.kvactors-installed ] \
+   || [ kvactors/transfer/_streamcopy.c -nt .venv/.kvactors-installed ]; then
+  # The editable install also builds the native copy loop in place (optional: skipped without a C compiler).
   echo "setup: installing kvactors and its test dependencies" >&2
   pip_install -e ".[test,plot,fast,metrics,lint]"
   touch .venv/.kvactors-installed

@@ -164,6 +164,8 @@ def _engine_hostile() -> list[tuple[str, Callable[[TieringManager, torch.Tensor]
         ("copy_workers=65", lambda m, cache: TransferEngine(m, cache, copy_workers=65)),
         *[(f"copy_timeout_s={v!r}", lambda m, cache, v=v: TransferEngine(m, cache, copy_timeout_s=v))
           for v in (0, *BAD_TIMEOUTS)],
+        *[(f"copier={v!r}", lambda m, cache, v=v: TransferEngine(m, cache, copier=v))
+          for v in ("", "NATIVE", "cuda", None, 0, b"native", ("native",))],
     ]
     for name, call in (("offload", offload), ("onboard", onboard)):
         cases += [

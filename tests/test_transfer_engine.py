@@ -21,6 +21,7 @@ from kvactors import (
     TransferError,
 )
 from kvactors.transfer.jobs import CopyTimeoutError
+from kvactors.transfer.native import native_copy_available
 
 BLOCK_BYTES = 4096
 POOL_BLOCKS = 512
@@ -52,9 +53,22 @@ def device_cache() -> torch.Tensor:
     return random_cache()
 
 
+# Both CPU copiers run the tests that give no fault injector (one with an injector always copies with torch).
+CPU_COPIERS = [
+    "torch",
+    pytest.param("native", marks=pytest.mark.skipif(not native_copy_available(), reason="native copier not built")),
+]
+
+
+@pytest.fixture(params=CPU_COPIERS)
+def copier(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def engine(manager: TieringManager, device_cache: torch.Tensor) -> Iterator[TransferEngine]:
-    eng = TransferEngine(manager, device_cache)
+def engine(manager: TieringManager, device_cache: torch.Tensor, copier: str) -> Iterator[TransferEngine]:
+    eng = TransferEngine(manager, device_cache, copier=copier)
+    assert eng.copier == copier
     try:
         yield eng
     finally:
@@ -143,7 +157,7 @@ def test_reset_cache_then_promotion_then_onboard(manager: TieringManager, engine
     assert_quiet(manager)
 
 
-def test_concurrent_offloads_and_onboards(manager: TieringManager, device_cache: torch.Tensor) -> None:
+def test_concurrent_offloads_and_onboards(manager: TieringManager, device_cache: torch.Tensor, copier: str) -> None:
     """8 threads, each with its own request and device rows; per round 8 private and 8 shared keys."""
     threads_n, private_n, shared_n, rounds = 8, 8, 8, 3
     rows_per_thread = private_n + shared_n
@@ -185,7 +199,7 @@ def test_concurrent_offloads_and_onboards(manager: TieringManager, device_cache:
             errors.append(exc)
             barrier.abort()
 
-    with TransferEngine(manager, device_cache, copy_workers=3) as engine:
+    with TransferEngine(manager, device_cache, copy_workers=3, copier=copier) as engine:
         threads = [threading.Thread(target=worker, args=(t, engine)) for t in range(threads_n)]
         for thread in threads:
             thread.start()

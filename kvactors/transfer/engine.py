@@ -21,8 +21,11 @@ import torch
 from kvactors.core.arguments import check_int, check_request, check_timeout
 from kvactors.core.errors import ManagerStoppedError, TransferError
 from kvactors.logs import component_logger
+from kvactors.transfer import native
 from kvactors.transfer.cpu import CpuCopier
 from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, CopyJob, Direction, FaultInjector
+from kvactors.transfer.native import MAX_THREADS as MAX_NATIVE_THREADS
+from kvactors.transfer.native import NativeCopier, native_copy_available
 from kvactors.transfer.runs import copy_runs
 from kvactors.types import OffloadKey, ReqContext
 
@@ -32,6 +35,12 @@ if TYPE_CHECKING:
 _engine_ids = itertools.count()
 
 MAX_COPY_WORKERS = 64
+
+COPIERS = ("auto", "native", "torch")
+
+# Native threads per copy worker, at most: memory bandwidth is spent by a few threads, and a job
+# of a few MiB has no more pieces than that.
+_NATIVE_THREADS_PER_WORKER = 8
 
 
 def _resolved(value: Any) -> Future[Any]:
@@ -51,13 +60,20 @@ class TransferEngine:
 
     Copies run off the caller's thread:
 
-    * CPU device cache: ``copy_workers`` copy threads (a fixed, small pool; never
-      a thread per request) take jobs from one FIFO queue, and one completer
-      thread posts each finished job's completion and resolves its future (so
-      a copy thread never waits on the manager between two copies). One is the default:
-      each coalesced ``copy_`` already runs on torch's intra-op threads, and a
-      second worker mostly competes with the first for the same cores
-      (``docs/performance.md``).
+    * CPU device cache, ``copier="auto"`` (the default) or ``"native"``: the
+      native copier (:mod:`kvactors.transfer.native`, built at install where a C
+      compiler is present), ``copy_workers`` x ``min(torch.get_num_threads(), 8)``
+      native threads that take the jobs from one FIFO queue and copy them in
+      pieces without the GIL, and one completer thread that posts each finished
+      job's completion and resolves its future (so no copy waits on the manager).
+      ``"auto"`` falls back to the torch copier where the native one is not
+      built, the device cache is not contiguous, or a ``fault_injector`` is
+      given; ``"native"`` raises ``ValueError`` there instead.
+    * CPU device cache, ``copier="torch"``: ``copy_workers`` copy threads (a
+      fixed, small pool; never a thread per request) copying with torch's
+      ``copy_`` (on its intra-op threads), the same FIFO queue and completer.
+      One worker is the default: a second mostly competes with the first for the
+      same cores (``docs/performance.md``).
     * CUDA device cache: one copy stream per direction, copies launched with
       ``non_blocking=True`` behind the caller's current stream, one event per
       job, and one poller thread that completes the jobs in submission order
@@ -103,6 +119,7 @@ class TransferEngine:
         copy_workers: int = 1,
         copy_timeout_s: float | None = None,
         fault_injector: FaultInjector | None = None,
+        copier: str = "auto",
     ) -> None:
         from kvactors.manager import TieringManager  # here: the manager's module need not import the engine's
 
@@ -122,6 +139,10 @@ class TransferEngine:
         check_timeout(copy_timeout_s, "copy_timeout_s", allow_zero=False)
         if fault_injector is not None and not callable(fault_injector):
             raise ValueError("fault_injector must be callable or None")
+        if copier not in COPIERS:
+            raise ValueError(f"copier must be one of {', '.join(map(repr, COPIERS))}, got {copier!r}")
+        if copier == "native" and device_cache.is_cuda:
+            raise ValueError("copier='native' copies between host tensors; this device cache is on CUDA")
 
         self._manager = manager
         self._device_cache = device_cache
@@ -144,8 +165,7 @@ class TransferEngine:
             self._copier = CudaCopier(device_cache=device_cache, pool=pool, done=self._job_done,
                                       fault_injector=fault_injector)
         else:
-            self._copier = CpuCopier(device_cache=device_cache, pool=pool, workers=copy_workers,
-                                     done=self._job_done, fault_injector=fault_injector)
+            self._copier = self._cpu_copier(copier, pool, copy_workers, fault_injector)
 
     # ------------------------------------------------------------ the API
 
@@ -153,6 +173,13 @@ class TransferEngine:
     def device_cache(self) -> torch.Tensor:
         """The device cache this engine copies from and to."""
         return self._device_cache
+
+    @property
+    def copier(self) -> str:
+        """Which copier moves the bytes: ``"native"``, ``"torch"`` or ``"cuda"``."""
+        if isinstance(self._copier, NativeCopier):
+            return "native"
+        return "torch" if isinstance(self._copier, CpuCopier) else "cuda"
 
     def offload(
         self, ctx: ReqContext, keys: Sequence[OffloadKey], device_block_ids: Sequence[int]
@@ -271,11 +298,33 @@ class TransferEngine:
         self.close()
 
     def __repr__(self) -> str:
-        kind = "cuda" if self._device_cache.is_cuda else "cpu"
         state = "closed" if self._closed else "open"
-        return f"TransferEngine({kind}, device_blocks={self._num_device_blocks}, {state})"
+        return f"TransferEngine({self.copier}, device_blocks={self._num_device_blocks}, {state})"
 
     # ------------------------------------------------------------ internals
+
+    def _cpu_copier(self, copier: str, pool: torch.Tensor, copy_workers: int,
+                    fault_injector: FaultInjector | None) -> Copier:
+        """The native copier where it can run (and ``copier`` allows it), else the torch copier."""
+        device_cache = self._device_cache
+        if copier != "torch":
+            why = ("it is not built (no C compiler at install?)" if not native_copy_available()
+                   else "a fault injector runs on the torch copier's threads" if fault_injector is not None
+                   else "the device cache is not contiguous" if not native.supports(device_cache, pool)
+                   else None)
+            if why is not None and copier == "native":
+                raise ValueError(f"copier='native' cannot be used: {why}")
+            if why is None:
+                threads = min(copy_workers * min(torch.get_num_threads(), _NATIVE_THREADS_PER_WORKER),
+                              MAX_NATIVE_THREADS)
+                try:
+                    return NativeCopier(device_cache=device_cache, pool=pool, threads=threads, done=self._job_done)
+                except RuntimeError as exc:
+                    if copier == "native":
+                        raise ValueError(f"copier='native' cannot be used: {exc}") from None
+                    self._log.warning("native_copier_unavailable", error=str(exc))
+        return CpuCopier(device_cache=device_cache, pool=pool, workers=copy_workers, done=self._job_done,
+                         fault_injector=fault_injector)
 
     def _check_args(
         self, ctx: object, keys: Iterable[OffloadKey], device_block_ids: Iterable[int], *, unique_ids: bool

@@ -1,0 +1,184 @@
+"""The native CPU copier: copy threads that never take the GIL, fed by one FIFO queue.
+
+Used when the device cache lives in host memory and the optional extension
+``kvactors.transfer._streamcopy`` was built (``pip install`` builds it where a C
+compiler is present; see :func:`native_copy_available`). Its threads cut each
+job's coalesced runs into pieces and claim them one at a time, so the copy of a
+job spreads over every core that is free, and a core taken by the frontend's
+Python holds back one piece, not half of every copy (torch's intra-op split is
+static). Large pieces are written with non-temporal stores on x86-64
+(``docs/performance.md`` has the figures). Each finished job comes back as one
+16-byte record on a pipe, which one completer thread reads and reports (the
+engine then posts the completion and resolves the future), in the order the
+copies ended.
+
+Deadlines are checked by the native threads before each piece and once the last
+piece is copied; a late job ends, like the torch copier's, only once nothing
+touches its rows any more. There is no fault injector: the engine copies with
+the torch copier (:mod:`kvactors.transfer.cpu`) when one is given.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import errno
+import importlib.util
+import itertools
+import os
+import struct
+import threading
+from functools import cache
+
+import torch
+
+from kvactors.transfer.jobs import CopyJob, CopyTimeoutError, Direction, JobDone
+
+_copier_ids = itertools.count()
+
+PIECE_BYTES = 2 << 20
+"""What one native thread copies before it claims the next piece (measured: 1-4 MiB
+were alike; smaller pieces cost more claims, larger ones balance worse)."""
+
+MAX_THREADS = 64
+
+_STATUS_OK = 0
+_STATUS_DEADLINE = 1
+_STATUS_NOT_QUEUED = 2  # written by submit itself when the native side refused the job
+_RECORD = struct.Struct("=QQ")
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    spec = importlib.util.find_spec("kvactors.transfer._streamcopy")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError:
+        return None
+    lib.kvc_start.restype = ctypes.c_void_p
+    lib.kvc_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+    lib.kvc_streams.restype = ctypes.c_int
+    lib.kvc_streams.argtypes = [ctypes.c_void_p]
+    lib.kvc_submit.restype = ctypes.c_int
+    lib.kvc_submit.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double]
+    lib.kvc_stop.restype = None
+    lib.kvc_stop.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def native_copy_available() -> bool:
+    """Whether the native copy loop was built and loads (a C compiler at install time, on a POSIX system)."""
+    return _library() is not None
+
+
+def supports(device_cache: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether the native copier can copy between these two tensors: both on the CPU and
+    contiguous (a run of rows is then one range of bytes on each side)."""
+    return (device_cache.device.type == "cpu" and pool.device.type == "cpu"
+            and device_cache.is_contiguous() and pool.is_contiguous())
+
+
+class NativeCopier:
+    """``threads`` native threads copying between ``device_cache`` and ``pool`` (both on the CPU,
+    contiguous: :func:`supports`). ``RuntimeError`` if the library is missing or cannot start them."""
+
+    def __init__(
+        self,
+        *,
+        device_cache: torch.Tensor,
+        pool: torch.Tensor,
+        threads: int,
+        done: JobDone,
+        piece_bytes: int = PIECE_BYTES,
+        stream: bool = True,
+    ) -> None:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("the native copy loop (kvactors.transfer._streamcopy) is not built")
+        if not supports(device_cache, pool):
+            raise RuntimeError("the native copier needs two contiguous CPU tensors")
+        if not 1 <= threads <= MAX_THREADS:
+            raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
+        self._lib = lib
+        self._row_bytes = int(pool.shape[1])
+        # The tensors stay referenced here: the native threads write through their addresses.
+        self._tensors = (device_cache, pool)
+        self._bases: dict[Direction, tuple[int, int]] = {
+            "offload": (device_cache.data_ptr(), pool.data_ptr()),
+            "onboard": (pool.data_ptr(), device_cache.data_ptr()),
+        }
+        self._done = done
+        self._jobs: dict[int, CopyJob] = {}
+        self._ids = itertools.count(1)
+        self._read_fd, self._write_fd = os.pipe()
+        handle = lib.kvc_start(threads, self._write_fd, piece_bytes, int(stream))
+        if not handle:
+            os.close(self._read_fd)
+            os.close(self._write_fd)
+            raise RuntimeError(f"the native copier could not start {threads} threads")
+        self._handle: int = handle
+        self.streams = bool(lib.kvc_streams(handle))
+        self._completer = threading.Thread(target=self._complete, daemon=True,
+                                           name=f"kvactors-copy-{next(_copier_ids)}.done")
+        self._completer.start()
+
+    def submit(self, job: CopyJob) -> None:
+        job_id = next(self._ids)
+        self._jobs[job_id] = job
+        row = self._row_bytes
+        runs = array.array("Q")
+        for src, dst, n in job.runs:
+            runs.extend((src * row, dst * row, n * row))
+        src_base, dst_base = self._bases[job.direction]
+        deadline = 0.0 if job.deadline is None else job.deadline
+        if not runs or self._lib.kvc_submit(self._handle, job_id, src_base, dst_base, runs.buffer_info()[0],
+                                            len(job.runs), deadline) != 0:
+            # Reported by the completer like any other job: never from the submitting thread.
+            self._post(job_id, _STATUS_NOT_QUEUED)
+
+    def owns_current_thread(self) -> bool:
+        # The native threads never run Python: only the completer can call back into the engine.
+        return threading.current_thread() is self._completer
+
+    def shutdown(self) -> None:
+        self._lib.kvc_stop(self._handle)  # joins the native threads; nothing is queued by now
+        os.close(self._write_fd)  # the completer reads to the end, then stops
+        if threading.current_thread() is not self._completer:
+            self._completer.join()
+
+    def _post(self, job_id: int, status: int) -> None:
+        os.write(self._write_fd, _RECORD.pack(job_id, status))
+
+    def _complete(self) -> None:
+        """The completer thread: reports finished jobs, in the order the native threads ended them."""
+        pending = b""
+        try:
+            while True:
+                try:
+                    data = os.read(self._read_fd, _RECORD.size * 256)
+                except OSError as exc:
+                    if exc.errno == errno.EINTR:
+                        continue
+                    raise
+                if not data:
+                    return
+                pending += data
+                whole = len(pending) - len(pending) % _RECORD.size
+                for job_id, status in _RECORD.iter_unpack(pending[:whole]):
+                    self._report(self._jobs.pop(job_id), status)
+                pending = pending[whole:]
+        finally:
+            os.close(self._read_fd)
+
+    def _report(self, job: CopyJob, status: int) -> None:
+        error: BaseException | None = None
+        if status == _STATUS_DEADLINE:
+            error = CopyTimeoutError(f"{job.direction} copy of {len(job.keys)} blocks exceeded "
+                                     f"copy_timeout_s={job.timeout_s}")
+        elif status != _STATUS_OK:
+            error = RuntimeError(f"the native copier refused a {job.direction} of {len(job.keys)} blocks "
+                                 "(out of memory, or no bytes to copy)")
+        self._done(job, error)
