@@ -129,7 +129,8 @@ _COMPONENT = tuple(
         ("blocks_evicted", "info"), ("report_failed", "warning"), ("tier_degraded", "warning"),
         ("tier_recovered", "info"), ("lookup_failed", "warning error"),
         ("touch_failed", "debug"), ("evict_failed", "warning"), ("forget_failed", "warning"),
-        ("engine_closed", "debug"), ("pool_not_pinned", "warning"), ("copy_failed", "warning"),
+        ("engine_closed", "debug"), ("pool_not_pinned", "warning"), ("native_copier_unavailable", "warning"),
+        ("copy_failed", "warning"),
         ("completion_failed", "warning"), ("interrupt_failed", "warning"),
         # the vLLM integration (stdlib logger kvactors.vllm)
         ("take_events_failed", "error"), ("transfer_failed", "warning"), ("transfer_plan_failed", "error"),

@@ -10,9 +10,17 @@ Measured in one run, on the same bytes:
   resolved (so ``prepare_*``, the copies and ``complete_*`` are all counted);
 * the baseline: one contiguous ``copy_`` of the same total size between the
   same two tensors (device cache and pool), in each direction;
-* the bare pipeline (``bare_pipeline_*``, device -> pool): the engine's threads and
+* the bare pipeline (``bare_pipeline_*``, device -> pool): the torch copier's threads and
   batches with no control work at all (:class:`BarePipeline`), the ceiling of
-  ``offload_ratio`` on the machine at hand;
+  the torch copier's ``offload_ratio`` on the machine at hand;
+* the engine's copier is ``--copier`` (default ``auto``: the native copier where it
+  is built; ``config.copier`` says which ran). When it is not the torch copier, the
+  torch copier's engine runs too, in the same trials (``torch_*_gbps``,
+  ``torch_*_ratio``: the figures before the native copier);
+* with the native copier built: one job of every row through a bare native copier
+  (``native_copy_*``: the machine's plain parallel copy with streaming stores, its
+  ratio to ``copy_``), and the engine's ratio to it (``*_vs_native_ratio``): how near
+  the engine comes to the fastest plain copy here, not only to ``copy_``;
 * if ``kvactors.tiers.disk.DiskTier`` is importable: its store/load GB/s,
   driven through the ``SecondaryTier`` interface with jobs of the same size,
   vs writing/reading the same bytes as plain files, one file per block. The
@@ -54,6 +62,9 @@ from typing import Any
 import torch
 
 from kvactors import ReqContext, TieringManager, TransferEngine
+from kvactors.transfer.engine import COPIERS, native_threads
+from kvactors.transfer.jobs import CopyJob
+from kvactors.transfer.native import NativeCopier, native_copy_available
 from kvactors.transfer.runs import copy_runs
 from kvactors.types import JobResult, TransferJob
 
@@ -181,6 +192,25 @@ class BarePipeline:
             thread.join(60)
 
 
+def native_copy(dst: torch.Tensor, src: torch.Tensor, threads: int) -> float:
+    """One job of every row through a bare :class:`NativeCopier` (no engine, no manager): the
+    machine's plain parallel copy with streaming stores. Seconds from submit to report."""
+    done = threading.Event()
+    future: Future[Any] = Future()
+    copier = NativeCopier(device_cache=src, pool=dst, threads=threads, done=lambda job, error: done.set())
+    try:
+        job = CopyJob(job_id=1, direction="offload", ctx=ReqContext("native-baseline"), keys=(b"all",),
+                      runs=((0, 0, int(src.shape[0])),), nbytes=src.numel(), future=future, deadline=None,
+                      timeout_s=None)
+        start = time.perf_counter()
+        copier.submit(job)
+        if not done.wait(60):
+            raise SystemExit("the native baseline copy did not end in 60 s")
+        return time.perf_counter() - start
+    finally:
+        copier.shutdown()
+
+
 # ---------------------------------------------------------------- disk
 
 
@@ -261,7 +291,9 @@ def disk_only(args: argparse.Namespace, requests: int, per_request: int, block_b
     engine_names = ("offload_gbps", "onboard_gbps", "baseline_copy_gbps", "baseline_offload_dir_gbps",
                     "baseline_onboard_dir_gbps", "offload_ratio", "onboard_ratio", "bare_pipeline_gbps",
                     "bare_pipeline_ratio")
-    result: dict[str, Any] = {**dict.fromkeys(engine_names), "disk_write_ratio": None, "disk_read_ratio": None,
+    result: dict[str, Any] = {**dict.fromkeys(engine_names), **ratios_to("torch", [], [], 0, 0, 0, 0, 0),
+                              **ratios_to("native", [], [], 0, 0, 0, 0, 0),
+                              "disk_write_ratio": None, "disk_read_ratio": None,
                               **disk, "blocks_per_copy_run": None,
                               "config": {"requests": requests, "blocks_per_request": per_request,
                                          "block_bytes": block_bytes, "total_bytes": blocks * block_bytes,
@@ -514,6 +546,27 @@ def vllm_layout_bench(requests: int, per_request: int, block_bytes: int, layers:
 # ---------------------------------------------------------------- main
 
 
+def ratios_to(name: str, off_t: list[float], on_t: list[float], offload: float, onboard: float,
+              base_off: float, base_on: float, nbytes: int) -> dict[str, float | None]:
+    """``torch_*``: the torch copier's engine figures (``*_ratio`` to ``copy_``, as the main ones);
+    ``native_*``: the bare native copy (``*_ratio`` to ``copy_``) and the engine's ratios to it
+    (``offload_vs_native_ratio``). All ``None`` when not measured."""
+    if not off_t:
+        keys = ([f"{name}_offload_gbps", f"{name}_onboard_gbps", f"{name}_offload_ratio", f"{name}_onboard_ratio"]
+                if name == "torch" else
+                ["native_copy_offload_gbps", "native_copy_onboard_gbps", "native_copy_offload_ratio",
+                 "native_copy_onboard_ratio", "offload_vs_native_ratio", "onboard_vs_native_ratio"])
+        return dict.fromkeys(keys)
+    off = gbps(nbytes, statistics.median(off_t))
+    on = gbps(nbytes, statistics.median(on_t))
+    if name == "torch":
+        return {"torch_offload_gbps": off, "torch_onboard_gbps": on,
+                "torch_offload_ratio": off / base_off, "torch_onboard_ratio": on / base_on}
+    return {"native_copy_offload_gbps": off, "native_copy_onboard_gbps": on,
+            "native_copy_offload_ratio": off / base_off, "native_copy_onboard_ratio": on / base_on,
+            "offload_vs_native_ratio": offload / off, "onboard_vs_native_ratio": onboard / on}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute")
@@ -525,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-kib", type=int, default=256)
     parser.add_argument("--window", type=int, default=8, help="requests in flight")
     parser.add_argument("--copy-workers", type=int, default=1)
+    parser.add_argument("--copier", choices=COPIERS, default="auto",
+                        help="the engine's CPU copier (default auto: native where built)")
     parser.add_argument("--trials", type=int, default=None, help="default 7, quick 5")
     parser.add_argument("--disk-requests", type=int, default=None, help="default 64, quick 16")
     parser.add_argument("--layers", type=int, default=32,
@@ -552,22 +607,37 @@ def main(argv: list[str] | None = None) -> int:
     device += torch.arange(total_blocks).to(torch.uint8)[:, None]
     reference = device.clone()
     offload_t, onboard_t, base_off_t, base_on_t, per_run, bare_t = [], [], [], [], [], []
+    torch_off_t, torch_on_t, native_off_t, native_on_t = [], [], [], []
+    threads = native_threads(args.copy_workers)
     with TieringManager.start(num_blocks=total_blocks, block_bytes=block_bytes) as manager:
         pool = manager.pool
         bare = BarePipeline(pool, device, per_request)
-        with TransferEngine(manager, device, copy_workers=args.copy_workers) as engine:
+        with TransferEngine(manager, device, copy_workers=args.copy_workers, copier=args.copier) as engine, \
+                TransferEngine(manager, device, copy_workers=args.copy_workers, copier="torch") as torch_engine:
+            copier = engine.copier
+            # The torch copier's figures in the same run, when the engine runs another copier.
+            engines = [(engine, offload_t, onboard_t)]
+            if copier != "torch":
+                engines.append((torch_engine, torch_off_t, torch_on_t))
             try:
-                engine_trial(manager, engine, device, reference, -1, min(requests, 8), per_request, args.window)
-                bare.trial(min(requests, 8), args.window)  # both warm
+                for eng, _, _ in engines:
+                    engine_trial(manager, eng, device, reference, -1, min(requests, 8), per_request, args.window)
+                bare.trial(min(requests, 8), args.window)  # all warm
                 for trial in range(trials):
                     base_off_t.append(baseline_copy(pool, device))
                     base_on_t.append(baseline_copy(device, pool))
+                    if native_copy_available():
+                        native_off_t.append(native_copy(pool, device, threads))
+                        native_on_t.append(native_copy(device, pool, threads))
                     bare_t.append(bare.trial(requests, args.window))
-                    t_off, t_on, blocks_per_run = engine_trial(
-                        manager, engine, device, reference, trial, requests, per_request, args.window)
-                    offload_t.append(t_off)
-                    onboard_t.append(t_on)
-                    per_run.append(blocks_per_run)
+                    for k, (eng, off_t, on_t) in enumerate(engines):
+                        t_off, t_on, blocks_per_run = engine_trial(
+                            manager, eng, device, reference, trial * len(engines) + k, requests, per_request,
+                            args.window)
+                        off_t.append(t_off)
+                        on_t.append(t_on)
+                        if eng is engine:
+                            per_run.append(blocks_per_run)
             finally:
                 bare.close()
         disk = disk_bench(pool, min(disk_requests, requests), per_request, trials)
@@ -588,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         "onboard_ratio": onboard / base_on,
         "bare_pipeline_gbps": gbps(nbytes, statistics.median(bare_t)),
         "bare_pipeline_ratio": gbps(nbytes, statistics.median(bare_t)) / base_off,
+        **ratios_to("torch", torch_off_t, torch_on_t, offload, onboard, base_off, base_on, nbytes),
+        **ratios_to("native", native_off_t, native_on_t, offload, onboard, base_off, base_on, nbytes),
         "disk_write_ratio": None,
         "disk_read_ratio": None,
         **disk,
@@ -595,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocks_per_copy_run": statistics.median(per_run),
         "config": {"requests": requests, "blocks_per_request": per_request, "block_bytes": block_bytes,
                    "total_bytes": nbytes, "window": args.window, "copy_workers": args.copy_workers,
+                   "copier": copier, "native_threads": threads if copier == "native" else None,
                    "trials": trials, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
     }
 
@@ -602,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
         return "null" if value is None else f"{value:7.2f}"
 
     print(f"TransferEngine bench: {requests} requests x {per_request} blocks x {args.block_kib} KiB "
-          f"= {nbytes / 2**20:.0f} MiB per pass, window {args.window}, {args.copy_workers} copy workers, "
+          f"= {nbytes / 2**20:.0f} MiB per pass, window {args.window}, {copier} copier, "
+          f"{args.copy_workers} copy workers, "
           f"median of {trials}")
     print(f"{'path':<34}{'GB/s':>9}{'ratio':>9}")
     print(f"{'baseline copy_ device->pool':<34}{fmt(base_off):>9}")
@@ -611,6 +685,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'engine onboard':<34}{fmt(onboard):>9}{fmt(result['onboard_ratio']):>9}")
     print(f"{'bare pipeline (no control work)':<34}{fmt(result['bare_pipeline_gbps']):>9}"
           f"{fmt(result['bare_pipeline_ratio']):>9}")
+    if result["torch_offload_gbps"] is not None:
+        print(f"{'engine offload, torch copier':<34}{fmt(result['torch_offload_gbps']):>9}"
+              f"{fmt(result['torch_offload_ratio']):>9}")
+        print(f"{'engine onboard, torch copier':<34}{fmt(result['torch_onboard_gbps']):>9}"
+              f"{fmt(result['torch_onboard_ratio']):>9}")
+    if result["native_copy_offload_gbps"] is not None:
+        print(f"{'bare native copy device->pool':<34}{fmt(result['native_copy_offload_gbps']):>9}"
+              f"{fmt(result['native_copy_offload_ratio']):>9}")
+        print(f"{'bare native copy pool->device':<34}{fmt(result['native_copy_onboard_gbps']):>9}"
+              f"{fmt(result['native_copy_onboard_ratio']):>9}")
+        print(f"{'engine / bare native copy':<34}{'':>9}{fmt(result['offload_vs_native_ratio']):>9}"
+              f"{fmt(result['onboard_vs_native_ratio']):>9}")
     print(f"{'blocks per coalesced copy':<34}{fmt(result['blocks_per_copy_run']):>9}")
     print_disk(disk)
     if layout.get("vllm_layout_available"):

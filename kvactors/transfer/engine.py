@@ -43,6 +43,12 @@ COPIERS = ("auto", "native", "torch")
 _NATIVE_THREADS_PER_WORKER = 8
 
 
+def native_threads(copy_workers: int) -> int:
+    """The native copier's threads for ``copy_workers``: as many per worker as torch's intra-op
+    threads (at most 8), the parallelism each torch copy worker has."""
+    return min(copy_workers * min(torch.get_num_threads(), _NATIVE_THREADS_PER_WORKER), MAX_NATIVE_THREADS)
+
+
 def _resolved(value: Any) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_running_or_notify_cancel()
@@ -62,8 +68,8 @@ class TransferEngine:
 
     * CPU device cache, ``copier="auto"`` (the default) or ``"native"``: the
       native copier (:mod:`kvactors.transfer.native`, built at install where a C
-      compiler is present), ``copy_workers`` x ``min(torch.get_num_threads(), 8)``
-      native threads that take the jobs from one FIFO queue and copy them in
+      compiler is present), :func:`native_threads` (``copy_workers`` x
+      ``min(torch.get_num_threads(), 8)``) native threads that take the jobs from one FIFO queue and copy them in
       pieces without the GIL, and one completer thread that posts each finished
       job's completion and resolves its future (so no copy waits on the manager).
       ``"auto"`` falls back to the torch copier where the native one is not
@@ -315,10 +321,9 @@ class TransferEngine:
             if why is not None and copier == "native":
                 raise ValueError(f"copier='native' cannot be used: {why}")
             if why is None:
-                threads = min(copy_workers * min(torch.get_num_threads(), _NATIVE_THREADS_PER_WORKER),
-                              MAX_NATIVE_THREADS)
                 try:
-                    return NativeCopier(device_cache=device_cache, pool=pool, threads=threads, done=self._job_done)
+                    return NativeCopier(device_cache=device_cache, pool=pool, threads=native_threads(copy_workers),
+                                        done=self._job_done)
                 except RuntimeError as exc:
                     if copier == "native":
                         raise ValueError(f"copier='native' cannot be used: {exc}") from None
