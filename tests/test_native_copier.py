@@ -238,22 +238,28 @@ def test_engine_picks_and_refuses_copiers() -> None:
 
 
 def test_engine_copies_on_while_a_completion_is_slow() -> None:
-    """The native threads never wait for the completer: while one job's future callback is held
-    up, the next job's bytes still land in the pool."""
+    """The native threads never wait for the completer: while the first job's report is held up
+    (on the completer thread), the next job's bytes still land in the pool."""
     device = torch.randint(1, 256, (8, 4096), dtype=torch.uint8)
     with TieringManager.start(num_blocks=16, block_bytes=4096) as manager, \
             TransferEngine(manager, device, copier="native") as engine:
         ctx = ReqContext("slow")
         manager.on_new_request(ctx)
-        in_callback, release = threading.Event(), threading.Event()
+        copier = engine._copier
+        assert isinstance(copier, NativeCopier)
+        report = copier._report
+        in_report, release = threading.Event(), threading.Event()
 
-        def slow_callback(_future: object) -> None:
-            in_callback.set()
-            release.wait(TIMEOUT)
+        def held_report(job: CopyJob, status: int) -> None:
+            if job.keys[0] == b"a":
+                in_report.set()
+                release.wait(TIMEOUT)
+            report(job, status)
 
-        engine.offload(ctx, [b"a", b"b"], [0, 1]).add_done_callback(slow_callback)
+        copier._report = held_report  # type: ignore[method-assign]
+        first = engine.offload(ctx, [b"a", b"b"], [0, 1])
         try:
-            assert in_callback.wait(TIMEOUT)
+            assert in_report.wait(TIMEOUT)
             second = engine.offload(ctx, [b"c", b"d"], [2, 3])
             deadline = time.monotonic() + TIMEOUT
             # The second job's rows are not known to the test: wait until two pool rows hold
@@ -264,10 +270,11 @@ def test_engine_copies_on_while_a_completion_is_slow() -> None:
                     break
                 time.sleep(0.001)
             else:
-                pytest.fail("the second copy waited for the first job's completion")
-            assert not second.done()
+                pytest.fail("the second copy waited for the first job's report")
+            assert not first.done() and not second.done()
         finally:
             release.set()
+        assert first.result(TIMEOUT) == [b"a", b"b"]
         assert second.result(TIMEOUT) == [b"c", b"d"]
         manager.on_request_finished(ctx)
 
@@ -290,3 +297,41 @@ def test_engine_close_waits_for_native_copies(reports: Reports) -> None:
         manager.complete_load(keys, ctx)
         manager.on_request_finished(ctx)
 
+
+
+def test_a_tensor_resized_under_the_copier_fails_the_job_instead_of_writing_through_stale_addresses(
+        reports: Reports) -> None:
+    device = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
+    pool = torch.zeros((16, 4096), dtype=torch.uint8)
+    copier = copier_for(device, pool, reports)
+    try:
+        device.resize_(64, 4096)  # a new, larger storage: the old addresses are freed
+        copier.submit(make_job(1, "offload", [(0, 0, 16)], 4096))
+        [(_, error, _)] = reports.wait_for(1)
+    finally:
+        copier.shutdown()
+    assert isinstance(error, RuntimeError) and "resized" in str(error)
+    assert not pool.any()
+
+
+def test_a_raising_done_callback_does_not_stop_the_reports(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+    device, pool = pair
+    seen: list[int] = []
+    cond = threading.Condition()
+
+    def done(job: CopyJob, error: BaseException | None) -> None:
+        with cond:
+            seen.append(job.job_id)
+            cond.notify_all()
+        if job.job_id == 1:
+            raise RuntimeError("a broken callback")
+
+    copier = NativeCopier(device_cache=device, pool=pool, threads=2, done=done)
+    try:
+        for i in (1, 2, 3):
+            copier.submit(make_job(i, "offload", [(i, i, 1)], 1000))
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 3, TIMEOUT), seen
+    finally:
+        copier.shutdown()
+    assert sorted(seen) == [1, 2, 3]

@@ -20,7 +20,8 @@ from kvactors import (
     TransferEngine,
     TransferError,
 )
-from kvactors.transfer.jobs import CopyTimeoutError
+from kvactors.transfer.cpu import CpuCopier
+from kvactors.transfer.jobs import CopyJob, CopyTimeoutError
 from kvactors.transfer.native import native_copy_available
 
 BLOCK_BYTES = 4096
@@ -446,29 +447,36 @@ def test_cuda_failed_copy(manager: TieringManager) -> None:
 def test_cpu_copy_thread_copies_on_while_a_completion_is_slow(manager: TieringManager,
                                                               device_cache: torch.Tensor) -> None:
     """The completion (manager call, future, its callbacks) runs off the copy thread: while one
-    job's completion is held up, the next job's copy still starts. On a copier that completes
-    on its copy thread, the second copy waits for the first completion."""
+    job's completion is held up on the completer, the next job's copy still starts. On a copier
+    that completes on its copy thread, the second copy waits for the first completion."""
     copying: dict[bytes, threading.Event] = {}
 
     def note(direction: str, ctx: ReqContext, keys: Sequence[OffloadKey]) -> None:
         copying.setdefault(keys[0], threading.Event()).set()
 
-    in_callback, release = threading.Event(), threading.Event()
-
-    def slow_callback(_future: object) -> None:
-        in_callback.set()
-        release.wait(TIMEOUT)  # bounded; the test releases it
+    in_completion, release = threading.Event(), threading.Event()
 
     with TransferEngine(manager, device_cache, fault_injector=note) as engine:
+        copier = engine._copier
+        assert isinstance(copier, CpuCopier)
+        done = copier._done
+
+        def held_done(job: CopyJob, error: BaseException | None) -> None:
+            if job.keys[0] == first[0]:
+                in_completion.set()
+                release.wait(TIMEOUT)  # bounded; the test releases it
+            done(job, error)
+
+        copier._done = held_done
         ctx = new_request(manager, "slow-completion")
         first, second = make_keys("first", 2), make_keys("second", 2)
         copying[second[0]] = threading.Event()
-        engine.offload(ctx, first, [0, 1]).add_done_callback(slow_callback)
+        engine.offload(ctx, first, [0, 1])
         try:
-            assert in_callback.wait(TIMEOUT)
-            done = engine.offload(ctx, second, [2, 3])
+            assert in_completion.wait(TIMEOUT)
+            later = engine.offload(ctx, second, [2, 3])
             assert copying[second[0]].wait(2.0), "the second copy waited for the first job's completion"
         finally:
             release.set()
-        assert done.result(TIMEOUT) == second
+        assert later.result(TIMEOUT) == second
     assert_quiet(manager)

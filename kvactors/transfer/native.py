@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import errno
 import importlib.util
 import itertools
 import os
@@ -32,6 +31,7 @@ from functools import cache
 
 import torch
 
+from kvactors.logs import component_logger
 from kvactors.transfer.jobs import CopyJob, CopyTimeoutError, Direction, JobDone
 
 _copier_ids = itertools.count()
@@ -45,6 +45,7 @@ MAX_THREADS = 64
 _STATUS_OK = 0
 _STATUS_DEADLINE = 1
 _STATUS_NOT_QUEUED = 2  # written by submit itself when the native side refused the job
+_STATUS_MOVED = 3  # written by submit itself: a tensor's storage moved since the copier started
 _RECORD = struct.Struct("=QQ")
 
 
@@ -110,7 +111,9 @@ class NativeCopier:
             "offload": (device_cache.data_ptr(), pool.data_ptr()),
             "onboard": (pool.data_ptr(), device_cache.data_ptr()),
         }
+        self._layout = self._layout_of()
         self._done = done
+        self._log = component_logger("transfer")
         self._jobs: dict[int, CopyJob] = {}
         self._ids = itertools.count(1)
         self._read_fd, self._write_fd = os.pipe()
@@ -125,9 +128,17 @@ class NativeCopier:
                                            name=f"kvactors-copy-{next(_copier_ids)}.done")
         self._completer.start()
 
+    def _layout_of(self) -> tuple[tuple[int, torch.Size, bool], ...]:
+        return tuple((t.data_ptr(), t.shape, t.is_contiguous()) for t in self._tensors)
+
     def submit(self, job: CopyJob) -> None:
         job_id = next(self._ids)
         self._jobs[job_id] = job
+        if self._layout_of() != self._layout:
+            # The caller resized or re-pointed a tensor (resize_, set_): the native threads would
+            # write through stale addresses. The torch copier would slice the new storage instead.
+            self._post(job_id, _STATUS_MOVED)
+            return
         row = self._row_bytes
         runs = array.array("Q")
         for src, dst, n in job.runs:
@@ -156,19 +167,14 @@ class NativeCopier:
         """The completer thread: reports finished jobs, in the order the native threads ended them."""
         pending = b""
         try:
-            while True:
-                try:
-                    data = os.read(self._read_fd, _RECORD.size * 256)
-                except OSError as exc:
-                    if exc.errno == errno.EINTR:
-                        continue
-                    raise
-                if not data:
-                    return
+            while data := os.read(self._read_fd, _RECORD.size * 256):  # b"": shutdown closed the write end
                 pending += data
                 whole = len(pending) - len(pending) % _RECORD.size
                 for job_id, status in _RECORD.iter_unpack(pending[:whole]):
-                    self._report(self._jobs.pop(job_id), status)
+                    try:
+                        self._report(self._jobs.pop(job_id), status)
+                    except Exception as exc:  # the engine's callback never raises; if it did, go on reporting
+                        self._log.warning("report_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
                 pending = pending[whole:]
         finally:
             os.close(self._read_fd)
@@ -178,6 +184,9 @@ class NativeCopier:
         if status == _STATUS_DEADLINE:
             error = CopyTimeoutError(f"{job.direction} copy of {len(job.keys)} blocks exceeded "
                                      f"copy_timeout_s={job.timeout_s}")
+        elif status == _STATUS_MOVED:
+            error = RuntimeError("the device cache or the pool was resized or re-pointed since the engine started "
+                                 "(the engine copies between the tensors it was given, in place)")
         elif status != _STATUS_OK:
             error = RuntimeError(f"the native copier refused a {job.direction} of {len(job.keys)} blocks "
                                  "(out of memory, or no bytes to copy)")
