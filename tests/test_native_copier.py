@@ -4,6 +4,7 @@ Skipped where the extension is not built (no C compiler at install time)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvactors import ReqContext, TieringManager, TransferEngine
+from kvactors import LookupResult, ReqContext, TieringManager, TransferEngine
 from kvactors.transfer.jobs import CopyJob, CopyTimeoutError
 from kvactors.transfer.native import NativeCopier, native_copy_available, supports
 from kvactors.transfer.runs import Run, copy_runs
@@ -198,20 +199,116 @@ def test_constructor_refuses_what_it_cannot_copy(reports: Reports) -> None:
             copier_for(pool.clone(), pool, reports, threads=threads)
 
 
-def test_shutdown_ends_the_threads_and_closes_the_pipe(pair: tuple[torch.Tensor, torch.Tensor],
-                                                        reports: Reports) -> None:
-    import os
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
+
+def native_tasks() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd and /proc/self/task")
+def test_copiers_open_no_descriptor_and_leave_no_thread(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
     device, pool = pair
-    copier = copier_for(device, pool, reports)
-    read_fd, write_fd = copier._read_fd, copier._write_fd
-    copier.submit(make_job(1, "offload", [(0, 0, 4)], 1000))
-    reports.wait_for(1)
+    fds, tasks = open_fds(), native_tasks()
+    for _ in range(20):
+        reports = Reports()
+        copier = copier_for(device, pool, reports, threads=3)
+        copier.submit(make_job(1, "offload", [(0, 0, 4)], 1000))
+        reports.wait_for(1)
+        copier.shutdown()
+        assert not copier._completer.is_alive()
+    assert open_fds() == fds
+    assert native_tasks() == tasks
+
+
+def test_a_slow_report_delays_no_copy(reports: Reports) -> None:
+    """6,000 jobs while the first one's report is held up: every byte is copied meanwhile (the
+    native threads never wait for the completer, however far behind it falls)."""
+    n, row = 6000, 16
+    device = torch.randint(1, 256, (n, row), dtype=torch.uint8)
+    pool = torch.zeros((n, row), dtype=torch.uint8)
+    release = threading.Event()
+
+    def done(job: CopyJob, error: BaseException | None) -> None:
+        if job.job_id == 1:
+            release.wait(TIMEOUT)
+        reports(job, error)
+
+    copier = NativeCopier(device_cache=device, pool=pool, threads=2, done=done)
+    try:
+        for i in range(n):
+            copier.submit(make_job(i + 1, "offload", [(i, i, 1)], row))
+        deadline = time.monotonic() + TIMEOUT
+        while int((pool[:, 0] != 0).sum()) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert torch.equal(pool, device), "copies stopped while a report was held up"
+        assert not reports.items
+    finally:
+        release.set()
+    reports.wait_for(n)
     copier.shutdown()
-    assert not copier._completer.is_alive()
-    for fd in (read_fd, write_fd):
-        with pytest.raises(OSError):
-            os.fstat(fd)
+
+
+fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+@fork
+def test_close_does_not_wait_for_a_forked_child() -> None:
+    with TieringManager.start(num_blocks=16, block_bytes=64) as manager:
+        engine = TransferEngine(manager, torch.zeros((16, 64), dtype=torch.uint8), copier="native")
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child lives until the parent says so
+            os.close(write_end)
+            os.read(read_end, 1)
+            os._exit(0)
+        os.close(read_end)
+        try:
+            closer = threading.Thread(target=engine.close, daemon=True)
+            closer.start()
+            closer.join(TIMEOUT)
+            assert not closer.is_alive(), "close() waited for the forked child"
+        finally:
+            os.close(write_end)
+            os.waitpid(pid, 0)
+
+
+CHILD = r"""
+import os, sys, torch
+from kvactors import ReqContext, TieringManager, TransferEngine, TransferError
+manager = TieringManager.start(num_blocks=16, block_bytes=64)
+engine = TransferEngine(manager, torch.zeros((16, 64), dtype=torch.uint8), copier="native")
+ctx = ReqContext("parent")
+manager.on_new_request(ctx)
+assert engine.offload(ctx, [b"before"], [0]).result(10) == [b"before"]
+assert manager.wait_idle(10)  # the child's manager calls run on its own thread (the actors' are the parent's)
+pid = os.fork()
+if pid == 0:
+    code = 3
+    try:
+        engine.offload(ctx, [b"child"], [1]).result(5)
+    except TransferError as exc:
+        code = 0 if "fork" in str(exc) else 4
+    except BaseException:
+        code = 5
+    engine.close()  # the inherited copier's threads are the parent's: nothing to join here
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+assert engine.offload(ctx, [b"after"], [2]).result(10) == [b"after"]  # the parent's engine is unharmed
+engine.close()
+manager.stop()
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+@fork
+def test_an_engine_inherited_through_fork_fails_its_jobs_and_closes() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "child 0", (out.stdout, out.stderr[-2000:])
 
 
 # ---------------------------------------------------------------- under the engine
@@ -335,3 +432,31 @@ def test_a_raising_done_callback_does_not_stop_the_reports(pair: tuple[torch.Ten
     finally:
         copier.shutdown()
     assert sorted(seen) == [1, 2, 3]
+
+
+def test_engine_copy_timeout_fails_late_copies_and_leaves_nothing_held() -> None:
+    """A deadline no copy can meet: every offload and onboard fails with CopyTimeoutError as its
+    cause, the stores complete with success=False (nothing stored, nothing pending), the loads
+    are unpinned."""
+    from kvactors import TransferError
+
+    device = torch.randint(0, 256, (32, 1 << 16), dtype=torch.uint8)
+    with TieringManager.start(num_blocks=64, block_bytes=1 << 16) as manager:
+        ctx = ReqContext("late")
+        manager.on_new_request(ctx)
+        with TransferEngine(manager, device, copier="native") as prompt:
+            stored = prompt.offload(ctx, [b"ready"], [0]).result(TIMEOUT)  # something to onboard later
+        assert stored == [b"ready"]
+        with TransferEngine(manager, device, copier="native", copy_timeout_s=1e-9) as engine:
+            offloads = [engine.offload(ctx, [f"{i}".encode()], [i]) for i in range(1, 9)]
+            onboards = [engine.onboard(ctx, [b"ready"], [16 + i]) for i in range(8)]
+            for future in offloads + onboards:
+                with pytest.raises(TransferError) as info:
+                    future.result(TIMEOUT)
+                assert isinstance(info.value.__cause__, CopyTimeoutError)
+        assert manager.wait_idle(TIMEOUT)
+        stats = manager.stats()
+        assert stats["blocks_pending"] == stats["blocks_pinned"] == 0
+        assert stats["contract_violations"] == 0
+        assert manager.lookup([f"{i}".encode() for i in range(1, 9)], ctx) == [LookupResult.MISS] * 8
+        manager.on_request_finished(ctx)

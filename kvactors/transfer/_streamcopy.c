@@ -6,8 +6,10 @@
  * time, so a thread that loses its core to other work (the frontend's control
  * code) holds back one piece, not half of every copy as a static split would.
  * The threads never touch the GIL. A job ends when its last claimed piece is
- * copied; its id and status are then written, 16 bytes in one write(2), to the
- * file descriptor given at start (a pipe the Python side reads).
+ * copied; it then joins the copier's list of finished jobs, which the Python
+ * side's completer thread takes in order with kvc_wait (a blocking call: ctypes
+ * releases the GIL around it). No file descriptor is involved: nothing blocks a
+ * copy thread but the mutex, and a forked child inherits nothing to close.
  *
  * Pieces of at least STREAM_MIN bytes are copied with non-temporal stores on
  * x86-64 with AVX2 (four pages at a time, as glibc's large copies do), others
@@ -19,21 +21,21 @@
  * copied; past it, no further piece is claimed and the job ends with
  * STATUS_DEADLINE once the pieces in progress are copied.
  *
- * Threading: kvc_submit may be called from any thread at once; kvc_stop once,
- * when no job is queued or in progress (it joins the threads). All shared state
- * is under one mutex; the copies run outside it.
+ * Threading: kvc_submit and kvc_post may be called from any thread at once;
+ * kvc_wait from one thread (the completer); kvc_stop once, when no job is queued
+ * or in progress (it joins the copy threads and ends the waits once the finished
+ * jobs are taken); kvc_free once, by the completer, after its last kvc_wait. All
+ * shared state is under one mutex; the copies run outside it.
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -47,8 +49,9 @@
 #define PAGE 4096u
 
 typedef struct job {
-    struct job *next;
+    struct job *next; /* in the queue, then in the finished list */
     uint64_t id;
+    uint64_t status;
     char *src, *dst;
     uint64_t *runs; /* triples: source offset, destination offset, bytes */
     size_t nruns;
@@ -61,12 +64,14 @@ typedef struct job {
 
 typedef struct {
     pthread_mutex_t lock;
-    pthread_cond_t wake;
-    job_t *head, *tail;
-    int stopping;
+    pthread_cond_t wake;     /* the copy threads: a job was queued, or stop */
+    pthread_cond_t finished; /* the completer: a job finished, or stop */
+    job_t *head, *tail;      /* queued jobs with pieces left to claim */
+    job_t *done_head, *done_tail;
+    int stopping; /* the copy threads end once the queue is empty */
+    int stopped;  /* they have: kvc_wait ends once the finished list is empty */
     int nthreads;
     pthread_t threads[MAX_THREADS];
-    int done_fd;
     size_t piece;
     int stream;
 } copier_t;
@@ -119,12 +124,17 @@ static void copy_piece(const copier_t *c, char *d, const char *s, size_t n) {
     memcpy(d, s, n);
 }
 
-static void report(copier_t *c, uint64_t id, uint64_t status) {
-    uint64_t record[2] = {id, status};
-    ssize_t w;
-    do {
-        w = write(c->done_fd, record, sizeof record); /* 16 bytes < PIPE_BUF: atomic */
-    } while (w < 0 && errno == EINTR);
+static void finish(copier_t *c, job_t *j, uint64_t status) { /* under the lock */
+    free(j->runs);
+    j->runs = NULL;
+    j->status = status;
+    j->next = NULL;
+    if (c->done_tail)
+        c->done_tail->next = j;
+    else
+        c->done_head = j;
+    c->done_tail = j;
+    pthread_cond_signal(&c->finished);
 }
 
 static void close_job(copier_t *c, job_t *j) { /* under the lock; j is the queue's head */
@@ -146,14 +156,8 @@ static void *worker(void *arg) {
         if (j->deadline > 0 && monotonic_now() > j->deadline) {
             j->late = 1;
             close_job(c, j);
-            if (j->copied == j->claimed) {
-                uint64_t id = j->id;
-                free(j->runs);
-                free(j);
-                pthread_mutex_unlock(&c->lock);
-                report(c, id, STATUS_DEADLINE);
-                pthread_mutex_lock(&c->lock);
-            }
+            if (j->copied == j->claimed)
+                finish(c, j, STATUS_DEADLINE);
             continue;
         }
         const uint64_t *r = j->runs + 3 * j->run;
@@ -177,21 +181,16 @@ static void *worker(void *arg) {
         pthread_mutex_lock(&c->lock);
         j->copied++;
         if (j->closed && j->copied == j->claimed) {
-            uint64_t id = j->id;
             int late = j->late || (j->deadline > 0 && monotonic_now() > j->deadline);
-            free(j->runs);
-            free(j);
-            pthread_mutex_unlock(&c->lock);
-            report(c, id, late ? STATUS_DEADLINE : STATUS_OK);
-            pthread_mutex_lock(&c->lock);
+            finish(c, j, late ? STATUS_DEADLINE : STATUS_OK);
         }
     }
     pthread_mutex_unlock(&c->lock);
     return NULL;
 }
 
-/* A copier of nthreads threads reporting to done_fd; NULL if it cannot be made. */
-void *kvc_start(int nthreads, int done_fd, size_t piece, int stream) {
+/* A copier of nthreads threads; NULL if it cannot be made. */
+void *kvc_start(int nthreads, size_t piece, int stream) {
     if (nthreads < 1 || nthreads > MAX_THREADS || piece == 0)
         return NULL;
     copier_t *c = calloc(1, sizeof *c);
@@ -199,7 +198,7 @@ void *kvc_start(int nthreads, int done_fd, size_t piece, int stream) {
         return NULL;
     pthread_mutex_init(&c->lock, NULL);
     pthread_cond_init(&c->wake, NULL);
-    c->done_fd = done_fd;
+    pthread_cond_init(&c->finished, NULL);
     c->piece = piece;
 #ifdef HAVE_STREAM
     c->stream = stream && __builtin_cpu_supports("avx2");
@@ -214,6 +213,9 @@ void *kvc_start(int nthreads, int done_fd, size_t piece, int stream) {
             pthread_mutex_unlock(&c->lock);
             for (int k = 0; k < i; k++)
                 pthread_join(c->threads[k], NULL);
+            pthread_mutex_destroy(&c->lock);
+            pthread_cond_destroy(&c->wake);
+            pthread_cond_destroy(&c->finished);
             free(c);
             return NULL;
         }
@@ -263,7 +265,44 @@ int kvc_submit(void *handle, uint64_t id, char *src, char *dst, const uint64_t *
     return 0;
 }
 
-/* Stop and join the threads (the queue must be empty), then free the copier. */
+/* A job the caller ends itself (one it did not queue), reported in turn like the others; 0, or
+ * -1 (out of memory: nothing posted). */
+int kvc_post(void *handle, uint64_t id, uint64_t status) {
+    copier_t *c = handle;
+    job_t *j = calloc(1, sizeof *j);
+    if (!j)
+        return -1;
+    j->id = id;
+    pthread_mutex_lock(&c->lock);
+    finish(c, j, status);
+    pthread_mutex_unlock(&c->lock);
+    return 0;
+}
+
+/* Up to max finished jobs, oldest first, as (id, status) pairs in out; waits for one. -1 once
+ * kvc_stop was called and every finished job was taken: the completer's last call. */
+int kvc_wait(void *handle, uint64_t *out, int max) {
+    copier_t *c = handle;
+    int n = 0;
+    pthread_mutex_lock(&c->lock);
+    while (!c->done_head && !c->stopped)
+        pthread_cond_wait(&c->finished, &c->lock);
+    while (c->done_head && n < max) {
+        job_t *j = c->done_head;
+        c->done_head = j->next;
+        if (!c->done_head)
+            c->done_tail = NULL;
+        out[2 * n] = j->id;
+        out[2 * n + 1] = j->status;
+        n++;
+        free(j);
+    }
+    pthread_mutex_unlock(&c->lock);
+    return n ? n : -1;
+}
+
+/* Stop and join the copy threads (nothing may be queued), and end the completer's waits once
+ * it has taken every finished job. */
 void kvc_stop(void *handle) {
     copier_t *c = handle;
     pthread_mutex_lock(&c->lock);
@@ -272,16 +311,29 @@ void kvc_stop(void *handle) {
     pthread_mutex_unlock(&c->lock);
     for (int i = 0; i < c->nthreads; i++)
         pthread_join(c->threads[i], NULL);
+    pthread_mutex_lock(&c->lock);
+    c->stopped = 1;
+    pthread_cond_broadcast(&c->finished);
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* Free a stopped copier, after its completer's last kvc_wait. */
+void kvc_free(void *handle) {
+    copier_t *c = handle;
     pthread_mutex_destroy(&c->lock);
     pthread_cond_destroy(&c->wake);
+    pthread_cond_destroy(&c->finished);
     free(c);
 }
 
 /* An importable (empty) module, so that setuptools builds the library and the loader finds it
  * under its module name; the functions above are called through ctypes, which releases the
  * GIL around each call. */
-static struct PyModuleDef streamcopy_module = {PyModuleDef_HEAD_INIT, "_streamcopy",
-                                                "kvactors' native CPU copy loop (called through ctypes).", -1,
-                                                NULL};
+static struct PyModuleDef streamcopy_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_streamcopy",
+    .m_doc = "kvactors' native CPU copy loop (called through ctypes).",
+    .m_size = -1,
+};
 
 PyMODINIT_FUNC PyInit__streamcopy(void) { return PyModule_Create(&streamcopy_module); }

@@ -108,7 +108,8 @@ class TransferEngine:
     (default ``None``: only the manager's ``transfer_timeout_s`` applies, which
     detaches a store not completed in time). A copy in progress is never
     abandoned halfway on a stream or between rows it is writing: a late job
-    fails when it stops touching its rows (on the CPU, between two runs).
+    fails when it stops touching its rows (on the CPU, between two runs, or
+    two pieces of the native copier).
 
     ``fault_injector``: a **testing hook**, ``(direction, ctx, keys) -> None``
     with ``direction`` ``"offload"`` or ``"onboard"``, called just before a

@@ -7,10 +7,16 @@ job's coalesced runs into pieces and claim them one at a time, so the copy of a
 job spreads over every core that is free, and a core taken by the frontend's
 Python holds back one piece, not half of every copy (torch's intra-op split is
 static). Large pieces are written with non-temporal stores on x86-64
-(``docs/performance.md`` has the figures). Each finished job comes back as one
-16-byte record on a pipe, which one completer thread reads and reports (the
-engine then posts the completion and resolves the future), in the order the
-copies ended.
+(``docs/performance.md`` has the figures). Finished jobs join a list in the
+native copier, which one completer thread takes with a blocking call (the GIL
+released) and reports (the engine then posts the completion and resolves the
+future), in the order the copies ended. No file descriptor is used, and nothing
+but the copier's mutex ever blocks a native thread: a slow completion delays
+reports, never copies.
+
+After ``os.fork`` the child has none of the parent's threads: an inherited
+copier fails every job at once (on the submitting thread, the only one left)
+and its ``shutdown`` returns without touching the native state.
 
 Deadlines are checked by the native threads before each piece and once the last
 piece is copied; a late job ends, like the torch copier's, only once nothing
@@ -25,7 +31,6 @@ import ctypes
 import importlib.util
 import itertools
 import os
-import struct
 import threading
 from functools import cache
 
@@ -44,9 +49,10 @@ MAX_THREADS = 64
 
 _STATUS_OK = 0
 _STATUS_DEADLINE = 1
-_STATUS_NOT_QUEUED = 2  # written by submit itself when the native side refused the job
-_STATUS_MOVED = 3  # written by submit itself: a tensor's storage moved since the copier started
-_RECORD = struct.Struct("=QQ")
+_STATUS_NOT_QUEUED = 2  # posted by submit itself when the native side refused the job
+_STATUS_MOVED = 3  # posted by submit itself: a tensor's storage moved since the copier started
+_STATUS_FORKED = 4  # a copier inherited by a forked child
+_BATCH = 256  # finished jobs taken per wait
 
 
 @cache
@@ -59,14 +65,19 @@ def _library() -> ctypes.CDLL | None:
     except OSError:
         return None
     lib.kvc_start.restype = ctypes.c_void_p
-    lib.kvc_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+    lib.kvc_start.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
     lib.kvc_streams.restype = ctypes.c_int
     lib.kvc_streams.argtypes = [ctypes.c_void_p]
     lib.kvc_submit.restype = ctypes.c_int
     lib.kvc_submit.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double]
-    lib.kvc_stop.restype = None
-    lib.kvc_stop.argtypes = [ctypes.c_void_p]
+    lib.kvc_post.restype = ctypes.c_int
+    lib.kvc_post.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]
+    lib.kvc_wait.restype = ctypes.c_int
+    lib.kvc_wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    for name in ("kvc_stop", "kvc_free"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -116,11 +127,9 @@ class NativeCopier:
         self._log = component_logger("transfer")
         self._jobs: dict[int, CopyJob] = {}
         self._ids = itertools.count(1)
-        self._read_fd, self._write_fd = os.pipe()
-        handle = lib.kvc_start(threads, self._write_fd, piece_bytes, int(stream))
+        self._pid = os.getpid()
+        handle = lib.kvc_start(threads, piece_bytes, int(stream))
         if not handle:
-            os.close(self._read_fd)
-            os.close(self._write_fd)
             raise RuntimeError(f"the native copier could not start {threads} threads")
         self._handle: int = handle
         self.streams = bool(lib.kvc_streams(handle))
@@ -132,6 +141,9 @@ class NativeCopier:
         return tuple((t.data_ptr(), t.shape, t.is_contiguous()) for t in self._tensors)
 
     def submit(self, job: CopyJob) -> None:
+        if os.getpid() != self._pid:
+            self._report(job, _STATUS_FORKED)  # no thread of ours is left here to report it
+            return
         job_id = next(self._ids)
         self._jobs[job_id] = job
         if self._layout_of() != self._layout:
@@ -155,35 +167,38 @@ class NativeCopier:
         return threading.current_thread() is self._completer
 
     def shutdown(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child: the native threads are the parent's; their state is not ours to touch
         self._lib.kvc_stop(self._handle)  # joins the native threads; nothing is queued by now
-        os.close(self._write_fd)  # the completer reads to the end, then stops
         if threading.current_thread() is not self._completer:
-            self._completer.join()
+            self._completer.join()  # its last wait returns once every finished job is reported
 
     def _post(self, job_id: int, status: int) -> None:
-        os.write(self._write_fd, _RECORD.pack(job_id, status))
+        if self._lib.kvc_post(self._handle, job_id, status) != 0:  # out of memory: report it here instead
+            self._report(self._jobs.pop(job_id), status)
 
     def _complete(self) -> None:
-        """The completer thread: reports finished jobs, in the order the native threads ended them."""
-        pending = b""
-        try:
-            while data := os.read(self._read_fd, _RECORD.size * 256):  # b"": shutdown closed the write end
-                pending += data
-                whole = len(pending) - len(pending) % _RECORD.size
-                for job_id, status in _RECORD.iter_unpack(pending[:whole]):
-                    try:
-                        self._report(self._jobs.pop(job_id), status)
-                    except Exception as exc:  # the engine's callback never raises; if it did, go on reporting
-                        self._log.warning("report_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
-                pending = pending[whole:]
-        finally:
-            os.close(self._read_fd)
+        """The completer thread: reports finished jobs, in the order the native threads ended them,
+        then frees the native copier once ``shutdown`` has stopped it."""
+        records = (ctypes.c_uint64 * (2 * _BATCH))()
+        handle = self._handle
+        while (n := self._lib.kvc_wait(handle, records, _BATCH)) > 0:
+            for i in range(0, 2 * n, 2):
+                job_id = records[i]
+                try:
+                    self._report(self._jobs.pop(job_id), records[i + 1])
+                except Exception as exc:  # the engine's callback never raises; if it did, go on reporting
+                    self._log.warning("report_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
+        self._lib.kvc_free(handle)
 
     def _report(self, job: CopyJob, status: int) -> None:
         error: BaseException | None = None
         if status == _STATUS_DEADLINE:
             error = CopyTimeoutError(f"{job.direction} copy of {len(job.keys)} blocks exceeded "
                                      f"copy_timeout_s={job.timeout_s}")
+        elif status == _STATUS_FORKED:
+            error = RuntimeError("this TransferEngine was inherited through os.fork: its copy threads are the "
+                                 "parent's (make a new engine in the child)")
         elif status == _STATUS_MOVED:
             error = RuntimeError("the device cache or the pool was resized or re-pointed since the engine started "
                                  "(the engine copies between the tensors it was given, in place)")
