@@ -275,27 +275,34 @@ def test_close_does_not_wait_for_a_forked_child() -> None:
 
 
 CHILD = r"""
-import os, sys, torch
-from kvactors import ReqContext, TieringManager, TransferEngine, TransferError
+import os, sys, threading, torch
+from kvactors import ManagerStoppedError, ReqContext, TieringManager, TransferEngine
+copier = sys.argv[1]
+release = threading.Event()
 manager = TieringManager.start(num_blocks=16, block_bytes=64)
-engine = TransferEngine(manager, torch.zeros((16, 64), dtype=torch.uint8), copier="native")
+hold = (lambda *args: release.wait(10)) if copier == "torch" else None
+engine = TransferEngine(manager, torch.zeros((16, 64), dtype=torch.uint8), copier=copier, fault_injector=hold)
+if copier == "native":  # hold the job's report instead: the job stays in flight across the fork
+    report = engine._copier._report
+    engine._copier._report = lambda job, status: (release.wait(10), report(job, status))
 ctx = ReqContext("parent")
 manager.on_new_request(ctx)
-assert engine.offload(ctx, [b"before"], [0]).result(10) == [b"before"]
-assert manager.wait_idle(10)  # the child's manager calls run on its own thread (the actors' are the parent's)
+in_flight = engine.offload(ctx, [b"held"], [0])
 pid = os.fork()
 if pid == 0:
     code = 3
     try:
-        engine.offload(ctx, [b"child"], [1]).result(5)
-    except TransferError as exc:
+        engine.offload(ctx, [b"child"], [1])
+    except ManagerStoppedError as exc:
         code = 0 if "fork" in str(exc) else 4
     except BaseException:
         code = 5
-    engine.close()  # the inherited copier's threads are the parent's: nothing to join here
+    engine.close()  # returns at once: the job in flight is the parent's
     os._exit(code)
 _, status = os.waitpid(pid, 0)
-assert engine.offload(ctx, [b"after"], [2]).result(10) == [b"after"]  # the parent's engine is unharmed
+release.set()
+assert in_flight.result(10) == [b"held"]  # the parent's engine is unharmed
+assert engine.offload(ctx, [b"after"], [2]).result(10) == [b"after"]
 engine.close()
 manager.stop()
 print("child", os.waitstatus_to_exitcode(status))
@@ -303,12 +310,76 @@ print("child", os.waitstatus_to_exitcode(status))
 
 
 @fork
-def test_an_engine_inherited_through_fork_fails_its_jobs_and_closes() -> None:
+@pytest.mark.parametrize("copier", ["native", "torch"])
+def test_an_engine_inherited_through_fork_refuses_calls_and_closes_at_once(copier: str) -> None:
+    """A job in flight at the fork: the child's calls raise ManagerStoppedError and its close()
+    returns at once (before: it waited for the parent's job forever); the parent goes on."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", CHILD, copier], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "child 0", (out.stdout, out.stderr[-2000:])
+
+
+def test_a_second_shutdown_and_a_late_submit_are_harmless(pair: tuple[torch.Tensor, torch.Tensor],
+                                                          reports: Reports) -> None:
+    device, pool = pair
+    copier = copier_for(device, pool, reports)
+    copier.shutdown()
+    copier.shutdown()
+    copier.submit(make_job(1, "offload", [(0, 0, 1)], 1000))
+    [(_, error, _)] = reports.wait_for(1)
+    assert isinstance(error, RuntimeError)
+    assert not pool.any()
+
+
+@pytest.mark.parametrize("deadline", [-1.0, 0.0, 1e-9])
+def test_a_deadline_of_zero_or_less_is_past_not_none(pair: tuple[torch.Tensor, torch.Tensor], reports: Reports,
+                                                     deadline: float) -> None:
+    device, pool = pair
+    copier = copier_for(device, pool, reports)
+    try:
+        copier.submit(make_job(1, "offload", [(0, 0, 1)], 1000, deadline=deadline))
+        [(_, error, _)] = reports.wait_for(1)
+    finally:
+        copier.shutdown()
+    assert isinstance(error, CopyTimeoutError)
+    assert not pool.any()
+
+
+@pytest.mark.parametrize("copier", ["native", "torch"])
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt, ValueError])
+def test_a_future_callback_that_raises_does_not_stop_the_engine(copier: str, raised: type[BaseException]) -> None:
+    device = torch.randint(0, 256, (8, 64), dtype=torch.uint8)
+    with TieringManager.start(num_blocks=16, block_bytes=64) as manager, \
+            TransferEngine(manager, device, copier=copier) as engine:
+        ctx = ReqContext("raising-callback")
+        manager.on_new_request(ctx)
+        called, release = threading.Event(), threading.Event()
+
+        def callback(_future: object) -> None:
+            called.set()
+            raise raised("from a callback")
+
+        # Hold the first job's report on the completer, so that the callback is added before the
+        # future resolves and runs there (not on this thread).
+        held = engine._copier
+        attribute = "_report" if copier == "native" else "_done"
+        report = getattr(held, attribute)
+
+        def held_report(job: CopyJob, outcome: Any) -> None:
+            if job.keys == (b"a",):
+                release.wait(TIMEOUT)
+            report(job, outcome)
+
+        setattr(held, attribute, held_report)
+        first = engine.offload(ctx, [b"a"], [0])
+        first.add_done_callback(callback)
+        release.set()
+        assert called.wait(TIMEOUT)
+        assert first.result(TIMEOUT) == [b"a"]
+        assert engine.offload(ctx, [b"b"], [1]).result(TIMEOUT) == [b"b"]
+        manager.on_request_finished(ctx)
 
 
 # ---------------------------------------------------------------- under the engine

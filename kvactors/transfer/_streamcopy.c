@@ -16,12 +16,12 @@
  * with memcpy: a copy of many MiB would only evict the control code's data
  * from the caches, and writes that bypass them skip the read for ownership.
  *
- * A job with a deadline (CLOCK_MONOTONIC seconds, as Python's time.monotonic)
- * is checked before each of its pieces is claimed and once its last piece is
+ * A job with a deadline (CLOCK_MONOTONIC seconds, as Python's time.monotonic;
+ * NaN for none) is checked before each of its pieces is claimed and once its last piece is
  * copied; past it, no further piece is claimed and the job ends with
  * STATUS_DEADLINE once the pieces in progress are copied.
  *
- * Threading: kvc_submit and kvc_post may be called from any thread at once;
+ * Threading: kvc_submit and kvc_wake may be called from any thread at once;
  * kvc_wait from one thread (the completer); kvc_stop once, when no job is queued
  * or in progress (it joins the copy threads and ends the waits once the finished
  * jobs are taken); kvc_free once, by the completer, after its last kvc_wait. All
@@ -55,7 +55,7 @@ typedef struct job {
     char *src, *dst;
     uint64_t *runs; /* triples: source offset, destination offset, bytes */
     size_t nruns;
-    double deadline; /* 0: none */
+    double deadline; /* NaN: none (every comparison with it is false) */
     size_t run, off; /* the next piece to claim */
     size_t claimed, copied;
     int closed; /* no piece is claimed any more (all claimed, or past the deadline) */
@@ -70,6 +70,7 @@ typedef struct {
     job_t *done_head, *done_tail;
     int stopping; /* the copy threads end once the queue is empty */
     int stopped;  /* they have: kvc_wait ends once the finished list is empty */
+    int woken;    /* kvc_wake: the next kvc_wait returns even with nothing finished */
     int nthreads;
     pthread_t threads[MAX_THREADS];
     size_t piece;
@@ -153,7 +154,7 @@ static void *worker(void *arg) {
         job_t *j = c->head;
         if (!j)
             break;
-        if (j->deadline > 0 && monotonic_now() > j->deadline) {
+        if (monotonic_now() > j->deadline) {
             j->late = 1;
             close_job(c, j);
             if (j->copied == j->claimed)
@@ -181,7 +182,7 @@ static void *worker(void *arg) {
         pthread_mutex_lock(&c->lock);
         j->copied++;
         if (j->closed && j->copied == j->claimed) {
-            int late = j->late || (j->deadline > 0 && monotonic_now() > j->deadline);
+            int late = j->late || monotonic_now() > j->deadline;
             finish(c, j, late ? STATUS_DEADLINE : STATUS_OK);
         }
     }
@@ -265,28 +266,28 @@ int kvc_submit(void *handle, uint64_t id, char *src, char *dst, const uint64_t *
     return 0;
 }
 
-/* A job the caller ends itself (one it did not queue), reported in turn like the others; 0, or
- * -1 (out of memory: nothing posted). */
-int kvc_post(void *handle, uint64_t id, uint64_t status) {
+/* Make the completer's kvc_wait return (0 records if none finished): the caller has something
+ * of its own for it to report. Allocates nothing. */
+void kvc_wake(void *handle) {
     copier_t *c = handle;
-    job_t *j = calloc(1, sizeof *j);
-    if (!j)
-        return -1;
-    j->id = id;
     pthread_mutex_lock(&c->lock);
-    finish(c, j, status);
+    c->woken = 1;
+    pthread_cond_signal(&c->finished);
     pthread_mutex_unlock(&c->lock);
-    return 0;
 }
 
-/* Up to max finished jobs, oldest first, as (id, status) pairs in out; waits for one. -1 once
- * kvc_stop was called and every finished job was taken: the completer's last call. */
+/* Up to max finished jobs, oldest first, as (id, status) pairs in out; waits for one, or for a
+ * kvc_wake (then possibly 0). -1 once kvc_stop was called and every finished job was taken: the
+ * completer's last call. 0 at once if max < 1. */
 int kvc_wait(void *handle, uint64_t *out, int max) {
     copier_t *c = handle;
     int n = 0;
+    if (max < 1)
+        return 0;
     pthread_mutex_lock(&c->lock);
-    while (!c->done_head && !c->stopped)
+    while (!c->done_head && !c->stopped && !c->woken)
         pthread_cond_wait(&c->finished, &c->lock);
+    c->woken = 0;
     while (c->done_head && n < max) {
         job_t *j = c->done_head;
         c->done_head = j->next;
@@ -297,8 +298,9 @@ int kvc_wait(void *handle, uint64_t *out, int max) {
         n++;
         free(j);
     }
+    int last = !n && c->stopped && !c->done_head;
     pthread_mutex_unlock(&c->lock);
-    return n ? n : -1;
+    return last ? -1 : n;
 }
 
 /* Stop and join the copy threads (nothing may be queued), and end the completer's waits once

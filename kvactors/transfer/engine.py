@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -69,9 +70,10 @@ class TransferEngine:
     * CPU device cache, ``copier="auto"`` (the default) or ``"native"``: the
       native copier (:mod:`kvactors.transfer.native`, built at install where a C
       compiler is present), :func:`native_threads` (``copy_workers`` x
-      ``min(torch.get_num_threads(), 8)``) native threads that take the jobs from one FIFO queue and copy them in
-      pieces without the GIL, and one completer thread that posts each finished
-      job's completion and resolves its future (so no copy waits on the manager).
+      ``min(torch.get_num_threads(), 8)``, at most 64) native threads that take
+      the jobs from one FIFO queue and copy them in pieces without the GIL, and
+      one completer thread that posts each finished job's completion and
+      resolves its future (so no copy waits on the manager).
       ``"auto"`` falls back to the torch copier where the native one is not
       built, the device cache is not contiguous, or a ``fault_injector`` is
       given; ``"native"`` raises ``ValueError`` there instead.
@@ -95,7 +97,14 @@ class TransferEngine:
     the caller at once; the copy and the completion run on the engine's
     threads. A returned future is never cancellable (it is already running);
     its callbacks run on an engine thread, so they must be short and must not
-    call :meth:`close`.
+    call :meth:`close`; one that raises (even ``SystemExit``) is logged, not
+    fatal to the engine.
+
+    Lifetime: call :meth:`close` (or use the engine as a context manager). Its
+    threads hold it, so an engine dropped without it is never collected. After
+    ``os.fork`` the child has none of the engine's threads: there its calls
+    raise :class:`~kvactors.ManagerStoppedError` and :meth:`close` returns at
+    once (the jobs in flight at the fork are the parent's).
 
     Failures: a copy that raises, or runs past ``copy_timeout_s``, fails its
     request only. The rows are released (a store completed with
@@ -160,6 +169,7 @@ class TransferEngine:
         self._log = component_logger("transfer", engine=engine_id)
         self._job_ids = itertools.count(1)
         self._cond = threading.Condition()
+        self._pid = os.getpid()
         self._closed = False
         self._in_flight = 0
         self._shut = threading.Event()
@@ -281,6 +291,8 @@ class TransferEngine:
         with self._cond:
             first = not self._closed
             self._closed = True
+            if os.getpid() != self._pid:
+                return  # a forked child: the jobs in flight and the threads are the parent's, never ours
             if first:
                 while self._in_flight:
                     self._cond.wait()
@@ -367,6 +379,9 @@ class TransferEngine:
         with self._cond:
             if self._closed:
                 raise ManagerStoppedError("the TransferEngine is closed")
+            if os.getpid() != self._pid:
+                raise ManagerStoppedError("this TransferEngine was inherited through os.fork: its threads are "
+                                          "the parent's (make a new TieringManager and engine in the child)")
             self._in_flight += 1
 
     def _end(self) -> None:
@@ -426,7 +441,10 @@ class TransferEngine:
                 job.future.set_exception(failure)
             else:
                 job.future.set_result(list(job.keys) if job.direction == OFFLOAD else None)
-        except Exception as exc:  # never let a worker die; the future must still end
+        except BaseException as exc:  # never let a worker die (a future callback may raise even SystemExit)
+            self._log.warning("completion_failed", direction=job.direction, req_id=job.ctx.req_id,
+                              attempt=job.ctx.attempt, keys=len(job.keys), job_id=job.job_id,
+                              error=f"{type(exc).__name__}: {exc}")
             if not job.future.done():
                 job.future.set_exception(TransferError(f"internal error completing a {job.direction}: {exc}"))
         finally:

@@ -15,8 +15,10 @@ but the copier's mutex ever blocks a native thread: a slow completion delays
 reports, never copies.
 
 After ``os.fork`` the child has none of the parent's threads: an inherited
-copier fails every job at once (on the submitting thread, the only one left)
-and its ``shutdown`` returns without touching the native state.
+copier fails every job submitted there at once, on the submitting thread (the
+engine itself refuses calls in a child first), and its ``shutdown`` returns
+without touching the native state. So does a second ``shutdown``; a job
+submitted after it fails on the submitting thread too.
 
 Deadlines are checked by the native threads before each piece and once the last
 piece is copied; a late job ends, like the torch copier's, only once nothing
@@ -27,9 +29,11 @@ the torch copier (:mod:`kvactors.transfer.cpu`) when one is given.
 from __future__ import annotations
 
 import array
+import collections
 import ctypes
 import importlib.util
 import itertools
+import math
 import os
 import threading
 from functools import cache
@@ -71,11 +75,9 @@ def _library() -> ctypes.CDLL | None:
     lib.kvc_submit.restype = ctypes.c_int
     lib.kvc_submit.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double]
-    lib.kvc_post.restype = ctypes.c_int
-    lib.kvc_post.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]
     lib.kvc_wait.restype = ctypes.c_int
     lib.kvc_wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    for name in ("kvc_stop", "kvc_free"):
+    for name in ("kvc_wake", "kvc_stop", "kvc_free"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [ctypes.c_void_p]
     return lib
@@ -127,6 +129,8 @@ class NativeCopier:
         self._log = component_logger("transfer")
         self._jobs: dict[int, CopyJob] = {}
         self._ids = itertools.count(1)
+        self._posted: collections.deque[tuple[int, int]] = collections.deque()  # jobs submit ended itself
+        self._stopped = False
         self._pid = os.getpid()
         handle = lib.kvc_start(threads, piece_bytes, int(stream))
         if not handle:
@@ -135,14 +139,21 @@ class NativeCopier:
         self.streams = bool(lib.kvc_streams(handle))
         self._completer = threading.Thread(target=self._complete, daemon=True,
                                            name=f"kvactors-copy-{next(_copier_ids)}.done")
-        self._completer.start()
+        try:
+            self._completer.start()
+        except BaseException:
+            lib.kvc_stop(handle)
+            lib.kvc_free(handle)
+            raise
 
     def _layout_of(self) -> tuple[tuple[int, torch.Size, bool], ...]:
         return tuple((t.data_ptr(), t.shape, t.is_contiguous()) for t in self._tensors)
 
     def submit(self, job: CopyJob) -> None:
-        if os.getpid() != self._pid:
-            self._report(job, _STATUS_FORKED)  # no thread of ours is left here to report it
+        if self._stopped or os.getpid() != self._pid:
+            # Not the engine's use (it never submits after shutdown, nor in a forked child): no
+            # thread of ours is left to report the job, so it fails here.
+            self._report(job, _STATUS_NOT_QUEUED if self._stopped else _STATUS_FORKED)
             return
         job_id = next(self._ids)
         self._jobs[job_id] = job
@@ -156,7 +167,7 @@ class NativeCopier:
         for src, dst, n in job.runs:
             runs.extend((src * row, dst * row, n * row))
         src_base, dst_base = self._bases[job.direction]
-        deadline = 0.0 if job.deadline is None else job.deadline
+        deadline = math.nan if job.deadline is None else job.deadline
         if not runs or self._lib.kvc_submit(self._handle, job_id, src_base, dst_base, runs.buffer_info()[0],
                                             len(job.runs), deadline) != 0:
             # Reported by the completer like any other job: never from the submitting thread.
@@ -167,29 +178,38 @@ class NativeCopier:
         return threading.current_thread() is self._completer
 
     def shutdown(self) -> None:
-        if os.getpid() != self._pid:
-            return  # a forked child: the native threads are the parent's; their state is not ours to touch
+        if self._stopped or os.getpid() != self._pid:
+            return  # twice; or a forked child, where the native threads are the parent's, not ours to touch
+        self._stopped = True
         self._lib.kvc_stop(self._handle)  # joins the native threads; nothing is queued by now
         if threading.current_thread() is not self._completer:
             self._completer.join()  # its last wait returns once every finished job is reported
 
     def _post(self, job_id: int, status: int) -> None:
-        if self._lib.kvc_post(self._handle, job_id, status) != 0:  # out of memory: report it here instead
-            self._report(self._jobs.pop(job_id), status)
+        """End a job here without queueing it; the completer reports it (kvc_wake allocates nothing)."""
+        self._posted.append((job_id, status))
+        self._lib.kvc_wake(self._handle)
 
     def _complete(self) -> None:
         """The completer thread: reports finished jobs, in the order the native threads ended them,
         then frees the native copier once ``shutdown`` has stopped it."""
         records = (ctypes.c_uint64 * (2 * _BATCH))()
         handle = self._handle
-        while (n := self._lib.kvc_wait(handle, records, _BATCH)) > 0:
-            for i in range(0, 2 * n, 2):
-                job_id = records[i]
-                try:
-                    self._report(self._jobs.pop(job_id), records[i + 1])
-                except Exception as exc:  # the engine's callback never raises; if it did, go on reporting
-                    self._log.warning("report_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
+        while True:
+            n = self._lib.kvc_wait(handle, records, _BATCH)
+            for i in range(0, 2 * max(n, 0), 2):
+                self._report_safely(records[i], records[i + 1])
+            while self._posted:
+                self._report_safely(*self._posted.popleft())
+            if n < 0:
+                break
         self._lib.kvc_free(handle)
+
+    def _report_safely(self, job_id: int, status: int) -> None:
+        try:
+            self._report(self._jobs.pop(job_id), status)
+        except BaseException as exc:  # the engine's callback never raises; if it did, go on reporting
+            self._log.warning("report_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
 
     def _report(self, job: CopyJob, status: int) -> None:
         error: BaseException | None = None
