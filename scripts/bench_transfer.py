@@ -626,10 +626,10 @@ def main(argv: list[str] | None = None) -> int:
                 for trial in range(trials):
                     base_off_t.append(baseline_copy(pool, device))
                     base_on_t.append(baseline_copy(device, pool))
+                    bare_t.append(bare.trial(requests, args.window))
                     if native_copy_available():
                         native_off_t.append(native_copy(pool, device, threads))
                         native_on_t.append(native_copy(device, pool, threads))
-                    bare_t.append(bare.trial(requests, args.window))
                     for k, (eng, off_t, on_t) in enumerate(engines):
                         t_off, t_on, blocks_per_run = engine_trial(
                             manager, eng, device, reference, trial * len(engines) + k, requests, per_request,
