@@ -16,9 +16,9 @@
  * with memcpy: a copy of many MiB would only evict the control code's data
  * from the caches, and writes that bypass them skip the read for ownership.
  *
- * A job with a deadline (CLOCK_MONOTONIC seconds, as Python's time.monotonic;
- * NaN for none) is checked before each of its pieces is claimed and once its last piece is
- * copied; past it, no further piece is claimed and the job ends with
+ * A job's deadline (CLOCK_MONOTONIC seconds, as Python's time.monotonic; NaN
+ * for none) is checked before each of its pieces is claimed and once its last
+ * piece is copied; past it, no further piece is claimed and the job ends with
  * STATUS_DEADLINE once the pieces in progress are copied.
  *
  * Threading: kvc_submit and kvc_wake may be called from any thread at once;

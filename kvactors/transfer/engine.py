@@ -22,11 +22,10 @@ import torch
 from kvactors.core.arguments import check_int, check_request, check_timeout
 from kvactors.core.errors import ManagerStoppedError, TransferError
 from kvactors.logs import component_logger
-from kvactors.transfer import native
 from kvactors.transfer.cpu import CpuCopier
 from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, CopyJob, Direction, FaultInjector
 from kvactors.transfer.native import MAX_THREADS as MAX_NATIVE_THREADS
-from kvactors.transfer.native import NativeCopier, native_copy_available
+from kvactors.transfer.native import NativeCopier, native_copy_available, supports
 from kvactors.transfer.runs import copy_runs
 from kvactors.types import OffloadKey, ReqContext
 
@@ -329,7 +328,7 @@ class TransferEngine:
         if copier != "torch":
             why = ("it is not built (no C compiler at install?)" if not native_copy_available()
                    else "a fault injector runs on the torch copier's threads" if fault_injector is not None
-                   else "the device cache is not contiguous" if not native.supports(device_cache, pool)
+                   else "the device cache is not contiguous" if not supports(device_cache, pool)
                    else None)
             if why is not None and copier == "native":
                 raise ValueError(f"copier='native' cannot be used: {why}")
