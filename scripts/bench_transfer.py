@@ -591,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
+    if args.copier == "native" and not native_copy_available():
+        parser.error("--copier native: the native copy loop is not built (no C compiler at install?)")
+
     requests = args.requests or (64 if args.quick else 256)
     trials = args.trials or (5 if args.quick else 7)
     disk_requests = args.disk_requests or (16 if args.quick else 64)
