@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
-    if args.copier == "native" and not native_copy_available():
+    if args.copier == "native" and not args.disk_only and not native_copy_available():
         parser.error("--copier native: the native copy loop is not built (no C compiler at install?)")
 
     requests = args.requests or (64 if args.quick else 256)
@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocks_per_copy_run": statistics.median(per_run),
         "config": {"requests": requests, "blocks_per_request": per_request, "block_bytes": block_bytes,
                    "total_bytes": nbytes, "window": args.window, "copy_workers": args.copy_workers,
-                   "copier": copier, "native_threads": threads if copier == "native" else None,
+                   "copier": copier, "native_threads": threads if native_copy_available() else None,
                    "trials": trials, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()},
     }
 

@@ -32,7 +32,10 @@ fi
 if ! .venv/bin/python -c "import kvactors, pytest, hypothesis, pytest_timeout, prometheus_client" >/dev/null 2>&1 \
    || [ ! -x .venv/bin/ruff ] || [ ! -x .venv/bin/mypy ] \
    || [ pyproject.toml -nt .venv/.kvactors-installed ] || [ setup.py -nt .venv/.kvactors-installed ] \
-   || [ kvactors/transfer/_streamcopy.c -nt .venv/.kvactors-installed ]; then
+   || [ kvactors/transfer/_streamcopy.c -nt .venv/.kvactors-installed ] \
+   || { command -v cc >/dev/null 2>&1 && ! .venv/bin/python -c \
+        "import sys; from kvactors.transfer.native import native_copy_available as a; sys.exit(not a())" \
+        >/dev/null 2>&1; }; then
   # The editable install also builds the native copy loop in place (optional: skipped without a C compiler).
   echo "setup: installing kvactors and its test dependencies" >&2
   pip_install -e ".[test,plot,fast,metrics,lint]"
