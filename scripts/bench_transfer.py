@@ -291,8 +291,8 @@ def disk_only(args: argparse.Namespace, requests: int, per_request: int, block_b
     engine_names = ("offload_gbps", "onboard_gbps", "baseline_copy_gbps", "baseline_offload_dir_gbps",
                     "baseline_onboard_dir_gbps", "offload_ratio", "onboard_ratio", "bare_pipeline_gbps",
                     "bare_pipeline_ratio")
-    result: dict[str, Any] = {**dict.fromkeys(engine_names), **ratios_to("torch", [], [], 0, 0, 0, 0, 0),
-                              **ratios_to("native", [], [], 0, 0, 0, 0, 0),
+    result: dict[str, Any] = {**dict.fromkeys(engine_names), **torch_figures([], [], None, None, 0),
+                              **native_figures([], [], None, None, None, None, 0),
                               "disk_write_ratio": None, "disk_read_ratio": None,
                               **disk, "blocks_per_copy_run": None,
                               "config": {"requests": requests, "blocks_per_request": per_request,
@@ -546,25 +546,31 @@ def vllm_layout_bench(requests: int, per_request: int, block_bytes: int, layers:
 # ---------------------------------------------------------------- main
 
 
-def ratios_to(name: str, off_t: list[float], on_t: list[float], offload: float, onboard: float,
-              base_off: float, base_on: float, nbytes: int) -> dict[str, float | None]:
-    """``torch_*``: the torch copier's engine figures (``*_ratio`` to ``copy_``, as the main ones);
-    ``native_*``: the bare native copy (``*_ratio`` to ``copy_``) and the engine's ratios to it
-    (``offload_vs_native_ratio``). All ``None`` when not measured."""
-    if not off_t:
-        keys = ([f"{name}_offload_gbps", f"{name}_onboard_gbps", f"{name}_offload_ratio", f"{name}_onboard_ratio"]
-                if name == "torch" else
-                ["native_copy_offload_gbps", "native_copy_onboard_gbps", "native_copy_offload_ratio",
-                 "native_copy_onboard_ratio", "offload_vs_native_ratio", "onboard_vs_native_ratio"])
-        return dict.fromkeys(keys)
-    off = gbps(nbytes, statistics.median(off_t))
-    on = gbps(nbytes, statistics.median(on_t))
-    if name == "torch":
-        return {"torch_offload_gbps": off, "torch_onboard_gbps": on,
-                "torch_offload_ratio": off / base_off, "torch_onboard_ratio": on / base_on}
+def _median_gbps(times: list[float], nbytes: int) -> float | None:
+    return gbps(nbytes, statistics.median(times)) if times else None
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def torch_figures(off_t: list[float], on_t: list[float], base_off: float | None, base_on: float | None,
+                  nbytes: int) -> dict[str, float | None]:
+    """The torch copier's engine figures (``*_ratio`` to ``copy_``, as the main ones); ``None``
+    where not measured."""
+    off, on = _median_gbps(off_t, nbytes), _median_gbps(on_t, nbytes)
+    return {"torch_offload_gbps": off, "torch_onboard_gbps": on,
+            "torch_offload_ratio": _over(off, base_off), "torch_onboard_ratio": _over(on, base_on)}
+
+
+def native_figures(off_t: list[float], on_t: list[float], offload: float | None, onboard: float | None,
+                   base_off: float | None, base_on: float | None, nbytes: int) -> dict[str, float | None]:
+    """The bare native copy (``*_ratio`` to ``copy_``) and the engine's ratios to it
+    (``*_vs_native_ratio``); ``None`` where not measured."""
+    off, on = _median_gbps(off_t, nbytes), _median_gbps(on_t, nbytes)
     return {"native_copy_offload_gbps": off, "native_copy_onboard_gbps": on,
-            "native_copy_offload_ratio": off / base_off, "native_copy_onboard_ratio": on / base_on,
-            "offload_vs_native_ratio": offload / off, "onboard_vs_native_ratio": onboard / on}
+            "native_copy_offload_ratio": _over(off, base_off), "native_copy_onboard_ratio": _over(on, base_on),
+            "offload_vs_native_ratio": _over(offload, off), "onboard_vs_native_ratio": _over(onboard, on)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -661,8 +667,8 @@ def main(argv: list[str] | None = None) -> int:
         "onboard_ratio": onboard / base_on,
         "bare_pipeline_gbps": gbps(nbytes, statistics.median(bare_t)),
         "bare_pipeline_ratio": gbps(nbytes, statistics.median(bare_t)) / base_off,
-        **ratios_to("torch", torch_off_t, torch_on_t, offload, onboard, base_off, base_on, nbytes),
-        **ratios_to("native", native_off_t, native_on_t, offload, onboard, base_off, base_on, nbytes),
+        **torch_figures(torch_off_t, torch_on_t, base_off, base_on, nbytes),
+        **native_figures(native_off_t, native_on_t, offload, onboard, base_off, base_on, nbytes),
         "disk_write_ratio": None,
         "disk_read_ratio": None,
         **disk,

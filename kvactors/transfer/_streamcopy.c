@@ -125,16 +125,20 @@ static void copy_piece(const copier_t *c, char *d, const char *s, size_t n) {
     memcpy(d, s, n);
 }
 
+static void append(job_t **head, job_t **tail, job_t *j) { /* a FIFO list; under the lock */
+    j->next = NULL;
+    if (*tail)
+        (*tail)->next = j;
+    else
+        *head = j;
+    *tail = j;
+}
+
 static void finish(copier_t *c, job_t *j, uint64_t status) { /* under the lock */
     free(j->runs);
     j->runs = NULL;
     j->status = status;
-    j->next = NULL;
-    if (c->done_tail)
-        c->done_tail->next = j;
-    else
-        c->done_head = j;
-    c->done_tail = j;
+    append(&c->done_head, &c->done_tail, j);
     pthread_cond_signal(&c->finished);
 }
 
@@ -256,11 +260,7 @@ int kvc_submit(void *handle, uint64_t id, char *src, char *dst, const uint64_t *
     j->nruns = nruns;
     j->deadline = deadline;
     pthread_mutex_lock(&c->lock);
-    if (c->tail)
-        c->tail->next = j;
-    else
-        c->head = j;
-    c->tail = j;
+    append(&c->head, &c->tail, j);
     pthread_cond_broadcast(&c->wake);
     pthread_mutex_unlock(&c->lock);
     return 0;
