@@ -61,6 +61,25 @@ def copier_for(device: torch.Tensor, pool: torch.Tensor, done: Reports, **kwargs
     return NativeCopier(device_cache=device, pool=pool, threads=kwargs.pop("threads", 2), done=done, **kwargs)
 
 
+def hold_report(engine: TransferEngine, first_key: bytes, release: threading.Event) -> threading.Event:
+    """Hold, on the completer, the report of the engine's job whose first key is ``first_key``
+    until ``release`` is set (bounded by ``TIMEOUT``); the event returned is set once it is held.
+    Either CPU copier: the native one reports through ``_report``, the torch one through ``_done``."""
+    copier = engine._copier
+    attribute = "_report" if isinstance(copier, NativeCopier) else "_done"
+    report = getattr(copier, attribute)
+    held = threading.Event()
+
+    def held_report(job: CopyJob, outcome: Any) -> None:
+        if job.keys[0] == first_key:
+            held.set()
+            release.wait(TIMEOUT)
+        report(job, outcome)
+
+    setattr(copier, attribute, held_report)
+    return held
+
+
 @pytest.fixture
 def pair() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     yield torch.randint(0, 256, (64, 1000), dtype=torch.uint8), torch.zeros((48, 1000), dtype=torch.uint8)
@@ -376,16 +395,7 @@ def test_a_future_callback_that_raises_does_not_stop_the_engine(copier: str, rai
 
         # Hold the first job's report on the completer, so that the callback is added before the
         # future resolves and runs there (not on this thread).
-        held = engine._copier
-        attribute = "_report" if copier == "native" else "_done"
-        report = getattr(held, attribute)
-
-        def held_report(job: CopyJob, outcome: Any) -> None:
-            if job.keys == (b"a",):
-                release.wait(TIMEOUT)
-            report(job, outcome)
-
-        setattr(held, attribute, held_report)
+        hold_report(engine, b"a", release)
         first = engine.offload(ctx, [b"a"], [0])
         first.add_done_callback(callback)
         release.set()
@@ -426,18 +436,8 @@ def test_engine_copies_on_while_a_completion_is_slow() -> None:
             TransferEngine(manager, device, copier="native") as engine:
         ctx = ReqContext("slow")
         manager.on_new_request(ctx)
-        copier = engine._copier
-        assert isinstance(copier, NativeCopier)
-        report = copier._report
-        in_report, release = threading.Event(), threading.Event()
-
-        def held_report(job: CopyJob, status: int) -> None:
-            if job.keys[0] == b"a":
-                in_report.set()
-                release.wait(TIMEOUT)
-            report(job, status)
-
-        copier._report = held_report  # type: ignore[method-assign]
+        release = threading.Event()
+        in_report = hold_report(engine, b"a", release)
         first = engine.offload(ctx, [b"a", b"b"], [0, 1])
         try:
             assert in_report.wait(TIMEOUT)
@@ -458,6 +458,66 @@ def test_engine_copies_on_while_a_completion_is_slow() -> None:
         assert first.result(TIMEOUT) == [b"a", b"b"]
         assert second.result(TIMEOUT) == [b"c", b"d"]
         manager.on_request_finished(ctx)
+
+
+def test_reset_cache_while_a_native_store_is_in_flight_keeps_its_rows_until_it_ends() -> None:
+    """The contract through a reset: a store whose copy has ended but whose completion is held,
+    and a load behind it, keep their rows detached across reset_cache (nothing reuses them); once
+    both complete the rows are free and nothing stays pending or pinned, and the load read the
+    bytes it pinned."""
+    device = torch.randint(1, 256, (8, 4096), dtype=torch.uint8)
+    with TieringManager.start(num_blocks=8, block_bytes=4096) as manager, \
+            TransferEngine(manager, device, copier="native") as engine:
+        ctx = ReqContext("reset")
+        manager.on_new_request(ctx)
+        assert engine.offload(ctx, [b"loaded"], [0]).result(TIMEOUT) == [b"loaded"]
+        release = threading.Event()
+        held = hold_report(engine, b"stored", release)
+        storing = engine.offload(ctx, [b"stored"], [1])
+        try:
+            assert held.wait(TIMEOUT)
+            loading = engine.onboard(ctx, [b"loaded"], [5])  # pinned before the reset
+            manager.reset_cache()
+            stats = manager.stats()
+            # Both rows (the held store's, the held load's: its report waits behind the store's)
+            # are detached, not free: nothing reuses them while a copy may still touch them.
+            assert stats["blocks_detached"] == 2 and stats["blocks_free"] == 6, stats
+        finally:
+            release.set()
+        assert storing.result(TIMEOUT) == [b"stored"]
+        assert loading.result(TIMEOUT) is None
+        assert torch.equal(device[5], device[0])
+        assert manager.wait_idle(TIMEOUT)
+        stats = manager.stats()
+        assert stats["blocks_pending"] == stats["blocks_pinned"] == stats["contract_violations"] == 0
+        assert stats["blocks_detached"] == 0 and stats["blocks_free"] == 8
+        manager.on_request_finished(ctx)
+
+
+def test_stop_while_a_native_store_is_in_flight_fails_its_future() -> None:
+    """The manager stopped while a native copy's completion is held: the completion cannot be
+    posted, so the future raises TransferError (ManagerStoppedError as its cause), never a success."""
+    from kvactors import ManagerStoppedError, TransferError
+
+    device = torch.randint(1, 256, (8, 4096), dtype=torch.uint8)
+    manager = TieringManager.start(num_blocks=8, block_bytes=4096, transfer_timeout_s=1.0)
+    engine = TransferEngine(manager, device, copier="native")
+    release = threading.Event()
+    try:
+        ctx = ReqContext("stop")
+        manager.on_new_request(ctx)
+        held = hold_report(engine, b"s", release)
+        future = engine.offload(ctx, [b"s"], [0])
+        assert held.wait(TIMEOUT)
+        manager.stop(timeout=TIMEOUT)
+        release.set()
+        with pytest.raises(TransferError) as info:
+            future.result(TIMEOUT)
+        assert isinstance(info.value.__cause__, ManagerStoppedError)
+    finally:
+        release.set()
+        engine.close()
+        manager.stop()
 
 
 def test_engine_close_waits_for_native_copies(reports: Reports) -> None:
