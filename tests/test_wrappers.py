@@ -26,6 +26,7 @@ from kvactors.testing.tiers import ThreadDeferrer
 from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.disk import DiskTier
 from kvactors.tiers.memory import MemoryTier
+from kvactors.tiers.prefixed import PrefixedTier
 from kvactors.tiers.wrapper import DelegatingTier
 from kvactors.types import JobResult, OffloadKey, TransferJob
 from tests.support import wait_for
@@ -82,6 +83,7 @@ WRAPPERS: dict[str, Callable[[SecondaryTier, ThreadDeferrer], SecondaryTier]] = 
     "faults": lambda tier, deferrer: FaultTier(tier, deferrer=deferrer, faults=Faults()),
     "recorded": lambda tier, deferrer: RecordedTier(tier, record=TierRecord()),
     "recorded-faults": lambda tier, deferrer: RecordedTier(FaultTier(tier, deferrer=deferrer, faults=Faults())),
+    "prefixed": lambda tier, deferrer: PrefixedTier(tier, b"model:1"),
 }
 
 

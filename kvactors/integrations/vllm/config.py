@@ -18,13 +18,20 @@ from typing import Any
 
 from kvactors.core.arguments import check_int, check_timeout
 from kvactors.core.policies import POLICIES
+from kvactors.integrations.vllm.identity import BlockIdentity
+from kvactors.logs import component_logger
 from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.disk import DiskTier
 from kvactors.tiers.memory import MemoryTier
+from kvactors.tiers.prefixed import PrefixedTier
 from kvactors.tiers.redis import RedisTier
 
 TOP_LEVEL_KEYS = ("cpu_bytes_to_use", "eviction_policy", "tiers", "transfer_timeout_s", "lookup_timeout_s",
-                  "event_log")
+                  "event_log", "model_id")
+
+MAX_MODEL_ID_CHARS = 1024
+"""The longest ``model_id`` accepted: a hub name with a revision is well under it; a
+longer value is a mistake (a file's content pasted in), not a name."""
 
 # Per tier type: (required keys, optional keys) besides "type".
 TIER_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -46,6 +53,9 @@ class KvactorsConfig:
     transfer_timeout_s: float = 30.0
     lookup_timeout_s: float = 5.0
     event_log: str | None = None
+    model_id: str | None = None
+    """The operator's name for the model, in place of vLLM's ``model.name`` in the
+    identity of the blocks (:mod:`kvactors.integrations.vllm.identity`)."""
 
 
 def _positive_int(key: str, value: object) -> int:
@@ -111,6 +121,9 @@ def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
     event_log = extra.get("event_log")
     if event_log is not None:
         _check_event_log(event_log)
+    model_id = extra.get("model_id")
+    if model_id is not None:
+        _check_model_id(model_id)
     return KvactorsConfig(
         cpu_bytes_to_use=cpu_bytes,
         eviction_policy=str(policy),
@@ -118,7 +131,21 @@ def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
         transfer_timeout_s=_positive_float("transfer_timeout_s", extra.get("transfer_timeout_s", 30.0)),
         lookup_timeout_s=_positive_float("lookup_timeout_s", extra.get("lookup_timeout_s", 5.0)),
         event_log=None if event_log is None else os.fspath(event_log),
+        model_id=model_id,
     )
+
+
+def _check_model_id(model_id: object) -> None:
+    """A non-empty printable string of at most :data:`MAX_MODEL_ID_CHARS`; ``ValueError`` naming ``model_id``."""
+    if not isinstance(model_id, str):
+        raise ValueError(f"kvactors: model_id must be a non-empty string, got {type(model_id).__name__}")
+    if not model_id.strip():
+        raise ValueError(f"kvactors: model_id must be a non-empty string, got {model_id!r}")
+    if len(model_id) > MAX_MODEL_ID_CHARS:
+        raise ValueError(f"kvactors: model_id must be at most {MAX_MODEL_ID_CHARS} characters, "
+                         f"got {len(model_id)}")
+    if not model_id.isprintable():
+        raise ValueError(f"kvactors: model_id must be printable, got {model_id[:80]!r}")
 
 
 def _check_event_log(event_log: object) -> None:
@@ -148,9 +175,14 @@ def _load_class(spec: str, where: str) -> type:
     return obj
 
 
-def build_tiers(config: KvactorsConfig) -> list[SecondaryTier]:
+def build_tiers(config: KvactorsConfig, identity: BlockIdentity | None = None) -> list[SecondaryTier]:
     """Construct the configured secondary tiers, in order.
 
+    With ``identity``, each tier is wrapped in a
+    :class:`~kvactors.tiers.prefixed.PrefixedTier` keyed by its digest, so that
+    the tier holds this engine's blocks beside those of other models and layouts
+    and never answers with theirs (every kind alike: a memory tier too, so that a
+    custom tier that happens to persist is covered without knowing it).
     ``ValueError`` naming the entry if a constructor refuses its arguments;
     tiers built before the failing one are shut down."""
     tiers: list[SecondaryTier] = []
@@ -176,10 +208,13 @@ def build_tiers(config: KvactorsConfig) -> list[SecondaryTier]:
             except Exception as exc:  # a custom tier's constructor raised something else
                 raise ValueError(f"kvactors: {where} ({kind}): its constructor raised "
                                  f"{type(exc).__name__}: {exc}") from exc
-            tiers.append(tier)
+            tiers.append(tier if identity is None else PrefixedTier(tier, identity.prefix))
     except BaseException:
         for tier in tiers:
             with contextlib.suppress(Exception):  # the first error is the one to report
                 tier.shutdown()
         raise
+    if identity is not None and tiers:
+        log = component_logger("vllm")  # stdlib "kvactors.vllm"; events in kvactors.log_schema
+        log.info("block_identity", tiers=[t.name for t in tiers], **identity.describe())
     return tiers

@@ -18,6 +18,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvactors.integrations.vllm import compat
 from kvactors.integrations.vllm.config import build_tiers, parse_config
+from kvactors.integrations.vllm.identity import block_identity
 from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
 from kvactors.integrations.vllm.shm import SharedPool, check_pool_fits, pool_path
 from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
@@ -64,7 +65,9 @@ class KvactorsOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         shared = self._open_pool()
         try:
-            tiers = build_tiers(self.kv_config)
+            # Blocks in the tiers carry the model's identity and the layout: see identity.py.
+            identity = block_identity(self.config, model_id=self.kv_config.model_id, block_bytes=self.block_bytes)
+            tiers = build_tiers(self.kv_config, identity)
             tm = TieringManager.start(
                 num_blocks=self.num_blocks, block_bytes=self.block_bytes, secondary_tiers=tiers,
                 eviction=self.kv_config.eviction_policy, transfer_timeout_s=self.kv_config.transfer_timeout_s,
