@@ -11,12 +11,23 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from engine_support import make_llm, make_model, rounds, shutdown_llm, stores_settled
+from engine_support import (
+    BLOCK,
+    make_llm,
+    make_model,
+    one_by_one,
+    prompts,
+    rounds,
+    settle,
+    shutdown_llm,
+    stores_settled,
+)
 
 Scenario = Callable[[str, str], dict[str, Any]]
 SCENARIOS: dict[str, Scenario] = {}
@@ -133,6 +144,78 @@ def disk_corrupt(tmp: str, model: str) -> dict[str, Any]:
     r = _run(model, tmp, pool_blocks=6, tiers=_disk(tmp), before_round2=corrupt_files)
     r["files_corrupted"] = len(corrupted)
     return r
+
+
+# ------------------------------------------------------- isolation by model and layout
+
+
+def _distinct_prompts() -> list[list[int]]:
+    """Four prompts with no common prefix: a prompt's cached tokens can only come from an engine
+    that served that very prompt before (never from the engine's own cache of another prompt)."""
+    return [prompts(1, seed=100 + i)[0] for i in range(4)]
+
+
+def _serve(model: str, tmp: str, tiers: list[dict[str, Any]], model_id: str | None = None) -> dict[str, Any]:
+    """One engine of ``model`` with kvactors: each distinct prompt generated alone, its stores settled."""
+    os.makedirs(tmp, exist_ok=True)
+    extra = {} if model_id is None else {"model_id": model_id}
+    llm, mgr_stats = make_llm(model, tmp, pool_blocks=64, tiers=tiers, **extra)
+    try:
+        tokens, lps, cached = one_by_one(llm, _distinct_prompts())
+        log = os.path.join(tmp, "events.kvlog")
+        settle(llm, lambda: stores_settled(log) and mgr_stats().get("jobs_pinning", 0) == 0)
+        stats = mgr_stats()
+        engine_id = str(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
+    finally:
+        shutdown_llm(llm)
+    return {"tokens": tokens, "logprobs": lps, "cached": cached, "keys_loaded": stats.get("vllm_keys_loaded", 0),
+            "contract_violations": stats["contract_violations"],
+            "shm_left": glob.glob("/dev/shm/kvactors_pool_*" + engine_id + "*")}
+
+
+def _plain(model: str) -> dict[str, Any]:
+    """The same prompts on an engine of ``model`` without kvactors: the output to compare with."""
+    from vllm import LLM
+
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              block_size=BLOCK, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=True, seed=0)
+    try:
+        tokens, lps, cached = one_by_one(llm, _distinct_prompts())
+    finally:
+        shutdown_llm(llm)
+    return {"tokens": tokens, "logprobs": lps, "cached": cached}
+
+
+def _other_model(tmp: str) -> str:
+    return make_model(os.path.join(tmp, "other-model"), seed=4321)  # same architecture, other weights
+
+
+@scenario
+def isolation_disk(tmp: str, model: str) -> dict[str, Any]:
+    """Models A and B, one disk root, one engine after another (each starts with an empty pool)."""
+    other, tiers = _other_model(tmp), _disk(tmp)
+    copy = shutil.copytree(model, os.path.join(tmp, "model-copy"))  # model A under another path
+    out: dict[str, Any] = {"a_first": _serve(model, os.path.join(tmp, "a1"), tiers)}
+    out["b"] = _serve(other, os.path.join(tmp, "b1"), tiers)  # B on the root A filled
+    out["b_plain"] = _plain(other)
+    out["a_again"] = _serve(model, os.path.join(tmp, "a2"), tiers)  # A's blocks are still there, beside B's
+    out["b_again"] = _serve(other, os.path.join(tmp, "b2"), tiers)  # and B's beside A's
+    out["a_named"] = _serve(model, os.path.join(tmp, "a3"), tiers, model_id="tiny-llama@1")  # another identity
+    out["copy_named"] = _serve(copy, os.path.join(tmp, "a4"), tiers, model_id="tiny-llama@1")  # shares with a_named
+    return out
+
+
+@scenario
+def isolation_redis(tmp: str, model: str) -> dict[str, Any]:
+    """Models A and B, one Redis namespace (``KVACTORS_TEST_REDIS_URL``): servers of a fleet."""
+    tiers = [{"type": "redis", "url": os.environ["KVACTORS_TEST_REDIS_URL"], "namespace": "fleet"}]
+    other = _other_model(tmp)
+    copy = shutil.copytree(model, os.path.join(tmp, "model-copy"))
+    out: dict[str, Any] = {"a_first": _serve(model, os.path.join(tmp, "a1"), tiers, model_id="tiny-llama@1")}
+    out["b"] = _serve(other, os.path.join(tmp, "b1"), tiers)
+    out["b_plain"] = _plain(other)
+    out["copy_named"] = _serve(copy, os.path.join(tmp, "a2"), tiers, model_id="tiny-llama@1")
+    return out
 
 
 def main(argv: list[str]) -> int:

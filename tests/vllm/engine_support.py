@@ -17,8 +17,10 @@ BLOCK = 32
 BLOCK_BYTES = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2
 
 
-def make_model(path: str) -> str:
-    """config.json + model.safetensors of random weights at normal scale (randn / sqrt(fan_in), norms 1)."""
+def make_model(path: str, seed: int = 1234) -> str:
+    """config.json + model.safetensors of random weights at normal scale (randn / sqrt(fan_in), norms 1).
+
+    Another ``seed``: another model of the same architecture and sizes (what a fine-tune is)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -31,7 +33,7 @@ def make_model(path: str) -> str:
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator().manual_seed(seed)
 
     def w(out_f: int, in_f: int) -> torch.Tensor:
         return (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(torch.bfloat16)

@@ -145,3 +145,80 @@ def test_fault_of_a_tier_every_request_completes_with_correct_output(engine, fau
     if fault == "tier_stalls":
         # The stalled promotions ran into their deadline (or the lookup gave up): the step never blocked.
         assert r["stats"]["jobs_timed_out"] > 0 or r["stats"].get("vllm_lookups_given_up", 0) > 0, r["stats"]
+
+
+# ------------------------------------------------------- isolation by model and layout
+
+
+def _isolation_engine(r: dict, name: str) -> dict:
+    e = r[name]
+    assert not e["shm_left"], (name, e["shm_left"])
+    assert e["contract_violations"] == 0, (name, e)
+    return e
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max(abs(x - y) for xs, ys in zip(a["logprobs"], b["logprobs"], strict=True)
+               for x, y in zip(xs, ys, strict=True))
+
+
+def _assert_own_output_without_hits(e: dict, plain: dict) -> None:
+    """No block of kvactors served (not a token cached: the prompts share no prefix), and the output of
+    the same model without kvactors, bit for bit (the same steps)."""
+    assert e["cached"] == [0, 0, 0, 0] and e["keys_loaded"] == 0, e
+    assert e["tokens"] == plain["tokens"] and _diff(e, plain) == 0.0
+
+
+def _assert_served_its_own_blocks(e: dict, first: dict) -> None:
+    assert all(c >= 128 for c in e["cached"]) and e["keys_loaded"] >= 4, e
+    assert e["tokens"] == first["tokens"] and _diff(e, first) <= LOGPROB_TOLERANCE
+
+
+def _isolation(tmp_path, name: str) -> dict:
+    r = run_scenarios(tmp_path, [name], timeout=500).get(name)
+    assert r is not None, f"scenario {name} printed no result"
+    assert "error" not in r, r["error"]
+    return r
+
+
+@pytest.fixture(scope="module")
+def isolation_disk(tmp_path_factory):
+    return _isolation(tmp_path_factory.mktemp("isolation"), "isolation_disk")
+
+
+@pytest.mark.timeout(560)
+def test_another_model_on_the_same_disk_root_gets_none_of_its_blocks(isolation_disk):
+    """Issue 27: a second model (same architecture, other weights) on the disk root the first filled
+    loaded the first's KV and answered wrongly. Now it computes, and answers as without kvactors."""
+    r = isolation_disk
+    a, b = _isolation_engine(r, "a_first"), _isolation_engine(r, "b")
+    assert a["cached"] == [0, 0, 0, 0], a  # a fresh root
+    _assert_own_output_without_hits(b, r["b_plain"])
+    # The check can fail: A's KV in B's place would change B's output (the two models differ).
+    assert a["tokens"] != b["tokens"] and _diff(a, b) > 0.1
+
+
+@pytest.mark.timeout(560)
+def test_one_disk_root_holds_both_models_side_by_side(isolation_disk):
+    r = isolation_disk
+    _assert_served_its_own_blocks(_isolation_engine(r, "a_again"), r["a_first"])
+    _assert_served_its_own_blocks(_isolation_engine(r, "b_again"), r["b"])
+
+
+@pytest.mark.timeout(560)
+def test_model_id_names_the_identity_across_paths(isolation_disk):
+    """A ``model_id`` is an identity of its own (the blocks stored without it are not its blocks); the
+    same model loaded from another path with the same ``model_id`` shares them."""
+    r = isolation_disk
+    named = _isolation_engine(r, "a_named")
+    assert named["cached"] == [0, 0, 0, 0] and named["tokens"] == r["a_first"]["tokens"], named
+    _assert_served_its_own_blocks(_isolation_engine(r, "copy_named"), r["a_first"])
+
+
+@pytest.mark.timeout(560)
+def test_another_model_in_the_same_redis_namespace_gets_none_of_its_blocks(tmp_path, monkeypatch, redis_server):
+    monkeypatch.setenv("KVACTORS_TEST_REDIS_URL", redis_server.url)  # the scenario's interpreter inherits it
+    r = _isolation(tmp_path, "isolation_redis")
+    _isolation_engine(r, "a_first")
+    _assert_own_output_without_hits(_isolation_engine(r, "b"), r["b_plain"])
+    _assert_served_its_own_blocks(_isolation_engine(r, "copy_named"), r["a_first"])
