@@ -720,6 +720,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def commit() -> str:
+    """The commit measured: ``git rev-parse`` of this tree (``+dirty kvactors/`` if kvactors/ has changes), or
+    ``$BENCH_VLLM_COMMIT`` (a tree exported with ``git archive``, which has no .git)."""
+    if os.environ.get("BENCH_VLLM_COMMIT"):
+        return os.environ["BENCH_VLLM_COMMIT"]
     try:
         head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip()
