@@ -42,6 +42,7 @@ one round trip to the actors. A stopped manager yields no samples.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 try:
@@ -61,9 +62,59 @@ if TYPE_CHECKING:
 
     from kvactors.manager import TieringManager
 
-__all__ = ["KvactorsCollector", "serve_metrics", "stuck_tiers"]
+__all__ = ["FAMILIES", "FamilyDef", "KvactorsCollector", "serve_metrics", "stuck_tiers"]
 
 POOL_STATES = ("ready", "pinned", "pending", "detached", "free")
+
+
+@dataclass(frozen=True)
+class FamilyDef:
+    """One family the collector yields: its name (a counter's without ``_total``), Prometheus type,
+    help text and label names. Exporters that declare their metrics ahead (vLLM's
+    ``OffloadingSpec.build_metric_definitions``) read :data:`FAMILIES`."""
+
+    name: str
+    kind: str  # "counter", "gauge" or "histogram"
+    doc: str
+    labels: tuple[str, ...] = ()
+
+
+def _defs(kind: str, labels: tuple[str, ...], *pairs: tuple[str, str]) -> tuple[FamilyDef, ...]:
+    return tuple(FamilyDef(name, kind, doc, labels) for name, doc in pairs)
+
+
+#: Every family :meth:`KvactorsCollector.collect` may yield (``tests/test_metrics.py`` checks the match).
+FAMILIES: tuple[FamilyDef, ...] = (
+    *_defs("counter", ("tier",),
+           ("kvactors_lookup_keys", "Keys asked at a tier (a secondary tier: keys the pool missed)."),
+           ("kvactors_hit_keys", "Keys a tier answered HIT (cpu: ready in the pool)."),
+           ("kvactors_stored_bytes", "Block payload stored at a tier by successful transfers."),
+           ("kvactors_loaded_bytes", "Block payload loaded from a tier by successful transfers."),
+           ("kvactors_evicted_keys", "Keys evicted to make room.")),
+    FamilyDef("kvactors_jobs", "counter", "Transfers ended, by tier, kind and outcome.", ("tier", "kind", "outcome")),
+    *_defs("counter", ("tier", "kind"),
+           ("kvactors_jobs_started", "Cascades and promotions submitted to a tier."),
+           ("kvactors_jobs_dropped", "Cascades and promotions failed before reaching their tier (reset, stop).")),
+    FamilyDef("kvactors_job_duration_seconds", "histogram",
+              "A tier's cascades and promotions, submit to report (or deadline).", ("tier", "kind")),
+    *_defs("gauge", ("tier",),
+           ("kvactors_tier_jobs_queued", "Jobs waiting for a slot of their tier (queue depth)."),
+           ("kvactors_tier_jobs_in_flight", "Jobs submitted to a tier and not reported yet.")),
+    FamilyDef("kvactors_pool_blocks", "gauge", "Rows of the primary pool by state (they sum to num_blocks).",
+              ("state",)),
+    *_defs("gauge", (),
+           ("kvactors_active_requests", "Request attempts from on_new_request until finalized."),
+           ("kvactors_lookups_in_flight", "Lookups waiting for the secondary tiers.")),
+    *_defs("counter", (),
+           ("kvactors_contract_violations", "Misuse found in non-blocking calls (logged, state unchanged)."),
+           ("kvactors_lookups_timed_out", "Lookups that gave up waiting for a tier (lookup_timeout_s)."),
+           ("kvactors_late_reports", "Job reports that came after their deadline."),
+           ("kvactors_requests_finalized", "Request attempts finalized at every tier."),
+           ("kvactors_internal_errors", "Handler failures inside the runtime (should stay 0).")),
+    FamilyDef("kvactors_tiers_stuck", "gauge", "Secondary tiers stuck inside a call."),
+    FamilyDef("kvactors_tier_stuck", "gauge", "1 while a tier is stuck inside a call.", ("tier",)),
+)
+_DOC = {f.name: f.doc for f in FAMILIES}
 
 
 def stuck_tiers(stats: dict[str, int | float]) -> tuple[int | None, dict[str, int]]:

@@ -203,3 +203,20 @@ def test_simulate_metrics_port_out_of_range_is_a_clear_error(capsys):
     err = capsys.readouterr().err
     assert err.startswith("kvactors simulate: error: argument --metrics-port: must be at most 65535")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_declared_families_are_what_the_collector_yields():
+    """FAMILIES (what vLLM's build_metric_definitions declares ahead) names every family the collector
+    yields, with its type, help text and label names."""
+    from kvactors.metrics import FAMILIES
+
+    declared = {f.name: f for f in FAMILIES}
+    with TieringManager.start(num_blocks=8, block_bytes=BB, secondary_tiers=[MemoryTier(name="mem", capacity_blocks=8)]) as tm:
+        seen = set()
+        for family in KvactorsCollector(tm).collect():
+            spec = declared[family.name]
+            seen.add(family.name)
+            assert (family.type, family.documentation) == (spec.kind, spec.doc), family.name
+            for sample in family.samples:
+                assert set(sample.labels) - {"le"} == set(spec.labels), (family.name, sample)
+    assert seen == set(declared), set(declared) ^ seen

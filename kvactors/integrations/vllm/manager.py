@@ -57,11 +57,12 @@ from vllm.v1.kv_offload.base import ReqContext as VReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvactors.integrations.vllm import compat, lookups
+from kvactors.integrations.vllm import compat, lookups, stops
 from kvactors.integrations.vllm.events import EventPump
 from kvactors.integrations.vllm.requests import LookupJob, Request, Requests
 from kvactors.integrations.vllm.shm import SharedPool
 from kvactors.integrations.vllm.stale import StaleJobs, take_owed
+from kvactors.integrations.vllm.stats import StatsReporter
 from kvactors.logs import component_logger
 from kvactors.manager import TieringManager
 from kvactors.types import LookupResult, OffloadKey, ReqContext
@@ -109,6 +110,7 @@ class KvactorsOffloadingManager(OffloadingManager):
         self._jobs_in_flight = 0
         self._step_waited = 0.0
         self._closed = False
+        self._stats_reporter = StatsReporter(tm)  # get_stats: kvactors' families in vLLM's /metrics
 
     # ------------------------------------------------------------ vLLM 0.33's extras
 
@@ -356,8 +358,10 @@ class KvactorsOffloadingManager(OffloadingManager):
         with self._lock:
             self._stale.release()
 
-    def get_stats(self) -> None:
-        return None
+    def get_stats(self) -> Any:
+        """kvactors' metric families for the server's ``/metrics`` (an ``OffloadingConnectorStats``
+        or None; see :mod:`kvactors.integrations.vllm.stats`). Never waits for the actors."""
+        return self._stats_reporter.take()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -374,10 +378,14 @@ class KvactorsOffloadingManager(OffloadingManager):
             self._requests.by_id.clear()
             self._stale.add("shutdown", outstanding)
             self._stale.release()
-        self._lookups.shutdown(wait=True)
+        # After SIGTERM/SIGINT vLLM kills this process soon (its --shutdown-timeout): a short
+        # budget, and no wait for a lookup in flight (stops.py).
+        signalled = stops.signalled()
+        self._stats_reporter.close()
+        self._lookups.shutdown(wait=not signalled, cancel_futures=signalled)
         self._events.close()
         try:
-            self.tm.stop(timeout=self.tm_stop_timeout_s)
+            self.tm.stop(timeout=stops.stop_budget(self.tm_stop_timeout_s))
         finally:
             if self.shared is not None and self._owns_shared:
                 self.shared.close(unlink=True)

@@ -9,55 +9,129 @@ process the two sides map the same file twice; the mappings are coherent).
 
 Layout of the file: ``num_blocks * block_bytes`` pool bytes, then a status
 table of ``num_blocks * num_writers`` bytes (one per pool row and worker
-rank). A worker writes its rank's status byte of each row it stored into
-(:data:`STORE_OK` or :data:`STORE_FAILED`) before it reports the job finished
-to vLLM; the scheduler side marks the rows :data:`STORE_PENDING` when it
-prepares a store and reads them when vLLM completes it (vLLM asserts that
-every transfer succeeded, so this is how a failed copy reaches kvactors as
-``success=False``). Whoever opens the file first creates it at its full
-size; :meth:`SharedPool.close` with ``unlink=True`` removes it (the side that
-created it does, and both sides also remove it at interpreter exit).
+rank), then one byte per participant. A worker writes its rank's status byte
+of each row it stored into (:data:`STORE_OK` or :data:`STORE_FAILED`) before
+it reports the job finished to vLLM; the scheduler side marks the rows
+:data:`STORE_PENDING` when it prepares a store and reads them when vLLM
+completes it (vLLM asserts that every transfer succeeded, so this is how a
+failed copy reaches kvactors as ``success=False``).
+
+The file lives exactly as long as the engine:
+
+* **Unlinked once mapped.** Every process that maps it (``participants``: the
+  scheduler side and each worker rank) sets its byte of the participant table;
+  the one that finds every byte set removes the name (a watcher thread of the
+  one that was not last tries again until then). From then on nothing of the
+  pool is in ``/dev/shm``: the memory is the kernel's until the last mapping
+  goes, whatever ends the processes (a clean stop, SIGTERM, SIGKILL, the OOM
+  killer).
+* **Reclaimed at the next start.** Each process holds a shared ``flock`` on the
+  file while it maps it; the kernel drops it when the process dies, however.
+  Opening a pool first removes every ``kvactors_pool_*`` file of the folder
+  that nobody holds (an engine killed before all its processes had mapped it).
+  A file is created under a temporary name, locked and sized, and only then
+  linked under its name, so a file with the name always has a live holder
+  (or a dead one, and is stale).
+* :meth:`SharedPool.close` with ``unlink=True`` removes it too (if it is still
+  there and still this file), and so does the interpreter's exit.
+
+A process that opens the pool after every participant mapped it and the name
+was removed would create a new, unrelated file: the participants are the
+engine's scheduler side and its ``world_size`` worker ranks, each opened once.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import mmap
 import os
 import re
 import threading
+import time
+import uuid
 
 import torch
 
 from kvactors.core.arguments import check_int
+from kvactors.logs import component_logger
 
 STORE_PENDING = 0
 STORE_OK = 1
 STORE_FAILED = 2
 
 SHM_DIR = "/dev/shm"
+POOL_PREFIX = "kvactors_pool_"
+_TMP_PREFIX = ".kvactors_tmp_"
+#: How long a participant that was not the last to map the pool watches for the others (then the
+#: name stays until :meth:`SharedPool.close`, the interpreter's exit or the next start's reclaim).
+WATCH_S = 3600.0
 
-_open_paths: set[str] = set()
+_open_paths: dict[str, tuple[int, int]] = {}  # path -> (st_dev, st_ino) of the file this process opened
 _open_lock = threading.Lock()
+_log = component_logger("vllm")  # stdlib "kvactors.vllm"; events in kvactors.log_schema
 
 
 def pool_path(engine_id: str, directory: str = SHM_DIR) -> str:
     """The file of an engine's pool: ``kvactors_pool_<engine_id>`` (unsafe characters replaced)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(engine_id)) or "engine"
-    return os.path.join(directory, f"kvactors_pool_{safe}")
+    return os.path.join(directory, f"{POOL_PREFIX}{safe}")
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _unlink_if(path: str, ident: tuple[int, int]) -> bool:
+    """Remove ``path`` if it is still the file ``ident``; True if it was removed."""
+    try:
+        if _identity(os.stat(path, follow_symlinks=False)) != ident:
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _unlink_all_at_exit() -> None:
     with _open_lock:
-        paths = list(_open_paths)
+        paths = list(_open_paths.items())
         _open_paths.clear()
-    for path in paths:
+    for path, ident in paths:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            _unlink_if(path, ident)
 
 
 atexit.register(_unlink_all_at_exit)
+
+
+def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove the pool files of ``directory`` that no live process holds (their engine died
+    before every process had mapped them); the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(POOL_PREFIX) or name.startswith(_TMP_PREFIX)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # gone, or another user's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _unlink_if(path, _identity(os.fstat(fd))):
+                removed.append(path)
+                _log.warning("pool_reclaimed", path=path)
+        except OSError:  # held: a live engine's
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def check_pool_fits(cpu_bytes: int, size: int, folder: str) -> None:
@@ -71,49 +145,143 @@ def check_pool_fits(cpu_bytes: int, size: int, folder: str) -> None:
     free = stat.f_bavail * stat.f_frsize
     if size > free:
         raise ValueError(f"kvactors: cpu_bytes_to_use={cpu_bytes}: the pool needs {size} bytes of shared memory, "
-                         f"{folder} has {free} free")
+                         f"{folder} has {free} free (in a container: docker run --shm-size, or --ipc=host)")
+
+
+def _create(path: str, size: int) -> int | None:
+    """A new pool file at ``path``, sized and share-locked before it gets its name; its fd, or
+    None if another process linked one first."""
+    tmp = os.path.join(os.path.dirname(path), f"{_TMP_PREFIX}{os.getpid()}_{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, size)
+        os.link(tmp, path)
+    except FileExistsError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return fd
+
+
+def _open_locked(path: str, size: int) -> tuple[int, bool]:
+    """The pool file at ``path`` (created if missing), share-locked: ``(fd, created)``."""
+    for _ in range(100):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            try:
+                created = _create(path, size)
+            except FileNotFoundError:  # the temporary file was reclaimed under us: again
+                continue
+            if created is None:
+                continue
+            return created, True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if _identity(os.fstat(fd)) == _identity(os.stat(path, follow_symlinks=False)):
+                return fd, False
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # reclaimed or replaced between the open and the lock: again
+    raise OSError(f"kvactors: could not open the pool {path}: it kept being replaced")
 
 
 class SharedPool:
     """A shared mapping of the pool file: ``pool`` (``uint8 (num_blocks, block_bytes)``) and
     ``status`` (``uint8 (num_blocks, num_writers)``).
 
+    ``participants``: how many processes map this pool (the scheduler side and
+    every worker rank); this one is ``slot``. Once all have, the file's name is
+    removed (see the module docstring). ``None``: the name stays until
+    :meth:`close` with ``unlink=True`` (or the interpreter's exit).
+
     Threading: the tensors may be used from any thread; the status protocol
     relies on each byte having one writer at a time (the scheduler side before
     the store is submitted, the worker of that rank until it reports the job).
     """
 
-    def __init__(self, path: str, *, num_blocks: int, block_bytes: int, num_writers: int = 1) -> None:
+    def __init__(self, path: str, *, num_blocks: int, block_bytes: int, num_writers: int = 1,
+                 participants: int | None = None, slot: int = 0) -> None:
         for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes), ("num_writers", num_writers)):
             check_int(value, label)
+        if participants is not None:
+            check_int(participants, "participants")
+        check_int(slot, "slot", minimum=0, maximum=None if participants is None else participants - 1)
         self.path = path
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.num_writers = num_writers
+        self.participants = participants
+        self.slot = slot
         pool_size = num_blocks * block_bytes
-        size = pool_size + num_blocks * num_writers
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        table = num_blocks * num_writers
+        size = pool_size + table + (participants or 0)
+        reclaim_stale(os.path.dirname(path) or ".")
+        fd, self.created = _open_locked(path, size)
         try:
+            ident = _identity(os.fstat(fd))
             current = os.fstat(fd).st_size
-            self.created = current == 0
-            if current not in (0, size):
+            if current != size:
                 raise ValueError(f"{path} holds {current} bytes, expected {size}: another engine's pool?")
-            if current == 0:
-                os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            if getattr(self, "created", False):  # ours, and never mapped: nothing may keep it
+            if self.created:  # ours, and never mapped: nothing may keep it
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
-            raise
-        finally:
+                    _unlink_if(path, ident)
             os.close(fd)
+            raise
+        self._fd = fd  # holds the shared lock: this pool is alive while the fd is open
+        self._ident = ident
         with _open_lock:
-            _open_paths.add(path)
+            _open_paths[path] = ident
         flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.pool = flat[:pool_size].view(num_blocks, block_bytes)
-        self.status = flat[pool_size:].view(num_blocks, num_writers)
+        self.status = flat[pool_size:pool_size + table].view(num_blocks, num_writers)
+        self._members = flat[pool_size + table:]
+        self._lock = threading.Lock()
         self._closed = False
+        self.unlinked = False
+        if participants is not None:
+            self._members[slot] = 1
+            if not self._unlink_if_all_mapped():
+                threading.Thread(target=self._watch, name="kvactors-vllm-pool-watch", daemon=True).start()
+
+    # ------------------------------------------------------------ the file's name
+
+    def _unlink_if_all_mapped(self) -> bool:
+        """Remove the name once every participant mapped the pool; True once it is gone."""
+        with self._lock:
+            if self._closed or self.unlinked:
+                return True
+            if not bool((self._members == 1).all()):
+                return False
+            self.unlinked = True
+        with contextlib.suppress(OSError):
+            _unlink_if(self.path, self._ident)
+        with _open_lock:
+            if _open_paths.get(self.path) == self._ident:
+                del _open_paths[self.path]
+        return True
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + WATCH_S
+        delay = 0.01
+        while time.monotonic() < deadline:
+            time.sleep(delay)
+            if self._unlink_if_all_mapped():
+                return
+            delay = min(delay * 2, 1.0)
+
+    # ------------------------------------------------------------ the status table
 
     def mark_pending(self, rows: list[int] | tuple[int, ...]) -> None:
         if rows:
@@ -129,16 +297,20 @@ class SharedPool:
 
     def close(self, *, unlink: bool) -> None:
         """Drop this mapping (the tensors must not be used after) and, with
-        ``unlink``, remove the file. Safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
+        ``unlink``, remove the file (if its name is still this file's). Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            with contextlib.suppress(OSError):
+                _unlink_if(self.path, self._ident)
             with _open_lock:
-                _open_paths.discard(self.path)
+                if _open_paths.get(self.path) == self._ident:
+                    del _open_paths[self.path]
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
         # The tensors still reference the buffer: drop them before closing the map.
-        del self.pool, self.status
+        del self.pool, self.status, self._members
         with contextlib.suppress(BufferError):
             self._mmap.close()

@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, Offloa
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvactors.integrations.vllm import compat
+from kvactors.integrations.vllm import compat, stops
 from kvactors.integrations.vllm.config import build_tiers, parse_config
 from kvactors.integrations.vllm.identity import block_identity
 from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
@@ -58,12 +58,14 @@ class KvactorsOffloadingSpec(OffloadingSpec):
         check_pool_fits(self.kv_config.cpu_bytes_to_use, self.num_blocks * (self.block_bytes + self.num_writers),
                         os.path.dirname(self.pool_path))
 
-    def _open_pool(self) -> SharedPool:
+    def _open_pool(self, slot: int) -> SharedPool:
+        # Mapped by the scheduler side (slot 0) and every worker rank (slot 1 + rank); its name goes
+        # once all have mapped it (shm.py), so nothing of it outlives the engine however it ends.
         return SharedPool(self.pool_path, num_blocks=self.num_blocks, block_bytes=self.block_bytes,
-                          num_writers=self.num_writers)
+                          num_writers=self.num_writers, participants=self.num_writers + 1, slot=slot)
 
     def get_manager(self) -> OffloadingManager:
-        shared = self._open_pool()
+        shared = self._open_pool(0)
         try:
             # Blocks in the tiers carry the model's identity and the layout: see identity.py.
             identity = block_identity(self.config, model_id=self.kv_config.model_id, block_bytes=self.block_bytes)
@@ -89,12 +91,14 @@ class KvactorsOffloadingSpec(OffloadingSpec):
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         info: dict[str, Any] = {"kvactors_num_blocks": self.num_blocks, "kvactors_block_bytes": self.block_bytes,
                                 "kvactors_tiers": ",".join(kinds) or "none"}
-        return KvactorsOffloadingManager(tm, shared, events_enabled=self.kv_events_config.enable_kv_cache_events,
-                                         tier_kinds=kinds, hit_source=source, config_info=info,
-                                         lookup_timeout_s=self.kv_config.lookup_timeout_s)
+        manager = KvactorsOffloadingManager(tm, shared, events_enabled=self.kv_events_config.enable_kv_cache_events,
+                                            tier_kinds=kinds, hit_source=source, config_info=info,
+                                            lookup_timeout_s=self.kv_config.lookup_timeout_s)
+        stops.register(manager)  # stopped on SIGTERM/SIGINT and at the process's exit too (stops.py)
+        return manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        shared = self._open_pool()
+        shared = self._open_pool(1 + int(self.config.parallel.rank))
         try:
             return KvactorsOffloadingWorker(
                 kv_caches, shared, rank=int(self.config.parallel.rank), per_worker_bytes=self.per_worker_bytes,
@@ -103,6 +107,14 @@ class KvactorsOffloadingSpec(OffloadingSpec):
         except BaseException:
             shared.close(unlink=True)
             raise
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """kvactors' families of :mod:`kvactors.metrics` in the server's ``/metrics`` (the
+        frontend declares them; the manager's ``get_stats`` feeds them: see stats.py)."""
+        from kvactors.integrations.vllm.stats import metric_definitions
+
+        return {**super().build_metric_definitions(extra_config), **metric_definitions()}
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:

@@ -1,0 +1,177 @@
+"""kvactors' metric families in the vLLM server's own ``/metrics``, through vLLM's connector metrics path.
+
+vLLM's ``OffloadingConnector`` declares a spec's Prometheus metrics in the
+frontend process (``OffloadingSpec.build_metric_definitions``, a classmethod:
+:func:`metric_definitions`), polls the scheduler side's manager for an
+``OffloadingConnectorStats`` each step that has model output
+(``OffloadingManager.get_stats``), ships it to the frontend with the step's
+stats, and applies it there: counters are increased by the values sent,
+gauges set, histograms observe each value sent. Labels: vLLM's own
+(``model_name``, ``engine``) and then the family's (``tier``, ``kind``,
+``outcome``, ``state``).
+
+:class:`StatsReporter` turns :meth:`TieringManager.metrics_snapshot
+<kvactors.TieringManager.metrics_snapshot>` into such payloads: the same
+families as :class:`kvactors.metrics.KvactorsCollector` (:data:`kvactors.metrics.FAMILIES`),
+counters as the increase since the last payload, gauges when they changed,
+the duration histogram as one observation per job ended since (each inside
+its bucket, at the bucket's mean where that lies in it, so the buckets are
+exact and the sum close). The snapshot is taken off the scheduler's thread
+(one helper thread, at most one round trip every ``interval_s``); a payload
+carries the snapshot that was ready at that step, so ``/metrics`` lags the
+runtime by about ``interval_s`` plus a step, and an idle engine (no steps)
+sends nothing until its next request.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+)
+
+from kvactors.core.counters import DURATION_BUCKETS, MetricsSnapshot
+from kvactors.core.errors import ManagerStoppedError
+from kvactors.manager import TieringManager
+from kvactors.metrics import FAMILIES, KvactorsCollector
+
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """vLLM's declarations of kvactors' families (no vLLM config needed: the frontend calls it)."""
+    out: dict[str, OffloadingMetricMetadata] = {}
+    for family in FAMILIES:
+        if family.kind == "counter":
+            out[family.name] = OffloadingCounterMetadata(documentation=family.doc, labelnames=family.labels)
+        elif family.kind == "gauge":
+            out[family.name] = OffloadingGaugeMetadata(documentation=family.doc, labelnames=family.labels)
+        else:
+            out[family.name] = OffloadingHistogramMetadata(documentation=family.doc, labelnames=family.labels,
+                                                          buckets=DURATION_BUCKETS)
+    return out
+
+
+def _observations(counts: list[int], total_s: float) -> list[float]:
+    """One value per job of per-bucket ``counts`` (``DURATION_BUCKETS`` then +Inf), each inside its
+    bucket, at the jobs' mean duration where that lies in the bucket."""
+    n = sum(counts)
+    if n <= 0:
+        return []
+    mean = max(total_s, 0.0) / n
+    out: list[float] = []
+    lower = 0.0
+    for i, count in enumerate(counts):
+        upper = DURATION_BUCKETS[i] if i < len(DURATION_BUCKETS) else math.inf
+        if count > 0:
+            value = min(max(mean, math.nextafter(lower, math.inf) if i else 0.0), upper)
+            if math.isinf(value):
+                value = lower * 2
+            out.extend([value] * count)
+        lower = upper
+    return out
+
+
+class StatsReporter:
+    """``get_stats`` payloads of one manager (see the module docstring).
+
+    Threading: :meth:`take` is called from vLLM's scheduler thread only; the
+    snapshot is taken on one helper thread.
+    """
+
+    def __init__(self, tm: TieringManager, *, interval_s: float = 1.0) -> None:
+        self._tm = tm
+        self._collector = KvactorsCollector(tm)
+        self.interval_s = interval_s
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future[MetricsSnapshot] | None = None
+        self._asked = -math.inf
+        self._closed = False
+        self._counters: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._buckets: dict[tuple[str, tuple[str, ...]], tuple[list[float], float]] = {}
+
+    def take(self) -> OffloadingConnectorStats | None:
+        """The payload of the snapshot ready now (None if none is, or nothing changed); asks for
+        the next one when ``interval_s`` has passed since the last."""
+        if self._closed:
+            return None
+        out = None
+        if self._future is not None and self._future.done():
+            future, self._future = self._future, None
+            try:
+                out = self.payload(future.result())
+            except ManagerStoppedError:
+                return None
+            except Exception:  # a failed snapshot is a missed payload, never the engine's failure
+                out = None
+        now = time.monotonic()
+        if self._future is None and now - self._asked >= self.interval_s:
+            self._asked = now
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvactors-vllm-metrics")
+            self._future = self._executor.submit(self._tm.metrics_snapshot)
+        return out
+
+    def payload(self, snap: MetricsSnapshot) -> OffloadingConnectorStats | None:
+        """The changes since the last payload, as vLLM's stats (None: nothing changed)."""
+        stats = OffloadingConnectorStats()
+        for metric in self._collector.families(snap):
+            family = _BY_NAME.get(metric.name)
+            if family is None:
+                continue
+            if family.kind == "histogram":
+                self._histogram(stats, family.name, family.labels, metric.samples)
+                continue
+            sample_name = family.name + "_total" if family.kind == "counter" else family.name
+            for sample in metric.samples:
+                if sample.name != sample_name:
+                    continue
+                labels = tuple(str(sample.labels.get(k, "")) for k in family.labels)
+                key = (family.name, labels)
+                value = float(sample.value)
+                if family.kind == "counter":
+                    delta = value - self._counters.get(key, 0.0)
+                    self._counters[key] = value
+                    if delta > 0:
+                        stats.increase_counter(family.name, delta, labels)
+                elif self._gauges.get(key) != value:
+                    self._gauges[key] = value
+                    stats.set_gauge(family.name, value, labels)
+        return None if stats.is_empty() else stats
+
+    def _histogram(self, stats: OffloadingConnectorStats, name: str, label_names: tuple[str, ...],
+                   samples: list[Any]) -> None:
+        series: dict[tuple[str, ...], tuple[list[float], float]] = {}
+        for sample in samples:
+            labels = tuple(str(sample.labels.get(k, "")) for k in label_names)
+            cumulative, total = series.setdefault(labels, ([], 0.0))
+            if sample.name == name + "_bucket":
+                cumulative.append(float(sample.value))
+            elif sample.name == name + "_sum":
+                series[labels] = (cumulative, float(sample.value))
+        for labels, (cumulative, total) in series.items():
+            key = (name, labels)
+            before, before_total = self._buckets.get(key, ([0.0] * len(cumulative), 0.0))
+            self._buckets[key] = (cumulative, total)
+            if len(before) != len(cumulative):
+                continue
+            per_bucket = [int(c - (cumulative[i - 1] if i else 0)) - int(b - (before[i - 1] if i else 0))
+                          for i, (c, b) in enumerate(zip(cumulative, before, strict=True))]
+            if any(d < 0 for d in per_bucket):
+                continue
+            for value in _observations(per_bucket, total - before_total):
+                stats.observe_histogram(name, value, labels)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
