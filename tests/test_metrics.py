@@ -211,7 +211,8 @@ def test_the_declared_families_are_what_the_collector_yields():
     from kvactors.metrics import FAMILIES
 
     declared = {f.name: f for f in FAMILIES}
-    with TieringManager.start(num_blocks=8, block_bytes=BB, secondary_tiers=[MemoryTier(name="mem", capacity_blocks=8)]) as tm:
+    tier = MemoryTier(name="mem", capacity_blocks=8)
+    with TieringManager.start(num_blocks=8, block_bytes=BB, secondary_tiers=[tier]) as tm:
         seen = set()
         for family in KvactorsCollector(tm).collect():
             spec = declared[family.name]

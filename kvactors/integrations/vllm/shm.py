@@ -109,7 +109,7 @@ atexit.register(_unlink_all_at_exit)
 def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
     """Remove the pool files of ``directory`` that no live process holds (their engine died
     before every process had mapped them); the paths removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
