@@ -147,7 +147,9 @@ class Events:
                     media.update(x for x in node if isinstance(x, str) and x.isupper() and x != "BlockStored")
                 for child in node:
                     walk(child)
-            elif isinstance(node, dict):
+            elif isinstance(node, dict):  # a tagged event: {"type": "BlockStored", ..., "medium": "CPU"}
+                if node.get("type") == "BlockStored" and isinstance(node.get("medium"), str):
+                    media.add(node["medium"])
                 for child in node.values():
                     walk(child)
 
