@@ -507,14 +507,15 @@ def merge(reps: list[dict[str, Any]]) -> dict[str, Any]:
         return reps[0]
     out = dict(reps[0])
     for key, value in reps[0].items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if any(isinstance(r.get(key), bool) or not isinstance(r.get(key), int | float) for r in reps):
             continue
         mid = statistics.median(r[key] for r in reps)
         out[key] = round(mid) if isinstance(value, int) else mid
     out["requests_per_s_each"] = [r["requests_per_s"] for r in reps]
     for key in ("completed", "tokens_equal", "correct"):
         out[key] = all(r[key] for r in reps)
-    out["max_logprob_diff"] = max(r["max_logprob_diff"] for r in reps)
+    diffs = [r["max_logprob_diff"] for r in reps]
+    out["max_logprob_diff"] = None if None in diffs else max(diffs)
     errors = [r["error"] for r in reps if r["error"]]
     out["error"] = "; ".join(errors) if errors else None
     out["repeats"] = len(reps)
@@ -527,9 +528,10 @@ def compare(result: dict[str, Any], reference: dict[str, Any]) -> None:
     diffs = [abs(a - b) for turn, ref_turn in zip(got, ref, strict=False)
              for (_, l1), (_, l2) in zip(turn, ref_turn, strict=True) for a, b in zip(l1, l2, strict=True)]
     result["tokens_equal"] = [[t for t, _ in turn] for turn in got] == [[t for t, _ in turn] for turn in ref]
-    result["max_logprob_diff"] = max((math.inf if math.isnan(d) else d for d in diffs), default=0.0)
+    worst = max((math.inf if math.isnan(d) else d for d in diffs), default=0.0)
     result["correct"] = bool(result["completed"] and result["error"] is None and result["tokens_equal"]
-                             and result["max_logprob_diff"] == 0.0)
+                             and worst == 0.0)
+    result["max_logprob_diff"] = worst if math.isfinite(worst) else None  # None: a NaN logprob (a wrong load)
 
 
 # ------------------------------------------------------------------ summary, tables, plot
@@ -601,7 +603,7 @@ def print_tables(summary: dict[str, Any]) -> None:
             continue
         print(f"fault {f['fault']:7} {f['backend']:9} completed={f['completed']} correct={f['correct']} "
               f"req/s={f['requests_per_s']:.1f} ttft_p99={f['ttft_p99_ms']:.0f}ms hit_tokens={f['hit_tokens']} "
-              f"max_logprob_diff={f['max_logprob_diff']:.3g}{'  error=' + f['error'] if f['error'] else ''}")
+              f"max_logprob_diff={f['max_logprob_diff']}{'  error=' + f['error'] if f['error'] else ''}")
     keys = ("throughput_ratio_min", "ttft_p99_ratio_max", "hit_tokens_ratio_min", "cpu_per_request_ratio",
             "faults_all_correct", "vllm_faults_all_correct", "all_completed")
     print("summary: " + ", ".join(f"{k}={summary.get(k)!r:.6}" if isinstance(summary.get(k), float)
@@ -799,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(summary, args.plot)
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(summary, allow_nan=False))  # strict JSON: a figure that is not a number is null
     return 0
 
 
