@@ -178,6 +178,7 @@ class TieringManager:
         tier_actors = [SecondaryTierActor(tier) for tier in tiers]
         primary = PrimaryTier(num_blocks=num_blocks, eviction=eviction, tier_names=names[1:],
                               transfer_timeout_s=float(transfer_timeout_s), work_ids=work_ids,
+                              reserve_s=float(lookup_timeout_s),
                               announce_starts=any(actor.wants_new_request for actor in tier_actors))
         supervisor = LifecycleSupervisor(
             tier_limits=[(tier.name, tier.max_inflight_jobs) for tier in tiers],

@@ -363,23 +363,100 @@ def test_failed_promotion_is_never_served():
         assert settled(manager)["active_requests"] == 0
 
 
-def test_a_key_the_pool_has_no_room_to_promote_is_retry_not_miss():
-    """MISS means nowhere: a tier's key waits for room (api.md: "the key is RETRY")."""
+def test_a_key_the_pool_has_no_room_to_promote_is_a_miss_and_so_are_the_keys_after_it():
+    """Under pool pressure the fallback is to compute, never to wait (api.md, vLLM integration): a
+    promotion the pool cannot hold now is not started, and its key and the keys after it are a MISS.
+    Once there is room, the same lookup promotes."""
     seeder, ctx = ReqContext("seed"), ReqContext("r")
     with start(MemoryTier(capacity_blocks=8), num_blocks=2) as manager:
         manager.on_new_request(seeder)
-        store(manager, seeder, [1])
+        store(manager, seeder, [1, 4])
         manager.on_request_finished(seeder)
         settled(manager)
         manager.reset_cache()
         manager.on_new_request(ctx)
         pending = store(manager, ctx, [2, 3], complete=False)  # every row pending: nothing to evict
-        assert manager.lookup(keys(1), ctx) == [LookupResult.RETRY]
-        assert manager.stats()["blocks_pending"] == 2
+        assert manager.lookup(keys(1, 4), ctx) == [LookupResult.MISS, LookupResult.MISS]
+        stats = manager.stats()
+        assert stats["blocks_pending"] == 2 and stats["promotions_refused"] == 1 and stats["jobs_in_flight"] == 0
         manager.complete_store(pending.keys_to_store, ctx)
         assert manager.wait_idle(10)  # the cascades of 2 and 3 hold their rows until they end
         assert manager.lookup(keys(1), ctx) == [LookupResult.HIT_PENDING]
         assert wait_for(lambda: manager.lookup(keys(1), ctx) == [LookupResult.HIT])
+        manager.on_request_finished(ctx)
+        assert settled(manager)["active_requests"] == 0
+
+
+def test_a_promotion_that_fits_in_part_starts_its_prefix_and_the_rest_is_a_miss():
+    """Two rows free for three keys on the tier: the first two are promoted, the third is a MISS."""
+    seeder, ctx = ReqContext("seed"), ReqContext("r")
+    with start(MemoryTier(capacity_blocks=8), num_blocks=3) as manager:
+        manager.on_new_request(seeder)
+        store(manager, seeder, [1, 2, 3])
+        manager.on_request_finished(seeder)
+        settled(manager)
+        manager.reset_cache()
+        manager.on_new_request(ctx)
+        pending = store(manager, ctx, [9], complete=False)
+        assert manager.lookup(keys(1, 2, 3), ctx) == [LookupResult.HIT_PENDING] * 2 + [LookupResult.MISS]
+        manager.complete_store(pending.keys_to_store, ctx, success=False)
+        assert wait_for(lambda: manager.lookup(keys(1, 2), ctx) == [LookupResult.HIT] * 2)
+        manager.on_request_finished(ctx)
+        assert settled(manager)["active_requests"] == 0
+
+
+def test_promoted_blocks_are_kept_for_their_request_until_it_loads_them():
+    """The thrash of issue 26: blocks promoted for a request were evicted by other requests'
+    promotions and stores before it could load them. They are reserved for it (with the ready
+    blocks before them) until its prepare_load takes them over, its finish, or the lookup deadline."""
+    seeder, a, b = ReqContext("seed"), ReqContext("a"), ReqContext("b")
+    with start(MemoryTier(capacity_blocks=8), num_blocks=3) as manager:
+        manager.on_new_request(seeder)
+        store(manager, seeder, [1, 2, 3])
+        manager.on_request_finished(seeder)
+        settled(manager)
+        manager.reset_cache()
+        manager.on_new_request(a)
+        store(manager, a, [1])  # ready in the pool again: a HIT before the promoted key
+        assert manager.lookup(keys(1, 2), a) == [LookupResult.HIT, LookupResult.HIT_PENDING]
+        assert wait_for(lambda: manager.lookup(keys(2), a) == [LookupResult.HIT])
+        assert manager.wait_idle(10)
+        assert manager.stats()["blocks_reserved"] == 2
+        manager.on_new_request(b)  # another request: it can use the one row left, not a's two
+        assert manager.prepare_store(keys(7, 8), b) is None
+        out = manager.prepare_store(keys(7), b)
+        assert out is not None and out.evicted_keys == []
+        manager.complete_store(out.keys_to_store, b)
+        assert manager.lookup(keys(3), b) == [LookupResult.MISS]  # no room: b computes it
+        spec = manager.prepare_load(keys(1, 2), a)  # a's load pins take over
+        assert manager.stats()["blocks_reserved"] == 0 and manager.stats()["blocks_pinned"] == 2
+        manager.complete_load(keys(1, 2), a)
+        for ctx in (a, b):
+            manager.on_request_finished(ctx)
+        stats = settled(manager)
+        assert len(spec.block_ids) == 2 and stats["blocks_pinned"] == 0 and stats["active_requests"] == 0
+
+
+@pytest.mark.parametrize("end", ["finish", "deadline", "reset"])
+def test_a_reservation_ends_with_the_finish_the_lookup_deadline_or_a_reset(end):
+    seeder, ctx = ReqContext("seed"), ReqContext("r")
+    with start(MemoryTier(capacity_blocks=8), num_blocks=4, lookup_timeout_s=0.2 if end == "deadline" else 30.0) \
+            as manager:
+        manager.on_new_request(seeder)
+        store(manager, seeder, [1, 2])
+        manager.on_request_finished(seeder)
+        settled(manager)
+        manager.reset_cache()
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys(1, 2), ctx) == [LookupResult.HIT_PENDING] * 2
+        assert manager.wait_idle(10)
+        if end != "deadline":
+            assert manager.stats()["blocks_reserved"] == 2
+        if end == "finish":
+            manager.on_request_finished(ctx)
+        elif end == "reset":
+            manager.reset_cache()
+        assert wait_for(lambda: manager.stats()["blocks_reserved"] == 0 and manager.stats()["blocks_pinned"] == 0)
         manager.on_request_finished(ctx)
         assert settled(manager)["active_requests"] == 0
 

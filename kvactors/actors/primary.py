@@ -39,6 +39,7 @@ from kvactors.core.errors import LifecycleError
 from kvactors.core.events import EventBuffer, warn_on_overflow
 from kvactors.core.policies import make_policy
 from kvactors.core.pool import BlockPool, PoolError
+from kvactors.core.reservations import Reservations, reservation_owner
 from kvactors.types import (
     PRIMARY_TIER_NAME,
     LoadStoreSpec,
@@ -90,6 +91,7 @@ class PrimaryTier(Actor):
         transfer_timeout_s: float,
         work_ids: itertools.count[int],
         announce_starts: bool = True,
+        reserve_s: float = 5.0,
     ) -> None:
         self.pool = BlockPool(num_blocks, make_policy(eviction, num_blocks), on_events_dropped=self._events_dropped)
         self.tier_names = tuple(tier_names)
@@ -99,12 +101,18 @@ class PrimaryTier(Actor):
         self.supervisor: ActorRef
         self.contract_violations = 0
         self.stores_timed_out = 0
+        self.promotions_refused = 0  # lookups whose promotions the pool could not hold (all or some)
         self.counters = PrimaryCounters()  # for metrics: plain ints, this actor's state
         self._requests: dict[tuple[str, int], _RequestRecord] = {}
         # One deadline per prepare_store call: its keys that are still pending when it passes expire.
         # (request, keys, store id): a store's keys and the id it was prepared under.
         self._store_deadlines: DeadlineQueue[tuple[ReqContext, tuple[OffloadKey, ...], int]] = DeadlineQueue()
         self._store_ids = itertools.count(1)
+        # Blocks kept for the request that waits for them (kvactors.core.reservations), for reserve_s
+        # (the lookup deadline) at most; and the request each promotion in flight was started for.
+        self.reserve_s = reserve_s
+        self._reservations = Reservations()
+        self._promoting: dict[int, tuple[str, int]] = {}
         self._timer_due: float | None = None
         self._forget: Callable[[tuple[str, int]], None] | None = None
 
@@ -134,11 +142,13 @@ class PrimaryTier(Actor):
         )
 
     def _arm_timer(self) -> None:
-        if self._timer_due is not None:
-            return  # a tick is due, no later than any deadline: they are now + a constant, so only grow
-        deadline = self._store_deadlines.next_deadline()
-        if deadline is None:
+        deadlines = [d for d in (self._store_deadlines.next_deadline(), self._reservations.next_deadline())
+                     if d is not None]
+        if not deadlines:
             return
+        deadline = min(deadlines)
+        if self._timer_due is not None and self._timer_due <= deadline:
+            return  # a tick is due no later than it
         self._timer_due = deadline
         self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
 
@@ -176,6 +186,7 @@ class PrimaryTier(Actor):
                 self.log.debug("finish_ignored", req_id=ctx.req_id, attempt=ctx.attempt, known=record is not None)
             return
         record.finished = True
+        self._end_reservations(ctx.identity, self._reservations.release_all(ctx.identity))
         # Logged before the tell: the supervisor's finalize events must come after it in the log.
         if self.tracing:
             self.log.debug("request_finished", req_id=ctx.req_id, attempt=ctx.attempt, tier=PRIMARY_TIER_NAME,
@@ -213,6 +224,8 @@ class PrimaryTier(Actor):
             rows = self.pool.pin_for_load(msg.keys, ctx.identity)
         except PoolError as exc:
             raise LifecycleError(f"prepare_load: {exc}") from None
+        if self._reservations:  # the load pins protect the keys now
+            self._end_reservations(ctx.identity, self._reservations.release(ctx.identity, msg.keys))
         if self.tracing:
             self.log.debug("load_prepared", req_id=ctx.req_id, attempt=ctx.attempt, keys=len(rows),
                            tier=PRIMARY_TIER_NAME)
@@ -315,6 +328,8 @@ class PrimaryTier(Actor):
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
         self._timer_due = None
+        for identity, reserved in self._reservations.expire(self.runtime.now()):
+            self._end_reservations(identity, reserved)
         expired: Counter[ReqContext] = Counter()
         for ctx, keys, store_id in self._store_deadlines.pop_expired(self.runtime.now()):
             live = self._requests.get(ctx.identity)
@@ -347,35 +362,72 @@ class PrimaryTier(Actor):
 
     @handles(m.AllocatePromotions)
     def _on_allocate_promotions(self, msg: m.AllocatePromotions) -> None:
+        """Start the promotions of a lookup that fit the pool now, in key order, and answer it.
+
+        A promotion the pool cannot hold now (every row pending, pinned, held or
+        reserved) is not started, and its key and every key after it are a
+        ``MISS``: the request computes them instead of waiting for room, so no
+        request ever waits for part of the pool while holding another part. When
+        promotions start, the request's ready keys before the first miss are
+        reserved for it with them (:mod:`kvactors.core.reservations`)."""
+        ctx = msg.ctx
+        first = {key: n for n, key in reversed(list(enumerate(msg.keys)))}
+        cut = len(msg.keys)  # the first key not served: it and the keys after it are a MISS
         answer: dict[OffloadKey, LookupResult] = {}
         jobs = []
-        for tier, keys in msg.plan:
-            absent = tuple(dict.fromkeys(key for key in keys if self.pool.row_of(key) is None))
-            present = [key for key in keys if key not in absent]
+        for tier, keys in sorted(msg.plan, key=lambda entry: first[entry[1][0]]):
+            absent = tuple(dict.fromkeys(key for key in keys if first[key] < cut and self.pool.row_of(key) is None))
+            present = [key for key in keys if self.pool.row_of(key) is not None]  # promoted or stored meanwhile
             for key, result in zip(present, self.pool.lookup(present), strict=True):
                 answer[key] = result
-            if not absent:
+            granted = absent[:self.pool.room()]
+            if len(granted) < len(absent):
+                cut = min(cut, first[absent[len(granted)]])
+            if not granted:
                 continue
             job_id = next(self.work_ids)
-            rows = self.pool.allocate_promotion(job_id, absent)
-            if rows is None:
-                # No room to promote into now (rows pending, pinned or held): the key is
-                # there, so the caller asks again rather than recomputing (api.md).
-                answer.update(dict.fromkeys(absent, LookupResult.RETRY))
-                continue
-            answer.update(dict.fromkeys(absent, LookupResult.HIT_PENDING))
-            jobs.append(m.CascadeJob(tier, TransferJob(job_id, absent, rows, msg.ctx, True)))
+            rows = self.pool.allocate_promotion(job_id, granted)
+            assert rows is not None, "room() counted the rows, and the keys are absent"
+            self._promoting[job_id] = ctx.identity
+            answer.update(dict.fromkeys(granted, LookupResult.HIT_PENDING))
+            jobs.append(m.CascadeJob(tier, TransferJob(job_id, granted, rows, ctx, True)))
             if self.tracing:
-                self.log.debug("promotion_allocated", job_id=job_id, tier=tier, keys=len(absent), epoch=msg.epoch,
-                               req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
-        results = [answer.get(key, result) for key, result in zip(msg.keys, msg.results, strict=True)]
-        self.supervisor.tell(m.PromotionsAllocated(msg.lookup_id, msg.ctx, msg.epoch, tuple(jobs)))
+                self.log.debug("promotion_allocated", job_id=job_id, tier=tier, keys=len(granted), epoch=msg.epoch,
+                               req_id=ctx.req_id, attempt=ctx.attempt)
+        miss = LookupResult.MISS
+        results = [miss if n >= cut else answer.get(key, result)
+                   for n, (key, result) in enumerate(zip(msg.keys, msg.results, strict=True))]
+        if cut < len(msg.keys):
+            self.promotions_refused += 1
+        if jobs:
+            hit = LookupResult.HIT
+            self._reserve(ctx.identity, [key for key, result in zip(msg.keys[:cut], results, strict=False)
+                                         if result is hit])
+        self.supervisor.tell(m.PromotionsAllocated(msg.lookup_id, ctx, msg.epoch, tuple(jobs)))
         msg.reply.set_result(results)
+
+    def _reserve(self, identity: tuple[str, int], keys: Sequence[OffloadKey]) -> None:
+        """Keep the ready ``keys`` for a live request until it loads them, finishes, or ``reserve_s`` passes."""
+        record = self._requests.get(identity)
+        if record is None or record.finished:
+            return
+        ready = [key for key in keys if self.pool.is_ready(key)]
+        new = self._reservations.grant(identity, ready, self.runtime.now() + self.reserve_s)
+        if new:
+            self.pool.pin_for_load(new, reservation_owner(identity))
+            self._arm_timer()
+
+    def _end_reservations(self, identity: tuple[str, int], keys: Sequence[OffloadKey]) -> None:
+        if keys:
+            self.pool.unpin_load(keys, reservation_owner(identity))
 
     @handles(m.JobEnded)
     def _on_job_ended(self, msg: m.JobEnded) -> None:
         if msg.is_promotion:
-            self.pool.end_promotion(msg.job_id, success=msg.success, hold=msg.hold, ok_keys=msg.ok_keys)
+            requester = self._promoting.pop(msg.job_id, None)
+            ready = self.pool.end_promotion(msg.job_id, success=msg.success, hold=msg.hold, ok_keys=msg.ok_keys)
+            if ready and requester is not None:
+                self._reserve(requester, ready)
         else:
             self.pool.end_job(msg.job_id, hold=msg.hold)
 
@@ -387,6 +439,8 @@ class PrimaryTier(Actor):
 
     @handles(m.ResetCache)
     def _on_reset_cache(self, msg: m.ResetCache) -> None:
+        for identity, keys in self._reservations.clear():
+            self._end_reservations(identity, keys)
         removed = self.pool.reset()
         # Detached writes are stale now; their late completions only free rows.
         self._store_deadlines.clear()
@@ -417,6 +471,8 @@ class PrimaryTier(Actor):
         stats["primary_requests"] = len(self._requests)
         stats["primary_violations"] = self.contract_violations
         stats["stores_timed_out"] = self.stores_timed_out
+        stats["blocks_reserved"] = len(self._reservations)
+        stats["promotions_refused"] = self.promotions_refused
         stats["event_keys_dropped"] = self.pool.event_keys_dropped
         stats["primary_internal_errors"] = self.internal_errors
         self.supervisor.tell(m.SupervisorStats(tuple(stats.items()), msg.reply))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
-from kvactors.core.pool_types import Identity, PoolError
+from kvactors.core.pool_types import PinOwner, PoolError
 from kvactors.types import OffloadKey
 
 
@@ -77,10 +77,10 @@ class LoadPinBook:
     __slots__ = ("multi", "single")
 
     def __init__(self) -> None:
-        self.single: dict[Identity, dict[OffloadKey, int]] = {}
-        self.multi: dict[tuple[Identity, OffloadKey], LoadPins] = {}
+        self.single: dict[PinOwner, dict[OffloadKey, int]] = {}
+        self.multi: dict[tuple[PinOwner, OffloadKey], LoadPins] = {}
 
-    def book(self, owner: Identity, keys: Sequence[OffloadKey], rows: Sequence[int]) -> None:
+    def book(self, owner: PinOwner, keys: Sequence[OffloadKey], rows: Sequence[int]) -> None:
         """Book one pin of each ``keys[i]`` on ``rows[i]`` for ``owner``."""
         mine = self.single.get(owner)
         multi = self.multi
@@ -107,7 +107,7 @@ class LoadPinBook:
         if not mine:
             del self.single[owner]
 
-    def take(self, owner: Identity, keys: Sequence[OffloadKey]) -> list[int]:
+    def take(self, owner: PinOwner, keys: Sequence[OffloadKey]) -> list[int]:
         """Release one pin of each key given (see :meth:`BlockPool.unpin_load`): the rows
         that lose a pin now, once per pin (releases owed add none).
 
@@ -131,7 +131,7 @@ class LoadPinBook:
                 return rows
         return self._take_general(owner, keys, mine)
 
-    def _take_general(self, owner: Identity, keys: Sequence[OffloadKey],
+    def _take_general(self, owner: PinOwner, keys: Sequence[OffloadKey],
                       mine: dict[OffloadKey, int] | None) -> list[int]:
         wanted = Counter(keys)
         multi = self.multi
@@ -160,13 +160,13 @@ class LoadPinBook:
             del self.single[owner]
         return rows
 
-    def outstanding_of(self, owner: Identity) -> int:
+    def outstanding_of(self, owner: PinOwner) -> int:
         """How many pins ``owner`` holds and has not released. O(pins)."""
         mine = self.single.get(owner)
         return (len(mine) if mine else 0) + sum(
             pins.outstanding for (who, _), pins in self.multi.items() if who == owner)
 
-    def entries(self) -> Iterator[tuple[Identity, OffloadKey, dict[int, int], int]]:
+    def entries(self) -> Iterator[tuple[PinOwner, OffloadKey, dict[int, int], int]]:
         """``(owner, key, {row: pins}, owed)`` for every pinned key, both books."""
         for owner, mine in self.single.items():
             for key, row in mine.items():

@@ -40,7 +40,7 @@ from collections.abc import Collection, Iterable, Sequence
 from kvactors.core import pool_check
 from kvactors.core.load_pins import LoadPins, _LoadPins
 from kvactors.core.pool_rows import PoolRows
-from kvactors.core.pool_types import Identity, PoolError, Rewrite, StoreOutcome, StorePlan, Writer
+from kvactors.core.pool_types import Identity, PinOwner, PoolError, Rewrite, StoreOutcome, StorePlan, Writer
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey
 
 __all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "StorePlan", "Writer", "_LoadPins"]
@@ -109,7 +109,7 @@ class BlockPool(PoolRows):
         """Keys ``writer`` is still writing (indexed or detached). O(its pending writes)."""
         return list(self._pending_writes.get(writer, ()))
 
-    def load_pins_of(self, identity: Identity) -> int:
+    def load_pins_of(self, identity: PinOwner) -> int:
         """How many load pins ``identity`` holds. O(load pins)."""
         return self._pin_book.outstanding_of(identity)
 
@@ -308,7 +308,7 @@ class BlockPool(PoolRows):
 
     # ------------------------------------------------------------------ loads
 
-    def pin_for_load(self, keys: Sequence[OffloadKey], owner: Identity) -> tuple[int, ...]:
+    def pin_for_load(self, keys: Sequence[OffloadKey], owner: PinOwner) -> tuple[int, ...]:
         """Pin the rows of ready ``keys`` for ``owner``; one pin per key given.
 
         Raises :class:`PoolError` (nothing changed) if a key is not ready.
@@ -336,7 +336,7 @@ class BlockPool(PoolRows):
         self._n_pinned += newly
         return tuple(rows)
 
-    def unpin_load(self, keys: Sequence[OffloadKey], owner: Identity) -> None:
+    def unpin_load(self, keys: Sequence[OffloadKey], owner: PinOwner) -> None:
         """Release pins taken by :meth:`pin_for_load`: one pin per key given,
         each released once, on the row it was taken on.
 
@@ -379,6 +379,10 @@ class BlockPool(PoolRows):
             rows_policy.add_rows(evictable)  # type: ignore[union-attr]  # only with a row policy
 
     # ------------------------------------------------------------------ promotions
+
+    def room(self) -> int:
+        """How many rows an allocation could take now: the free ones and the evictable ready ones."""
+        return len(self._free) + len(self._policy)
 
     def allocate_promotion(self, job_id: int, keys: Sequence[OffloadKey]) -> tuple[int, ...] | None:
         """Allocate not-ready rows for ``keys`` (all absent) to be loaded by job ``job_id``.

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvactors.core.pool import BlockPool
-    from kvactors.core.pool_types import Identity, Writer
+    from kvactors.core.pool_types import PinOwner, Writer
     from kvactors.types import OffloadKey
 
 
@@ -23,7 +23,7 @@ def pending_writes(pool: BlockPool) -> Iterator[tuple[Writer, OffloadKey, int]]:
             yield writer, key, row
 
 
-def load_pins(pool: BlockPool) -> dict[tuple[Identity, OffloadKey], tuple[dict[int, int], int]]:
+def load_pins(pool: BlockPool) -> dict[tuple[PinOwner, OffloadKey], tuple[dict[int, int], int]]:
     """``{(owner, key): ({row: pins}, owed)}`` for every key a request holds load pins of."""
     return {(owner, key): (dict(rows), owed) for owner, key, rows, owed in pool._pin_book.entries()}
 

@@ -10,6 +10,10 @@ from kvactors.types import OffloadKey
 Identity: TypeAlias = tuple[str, int]
 """A request attempt: ``(req_id, attempt)``."""
 
+PinOwner: TypeAlias = Identity | tuple[str, int, str]
+"""Who holds a load pin: a request attempt, or one of its roles (its reservations:
+:func:`kvactors.core.reservations.reservation_owner`)."""
+
 Writer: TypeAlias = Identity | int
 """Who writes a row: a request's store (its identity) or a promotion (its job id)."""
 
