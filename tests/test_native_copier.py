@@ -251,7 +251,8 @@ def test_copiers_open_no_descriptor_and_leave_no_thread() -> None:
                          env={**os.environ, "TESTS": os.path.dirname(__file__)})
     words = out.stdout.split()
     assert len(words) == 6, (out.stdout, out.stderr[-2000:])
-    assert words[1] == words[2] and words[4] == words[5], out.stdout
+    # Not more after than after the first: a thread of the first round may still be exiting when counted.
+    assert int(words[2]) <= int(words[1]) and int(words[5]) <= int(words[4]), out.stdout
 
 
 def test_a_slow_report_delays_no_copy(reports: Reports) -> None:
