@@ -59,6 +59,27 @@ def test_an_answer_pins_its_leading_hits_and_post_hands_them_to_the_request(tm):
     assert tm.wait_idle(10) and tm.stats()["blocks_pinned"] == 0
 
 
+def test_pins_outlive_the_steps_answers_for_hold_s_then_go_back(tm):
+    """A request vLLM could not schedule this step (no device blocks yet) keeps its pinned blocks
+    into the next steps, so other requests' stores cannot evict them; for hold_s at most."""
+    _ready(tm, b"k0", b"k1")
+    requests = Requests(tm, Counter())
+    req = requests.start_attempt("r", None)
+    job = LookupJob((b"k0", b"k1"), req.ctx)
+    req.job = job
+    lookups.answer(tm, job, log=None)
+    lookups.post(requests, job)
+    req.read = True
+    now = req.pinned_since
+    requests.end_step(now + 1.0, hold_s=5.0)
+    assert req.answers == {} and set(req.pinned) == {b"k0", b"k1"}  # answers dropped, pins kept
+    assert tm.wait_idle(10) and tm.stats()["blocks_pinned"] == 2
+    requests.end_step(now + 6.0, hold_s=5.0)
+    assert req.pinned == {} and "r" not in requests.with_answers
+    assert tm.wait_idle(10) and tm.stats()["blocks_pinned"] == 0
+    requests.finish_attempt(req)
+
+
 def test_a_stale_job_gives_all_its_pins_back(tm):
     _ready(tm, b"k0")
     requests = Requests(tm, Counter())

@@ -11,6 +11,7 @@ lock; :func:`post` runs with it held.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -89,6 +90,8 @@ def post(requests: Requests, job: LookupJob) -> list[OffloadKey]:
     req.answers.update(job.answers)
     # A key pinned for the request already keeps that pin: the new one is released.
     release = [k for k in job.pinned if k in req.pinned]
+    if job.pinned and not req.pinned:
+        req.pinned_since = time.monotonic()
     req.pinned.update((k, row) for k, row in job.pinned.items() if k not in req.pinned)
     # Fresh answers are unread, even if vLLM asked (and got RETRY) earlier this step:
     # otherwise this step's end would drop them and the request would ask again forever.

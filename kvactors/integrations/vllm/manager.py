@@ -89,6 +89,10 @@ class KvactorsOffloadingManager(OffloadingManager):
     # there one step later.
     lookup_wait_s: float = 0.0
     step_wait_s: float = 0.02
+    # The most scheduler steps a request waits for keys that are not final (HIT_PENDING, RETRY) before
+    # they are a MISS and it computes them: bounded in steps as well as in seconds (lookup_timeout_s),
+    # so a fast engine does not spin through thousands of steps for one request.
+    lookup_wait_steps: int = 32
     tm_stop_timeout_s: float = 30.0
 
     def __init__(self, tm: TieringManager, shared: SharedPool | None, *, events_enabled: bool,
@@ -109,6 +113,7 @@ class KvactorsOffloadingManager(OffloadingManager):
         self._stale = StaleJobs(tm, has_reset_fence=compat.HAS_RESET_FENCE, flush_steps=compat.RESET_FLUSH_STEPS)
         self._jobs_in_flight = 0
         self._step_waited = 0.0
+        self._step = 0  # scheduler steps ended
         self._closed = False
         self._stats_reporter = StatsReporter(tm)  # get_stats: kvactors' families in vLLM's /metrics
 
@@ -169,8 +174,8 @@ class KvactorsOffloadingManager(OffloadingManager):
         """One key's answer, from the request's current batch answer (see the module docstring).
 
         A key that stays ``HIT_PENDING`` / ``RETRY`` for longer than
-        ``lookup_timeout_s`` across steps is a ``MISS``: vLLM stops waiting and
-        recomputes it."""
+        ``lookup_timeout_s`` across steps, or for more than :attr:`lookup_wait_steps`
+        steps, is a ``MISS``: vLLM stops waiting and recomputes it."""
         key = bytes(key)
         result = self._lookup(key, req_context)
         if result in (VLookup.HIT, VLookup.MISS):
@@ -181,8 +186,9 @@ class KvactorsOffloadingManager(OffloadingManager):
                 return result
             now = time.monotonic()
             if req.unsure_since is None:
-                req.unsure_since = now
-            elif now - req.unsure_since > self.lookup_timeout_s:
+                req.unsure_since, req.unsure_step = now, self._step
+            elif (now - req.unsure_since > self.lookup_timeout_s
+                  or self._step - req.unsure_step > self.lookup_wait_steps):
                 self.counters["lookups_given_up"] += 1
                 return VLookup.MISS
         return result
@@ -317,6 +323,7 @@ class KvactorsOffloadingManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         with self._lock:
             self._step_waited = 0.0
+            self._step += 1
             for req_id in list(context.preempted_req_ids):
                 req = self._requests.get(req_id)
                 if req is None or req.finished:
@@ -325,7 +332,7 @@ class KvactorsOffloadingManager(OffloadingManager):
                 self.counters["preemptions"] += 1
                 self._requests.finish_attempt(req)
                 self._requests.start_attempt(req_id, req.ctx.params)
-            self._requests.end_step()
+            self._requests.end_step(time.monotonic(), self.lookup_timeout_s)
             self._stale.end_step()
             closed = self._closed
         if not closed:

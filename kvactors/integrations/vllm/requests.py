@@ -45,11 +45,13 @@ class Request:
     finished: bool = False
     answers: dict[OffloadKey, LookupResult] = field(default_factory=dict)
     pinned: dict[OffloadKey, int] = field(default_factory=dict)  # for ctx, not yet handed to vLLM
+    pinned_since: float = 0.0  # when the oldest of those pins was taken
     job: LookupJob | None = None
     read: bool = False  # answers were read this step
     age: int = 0  # step ends since the answers arrived unread
     promoted: set[OffloadKey] = field(default_factory=set)  # keys that were HIT_PENDING for it
     unsure_since: float | None = None  # first not-final answer (HIT_PENDING / RETRY) since the last final one
+    unsure_step: int = 0  # the scheduler step of unsure_since
     stores: dict[OffloadKey, tuple[ReqContext, int]] = field(default_factory=dict)  # key -> (attempt, row)
     loads: dict[OffloadKey, list[ReqContext]] = field(default_factory=dict)
 
@@ -123,15 +125,25 @@ class Requests:
         req.age = 0
         self.with_answers.discard(req.req_id)
 
-    def end_step(self) -> None:
-        """At a step's end: answers read this step (or kept unread for one step already) are dropped."""
+    def end_step(self, now: float, hold_s: float) -> None:
+        """At a step's end: answers read this step (or kept unread for one step already) are dropped.
+
+        Their pins are kept, for ``hold_s`` at most: a request that vLLM could not schedule this
+        step (no device blocks yet) still finds its blocks in the pool on the next one, instead of
+        losing them to other requests' stores and promoting them again."""
         for req_id in list(self.with_answers):
             req = self.by_id.get(req_id)
             if req is None:
                 self.with_answers.discard(req_id)
                 continue
-            if req.read or req.age >= 1:
+            if req.pinned and now - req.pinned_since > hold_s:
                 self.drop_answers(req)
+            elif req.read or req.age >= 1:
+                if req.pinned:
+                    req.answers = {}
+                    req.age = 0  # kept in with_answers: its pins are looked at again next step
+                else:
+                    self.drop_answers(req)
             else:
                 req.age += 1  # arrived after this step's lookups: kept for the next step
             req.read = False
