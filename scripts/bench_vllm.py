@@ -542,7 +542,8 @@ RUN_FIGURES = ("requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "steps", "busy_st
 
 
 def ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
+    """``a / b``; 1.0 for 0 / 0 (both had none); None for x / 0."""
+    return a / b if b else (1.0 if not a else None)
 
 
 def summarize(runs: list[dict[str, Any]], faults: list[dict[str, Any]]) -> dict[str, Any]:

@@ -58,7 +58,7 @@ def assert_run(r: dict, where: str) -> None:
 @pytest.mark.timeout(600)
 def test_quick_bench_every_run_completes_with_finite_figures(summary):
     for key in SUMMARY_RATIOS:
-        assert finite(summary[key]) and summary[key] > 0, f"{key}={summary[key]!r}"
+        assert finite(summary[key]) and summary[key] >= 0, f"{key}={summary[key]!r}"
     assert isinstance(summary["faults_all_correct"], bool), summary["faults_all_correct"]
     assert isinstance(summary["vllm_faults_all_correct"], bool), summary["vllm_faults_all_correct"]
     assert summary["all_completed"] is True
