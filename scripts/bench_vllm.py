@@ -367,7 +367,8 @@ def serve_turn(llm: Any, prompts: list[list[int]], turn: int, deadline: float, r
     while len(final) < len(ids):
         if time.perf_counter() > deadline:
             now = time.perf_counter()
-            rec["ttft_s"].extend(now - t_add for rid in ids if rid not in first)  # waited at least that long
+            # A request with no token yet counts with the time it has waited (a lower bound of its TTFT).
+            rec["ttft_s"].extend(first.get(rid, now) - t_add for rid in ids)
             with contextlib.suppress(Exception):
                 engine.abort_request([rid for rid in ids if rid not in final])
             rec["wall_s"] += now - t0
