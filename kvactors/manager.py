@@ -291,9 +291,12 @@ class TieringManager:
     def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """One result per key. A key found only in a secondary tier starts its
         promotion (at most one per key, on behalf of ``ctx``) and answers
-        ``HIT_PENDING``; ``RETRY`` if the pool has no row to promote it into now
-        (every row pending, pinned or held). ``LifecycleError`` if the request is
-        unknown or finished."""
+        ``HIT_PENDING``. A promotion the pool has no row for now (every row pending,
+        pinned, held or reserved) is not started: its key and the keys after it are
+        ``MISS`` (the request computes them). Promoted blocks, and the ready ones
+        before them, are reserved for ``ctx`` until its ``prepare_load`` of the key,
+        its finish, a reset, or ``lookup_timeout_s`` (``kvactors.core.reservations``).
+        ``LifecycleError`` if the request is unknown or finished."""
         reply: Reply[list[LookupResult]] = Reply()
         return self._ask(m.Lookup(*check_request(keys, ctx), reply), reply)
 
