@@ -402,7 +402,7 @@ def serve_turn(llm: Any, prompts: list[list[int]], turn: int, deadline: float, r
 
 
 def run(backend: str, model: str, args: argparse.Namespace, pool_blocks: int, fault: str | None = None,
-        turns: int | None = None) -> dict[str, Any]:
+        turns: int | None = None, time_limit: float | None = None) -> dict[str, Any]:
     from engine_support import BLOCK, BLOCK_BYTES, find_manager, shutdown_llm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -410,6 +410,7 @@ def run(backend: str, model: str, args: argparse.Namespace, pool_blocks: int, fa
     from kvactors.integrations.vllm.worker import WORKERS
 
     turns = turns or args.turns
+    time_limit = time_limit or args.time_limit
     rec: dict[str, Any] = {"backend": backend, "pool_blocks": pool_blocks, "fault": fault, "turns": turns,
                            "expected_requests": args.conversations * turns, "completed": False,
                            "error": None, "requests": 0, "wall_s": 0.0, "steps": 0, "ttft_s": [],
@@ -430,7 +431,7 @@ def run(backend: str, model: str, args: argparse.Namespace, pool_blocks: int, fa
     cpu0 = time.process_time()
     t_build = time.perf_counter()
     try:
-        with hard_bound(args.time_limit + 180):
+        with hard_bound(time_limit + 180):
             llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True,
                       block_size=BLOCK, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=True, seed=0,
                       kv_transfer_config=kv_transfer(backend, disk, pool_blocks, BLOCK_BYTES, fault, args.stall_s))
@@ -441,11 +442,11 @@ def run(backend: str, model: str, args: argparse.Namespace, pool_blocks: int, fa
             flush = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
             prompts = conversations(args.conversations, args.prefixes, args.prefix_len)
             cpu0 = time.process_time()
-            deadline = time.perf_counter() + args.time_limit
+            deadline = time.perf_counter() + time_limit
             for turn in range(turns):
                 outs = serve_turn(llm, prompts, turn, deadline, rec, timer, sched)
                 if outs is None:
-                    rec["error"] = f"time limit ({args.time_limit:g} s) reached in turn {turn + 1}"
+                    rec["error"] = f"time limit ({time_limit:g} s) reached in turn {turn + 1}"
                     break
                 rec["outputs"].append(outs)
                 prompts = next_prompts(prompts, [t for t, _ in outs], turn)
@@ -763,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = tempfile.mkdtemp(prefix="bench_vllm_model_")
     try:
         model = make_model(model_dir)
-        reference = run("none", model, args, pool_blocks=0)
+        reference = run("none", model, args, pool_blocks=0, time_limit=max(args.time_limit, 300.0))
         if not reference["completed"]:
             print(f"{PROG}: error: the reference run did not complete: {reference['error']}", file=sys.stderr)
             return 1
