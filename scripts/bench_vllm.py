@@ -427,7 +427,8 @@ def run(backend: str, model: str, args: argparse.Namespace, pool_blocks: int, fa
             return rec
         mounted = True
     before = set(WORKERS)
-    llm = None
+    llm = timer = None
+    workers: list[Any] = []
     cpu0 = time.process_time()
     t_build = time.perf_counter()
     try:
@@ -436,7 +437,7 @@ def run(backend: str, model: str, args: argparse.Namespace, pool_blocks: int, fa
                       block_size=BLOCK, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=True, seed=0,
                       kv_transfer_config=kv_transfer(backend, disk, pool_blocks, BLOCK_BYTES, fault, args.stall_s))
             rec["build_s"] = time.perf_counter() - t_build
-            workers = [w for w in WORKERS if w not in before]
+            workers[:] = [w for w in WORKERS if w not in before]
             timer = ConnectorTimer(find_manager(llm)) if backend != "none" else None
             sched = ScheduleCounter(llm.llm_engine.engine_core.engine_core.scheduler)
             flush = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, ignore_eos=True)
@@ -459,9 +460,6 @@ def run(backend: str, model: str, args: argparse.Namespace, pool_blocks: int, fa
             else:
                 rec["completed"] = True
             rec["cpu_s"] = time.process_time() - cpu0
-            rec["hit_tokens"] = timer.keys_loaded * BLOCK if timer is not None else 0
-            rec["bytes_stored"] = sum(w.bytes_stored for w in workers)
-            rec["bytes_loaded"] = sum(w.bytes_loaded for w in workers)
             if backend == "kvactors":
                 with contextlib.suppress(Exception):
                     st = find_manager(llm).stats()
@@ -473,6 +471,10 @@ def run(backend: str, model: str, args: argparse.Namespace, pool_blocks: int, fa
         rec["completed"] = False
         rec.setdefault("cpu_s", time.process_time() - cpu0)
     finally:
+        # The figures so far, whatever happened (a run cut or crashed reports what it did).
+        rec["hit_tokens"] = timer.keys_loaded * BLOCK if timer is not None else 0
+        rec["bytes_stored"] = sum(w.bytes_stored for w in workers)
+        rec["bytes_loaded"] = sum(w.bytes_loaded for w in workers)
         t_stop = time.perf_counter()
         if llm is not None:
             with hard_bound(120), contextlib.suppress(Exception):
