@@ -259,6 +259,7 @@ def test_vllm_offload_metrics_and_kvactors_families_per_tier_in_metrics(server_a
         ok = (sum(metric_values(page, "vllm:kv_offload_store_bytes_total").values()) > 0
               and sum(metric_values(page, "vllm:kv_offload_load_bytes_total").values()) > 0
               and per_tier(page, "kvactors_hit_keys_total").get("cpu", 0) > 0
+              and per_tier(page, "kvactors_loaded_bytes_total").get("cpu", 0) > 0  # figures lag a second
               and per_tier(page, "kvactors_stored_bytes_total").get("disk", 0) > 0
               and per_tier(page, "kvactors_stored_bytes_total").get("redis", 0) > 0)
         return page if ok else None

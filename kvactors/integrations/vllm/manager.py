@@ -90,9 +90,11 @@ class KvactorsOffloadingManager(OffloadingManager):
     lookup_wait_s: float = 0.0
     step_wait_s: float = 0.02
     # The most scheduler steps a request waits for keys that are not final (HIT_PENDING, RETRY) before
-    # they are a MISS and it computes them: bounded in steps as well as in seconds (lookup_timeout_s),
-    # so a fast engine does not spin through thousands of steps for one request.
+    # they are a MISS and it computes them, once lookup_wait_min_s has passed: bounded in steps as well
+    # as in seconds (lookup_timeout_s). The floor in seconds is for an engine that spins through empty
+    # steps (nothing else to run) while a promotion is on its way: those steps cost nobody anything.
     lookup_wait_steps: int = 32
+    lookup_wait_min_s: float = 0.25
     tm_stop_timeout_s: float = 30.0
 
     def __init__(self, tm: TieringManager, shared: SharedPool | None, *, events_enabled: bool,
@@ -175,7 +177,8 @@ class KvactorsOffloadingManager(OffloadingManager):
 
         A key that stays ``HIT_PENDING`` / ``RETRY`` for longer than
         ``lookup_timeout_s`` across steps, or for more than :attr:`lookup_wait_steps`
-        steps, is a ``MISS``: vLLM stops waiting and recomputes it."""
+        steps (and :attr:`lookup_wait_min_s`), is a ``MISS``: vLLM stops waiting and
+        recomputes it."""
         key = bytes(key)
         result = self._lookup(key, req_context)
         if result in (VLookup.HIT, VLookup.MISS):
@@ -188,7 +191,8 @@ class KvactorsOffloadingManager(OffloadingManager):
             if req.unsure_since is None:
                 req.unsure_since, req.unsure_step = now, self._step
             elif (now - req.unsure_since > self.lookup_timeout_s
-                  or self._step - req.unsure_step > self.lookup_wait_steps):
+                  or (self._step - req.unsure_step > self.lookup_wait_steps
+                      and now - req.unsure_since > self.lookup_wait_min_s)):
                 self.counters["lookups_given_up"] += 1
                 return VLookup.MISS
         return result
