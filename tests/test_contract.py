@@ -32,6 +32,17 @@ def store(manager: TieringManager, ctx: ReqContext, names, *, complete: bool = T
     return out
 
 
+def in_tiers_only(manager: TieringManager, names) -> None:
+    """Blocks ``names`` stored (and cascaded) by a finished request, then gone from the pool: only
+    the secondary tiers have them."""
+    seeder = ReqContext("seed")
+    manager.on_new_request(seeder)
+    store(manager, seeder, names)
+    manager.on_request_finished(seeder)
+    settled(manager)
+    manager.reset_cache()
+
+
 # ----------------------------------------------------------------------------- rule 1
 
 
@@ -126,13 +137,9 @@ def test_rule4_queued_promotion_holds_the_finish():
 def test_rule4_lookup_in_progress_holds_the_finish():
     """A lookup still waiting on a tier may promote: it holds the finish too."""
     tier = ControlledTier(hold=False)
-    ctx, seeder = ReqContext("r"), ReqContext("seed")
+    ctx = ReqContext("r")
     with start(tier) as manager:
-        manager.on_new_request(seeder)
-        store(manager, seeder, [1])
-        manager.on_request_finished(seeder)
-        settled(manager)
-        manager.reset_cache()
+        in_tiers_only(manager, [1])
         manager.on_new_request(ctx)
         tier.lookup_gate = threading.Event()
         answer: list[list[LookupResult]] = []
@@ -367,13 +374,9 @@ def test_a_key_the_pool_has_no_room_to_promote_is_a_miss_and_so_are_the_keys_aft
     """Under pool pressure the fallback is to compute, never to wait (api.md, vLLM integration): a
     promotion the pool cannot hold now is not started, and its key and the keys after it are a MISS.
     Once there is room, the same lookup promotes."""
-    seeder, ctx = ReqContext("seed"), ReqContext("r")
+    ctx = ReqContext("r")
     with start(MemoryTier(capacity_blocks=8), num_blocks=2) as manager:
-        manager.on_new_request(seeder)
-        store(manager, seeder, [1, 4])
-        manager.on_request_finished(seeder)
-        settled(manager)
-        manager.reset_cache()
+        in_tiers_only(manager, [1, 4])
         manager.on_new_request(ctx)
         pending = store(manager, ctx, [2, 3], complete=False)  # every row pending: nothing to evict
         assert manager.lookup(keys(1, 4), ctx) == [LookupResult.MISS, LookupResult.MISS]
@@ -389,13 +392,9 @@ def test_a_key_the_pool_has_no_room_to_promote_is_a_miss_and_so_are_the_keys_aft
 
 def test_a_promotion_that_fits_in_part_starts_its_prefix_and_the_rest_is_a_miss():
     """Two rows free for three keys on the tier: the first two are promoted, the third is a MISS."""
-    seeder, ctx = ReqContext("seed"), ReqContext("r")
+    ctx = ReqContext("r")
     with start(MemoryTier(capacity_blocks=8), num_blocks=3) as manager:
-        manager.on_new_request(seeder)
-        store(manager, seeder, [1, 2, 3])
-        manager.on_request_finished(seeder)
-        settled(manager)
-        manager.reset_cache()
+        in_tiers_only(manager, [1, 2, 3])
         manager.on_new_request(ctx)
         pending = store(manager, ctx, [9], complete=False)
         assert manager.lookup(keys(1, 2, 3), ctx) == [LookupResult.HIT_PENDING] * 2 + [LookupResult.MISS]
@@ -409,13 +408,9 @@ def test_promoted_blocks_are_kept_for_their_request_until_it_loads_them():
     """The thrash of issue 26: blocks promoted for a request were evicted by other requests'
     promotions and stores before it could load them. They are reserved for it (with the ready
     blocks before them) until its prepare_load takes them over, its finish, or the lookup deadline."""
-    seeder, a, b = ReqContext("seed"), ReqContext("a"), ReqContext("b")
+    a, b = ReqContext("a"), ReqContext("b")
     with start(MemoryTier(capacity_blocks=8), num_blocks=3) as manager:
-        manager.on_new_request(seeder)
-        store(manager, seeder, [1, 2, 3])
-        manager.on_request_finished(seeder)
-        settled(manager)
-        manager.reset_cache()
+        in_tiers_only(manager, [1, 2, 3])
         manager.on_new_request(a)
         store(manager, a, [1])  # ready in the pool again: a HIT before the promoted key
         assert manager.lookup(keys(1, 2), a) == [LookupResult.HIT, LookupResult.HIT_PENDING]
@@ -439,14 +434,10 @@ def test_promoted_blocks_are_kept_for_their_request_until_it_loads_them():
 
 @pytest.mark.parametrize("end", ["finish", "deadline", "reset"])
 def test_a_reservation_ends_with_the_finish_the_lookup_deadline_or_a_reset(end):
-    seeder, ctx = ReqContext("seed"), ReqContext("r")
+    ctx = ReqContext("r")
     with start(MemoryTier(capacity_blocks=8), num_blocks=4, lookup_timeout_s=0.2 if end == "deadline" else 30.0) \
             as manager:
-        manager.on_new_request(seeder)
-        store(manager, seeder, [1, 2])
-        manager.on_request_finished(seeder)
-        settled(manager)
-        manager.reset_cache()
+        in_tiers_only(manager, [1, 2])
         manager.on_new_request(ctx)
         assert manager.lookup(keys(1, 2), ctx) == [LookupResult.HIT_PENDING] * 2
         assert manager.wait_idle(10)
