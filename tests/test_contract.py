@@ -432,6 +432,26 @@ def test_promoted_blocks_are_kept_for_their_request_until_it_loads_them():
         assert len(spec.block_ids) == 2 and stats["blocks_pinned"] == 0 and stats["active_requests"] == 0
 
 
+def test_a_requests_promotions_never_evict_its_own_ready_blocks():
+    """Found in review: the rows for a lookup's promotions were taken by evicting any ready block,
+    the lookup's own HITs included, so a request could evict the prefix it was about to load."""
+    a = ReqContext("a")
+    with start(MemoryTier(capacity_blocks=8), num_blocks=3) as manager:
+        in_tiers_only(manager, [1, 2, 3])
+        in_tiers_only(manager, [4])
+        manager.on_new_request(a)
+        store(manager, a, [1, 2])  # ready again: two HITs, one free row
+        assert manager.wait_idle(10)  # their cascades ended: evictable
+        assert manager.lookup(keys(1, 2, 3, 4), a) == [LookupResult.HIT] * 2 + [LookupResult.HIT_PENDING,
+                                                                               LookupResult.MISS]
+        assert wait_for(lambda: manager.lookup(keys(1, 2, 3), a) == [LookupResult.HIT] * 3)
+        spec = manager.prepare_load(keys(1, 2, 3), a)
+        manager.complete_load(keys(1, 2, 3), a)
+        manager.on_request_finished(a)
+        stats = settled(manager)
+        assert len(spec.block_ids) == 3 and stats["blocks_pinned"] == 0 and stats["blocks_reserved"] == 0
+
+
 @pytest.mark.parametrize("end", ["finish", "deadline", "reset"])
 def test_a_reservation_ends_with_the_finish_the_lookup_deadline_or_a_reset(end):
     ctx = ReqContext("r")

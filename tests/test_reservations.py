@@ -14,6 +14,7 @@ def test_a_key_is_reserved_once_per_attempt_and_released_once():
     book = Reservations()
     assert book.grant(A, [b"1", b"2", b"1"], 10.0) == [b"1", b"2"]
     assert book.grant(A, [b"2", b"3"], 12.0) == [b"3"]  # only the new one: its pin is taken once
+    assert book.grant(A, [b"2"], 99.0) == []  # nothing new: the deadline stays
     assert book.grant(B, [b"1"], 5.0) == [b"1"]  # another attempt reserves on its own
     assert len(book) == 4
     assert book.release(A, [b"1", b"9"]) == [b"1"]

@@ -369,9 +369,16 @@ class PrimaryTier(Actor):
         ``MISS``: the request computes them instead of waiting for room, so no
         request ever waits for part of the pool while holding another part. When
         promotions start, the request's ready keys before the first miss are
-        reserved for it with them (:mod:`kvactors.core.reservations`)."""
+        reserved for it with them (:mod:`kvactors.core.reservations`); they are
+        reserved before the rows are allocated, so the request's own promotions
+        never evict them."""
         ctx = msg.ctx
+        identity = ctx.identity
         first = {key: n for n, key in reversed(list(enumerate(msg.keys)))}
+        # The lookup's ready keys, held while its promotions are allocated; those past the first
+        # miss, or all of them if nothing is promoted, are let go at the end.
+        ready = [key for key in first if self.pool.is_ready(key)]
+        held = self._reserve(identity, ready)
         cut = len(msg.keys)  # the first key not served: it and the keys after it are a MISS
         answer: dict[OffloadKey, LookupResult] = {}
         jobs = []
@@ -388,34 +395,37 @@ class PrimaryTier(Actor):
             job_id = next(self.work_ids)
             rows = self.pool.allocate_promotion(job_id, granted)
             assert rows is not None, "room() counted the rows, and the keys are absent"
-            self._promoting[job_id] = ctx.identity
+            self._promoting[job_id] = identity
             answer.update(dict.fromkeys(granted, LookupResult.HIT_PENDING))
             jobs.append(m.CascadeJob(tier, TransferJob(job_id, granted, rows, ctx, True)))
             if self.tracing:
                 self.log.debug("promotion_allocated", job_id=job_id, tier=tier, keys=len(granted), epoch=msg.epoch,
                                req_id=ctx.req_id, attempt=ctx.attempt)
-        miss = LookupResult.MISS
+        let_go = [key for key in held if not jobs or first[key] >= cut]
+        self._end_reservations(identity, self._reservations.release(identity, let_go))
+        hit, miss = LookupResult.HIT, LookupResult.MISS
+        for key, result in zip(msg.keys, msg.results, strict=True):
+            if result is hit and key not in answer and not self.pool.is_ready(key):
+                answer[key] = self.pool.lookup([key])[0]  # evicted since the pool answered
         results = [miss if n >= cut else answer.get(key, result)
                    for n, (key, result) in enumerate(zip(msg.keys, msg.results, strict=True))]
         if cut < len(msg.keys):
             self.promotions_refused += 1
-        if jobs:
-            hit = LookupResult.HIT
-            self._reserve(ctx.identity, [key for key, result in zip(msg.keys[:cut], results, strict=False)
-                                         if result is hit])
         self.supervisor.tell(m.PromotionsAllocated(msg.lookup_id, ctx, msg.epoch, tuple(jobs)))
         msg.reply.set_result(results)
 
-    def _reserve(self, identity: tuple[str, int], keys: Sequence[OffloadKey]) -> None:
-        """Keep the ready ``keys`` for a live request until it loads them, finishes, or ``reserve_s`` passes."""
+    def _reserve(self, identity: tuple[str, int], keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Keep the ready ``keys`` for a live request until it loads them, finishes, or ``reserve_s``
+        passes; the keys it did not hold already."""
         record = self._requests.get(identity)
         if record is None or record.finished:
-            return
+            return []
         ready = [key for key in keys if self.pool.is_ready(key)]
         new = self._reservations.grant(identity, ready, self.runtime.now() + self.reserve_s)
         if new:
             self.pool.pin_for_load(new, reservation_owner(identity))
             self._arm_timer()
+        return new
 
     def _end_reservations(self, identity: tuple[str, int], keys: Sequence[OffloadKey]) -> None:
         if keys:

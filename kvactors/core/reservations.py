@@ -42,8 +42,9 @@ def reservation_owner(identity: Identity) -> PinOwner:
 class Reservations:
     """The keys reserved for each request attempt, and each attempt's deadline.
 
-    One deadline per attempt, moved later by each new grant: the blocks of one
-    request are wanted together, so they are kept together.
+    One deadline per attempt, moved later by each grant of a key it did not
+    hold: the blocks of one request are wanted together, so they are kept
+    together.
     """
 
     __slots__ = ("_deadlines", "_keys")
@@ -53,8 +54,12 @@ class Reservations:
         self._deadlines: DeadlineQueue[Identity] = DeadlineQueue()
 
     def __len__(self) -> int:
-        """Keys reserved, over every attempt."""
+        """Keys reserved, over every attempt. O(attempts holding some)."""
         return sum(len(keys) for keys in self._keys.values())
+
+    def __bool__(self) -> bool:
+        """Whether any attempt holds a reservation. O(1): asked on every load."""
+        return bool(self._keys)
 
     def held_by(self, identity: Identity) -> frozenset[OffloadKey]:
         return frozenset(self._keys.get(identity, ()))
@@ -64,10 +69,10 @@ class Reservations:
         already (each key is reserved at most once per attempt), in order."""
         mine = self._keys.setdefault(identity, set())
         new = [key for key in dict.fromkeys(keys) if key not in mine]
-        mine.update(new)
-        if mine:
+        if new:
+            mine.update(new)
             self._deadlines.add(identity, deadline)
-        else:
+        elif not mine:
             del self._keys[identity]
         return new
 
