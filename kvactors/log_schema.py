@@ -135,6 +135,7 @@ _COMPONENT = tuple(
         # the vLLM integration (stdlib logger kvactors.vllm)
         ("take_events_failed", "error"), ("transfer_failed", "warning"), ("transfer_plan_failed", "error"),
         ("transfer_wait_timed_out", "error"), ("block_identity", "info"), ("pool_reclaimed", "warning"),
+        ("stats_failed", "error"),
     )
 )
 

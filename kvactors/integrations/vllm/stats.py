@@ -16,9 +16,9 @@ families as :class:`kvactors.metrics.KvactorsCollector` (:data:`kvactors.metrics
 counters as the increase since the last payload, gauges when they changed,
 the duration histogram as one observation per job ended since (each inside
 its bucket, at the bucket's mean where that lies in it, so the buckets are
-exact and the sum close). The snapshot is taken off the scheduler's thread
-(one helper thread, at most one round trip every ``interval_s``); a payload
-carries the snapshot that was ready at that step, so ``/metrics`` lags the
+exact and the sum close). The snapshot is taken and turned into a payload off
+the scheduler's thread (one helper thread, at most one round trip every
+``interval_s``); a step sends the payload that was ready then, so ``/metrics`` lags the
 runtime by about ``interval_s`` plus a step, and an idle engine (no steps)
 sends nothing until its next request.
 """
@@ -40,6 +40,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvactors.core.counters import DURATION_BUCKETS, MetricsSnapshot
 from kvactors.core.errors import ManagerStoppedError
+from kvactors.logs import component_logger
 from kvactors.manager import TieringManager
 from kvactors.metrics import FAMILIES, KvactorsCollector
 
@@ -84,7 +85,8 @@ class StatsReporter:
     """``get_stats`` payloads of one manager (see the module docstring).
 
     Threading: :meth:`take` is called from vLLM's scheduler thread only; the
-    snapshot is taken on one helper thread.
+    snapshot is taken and :meth:`payload` runs on one helper thread (its only
+    caller there, so the books of what was sent have one writer).
     """
 
     def __init__(self, tm: TieringManager, *, interval_s: float = 1.0) -> None:
@@ -92,9 +94,11 @@ class StatsReporter:
         self._collector = KvactorsCollector(tm)
         self.interval_s = interval_s
         self._executor: ThreadPoolExecutor | None = None
-        self._future: Future[MetricsSnapshot] | None = None
+        self._future: Future[OffloadingConnectorStats | None] | None = None
         self._asked = -math.inf
         self._closed = False
+        self._failed = False
+        self._log = component_logger("vllm")
         self._counters: dict[tuple[str, tuple[str, ...]], float] = {}
         self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
         self._buckets: dict[tuple[str, tuple[str, ...]], tuple[list[float], float]] = {}
@@ -108,18 +112,24 @@ class StatsReporter:
         if self._future is not None and self._future.done():
             future, self._future = self._future, None
             try:
-                out = self.payload(future.result())
+                out = future.result()
             except ManagerStoppedError:
+                self._closed = True  # the runtime is gone: nothing more to ask
                 return None
-            except Exception:  # a failed snapshot is a missed payload, never the engine's failure
-                out = None
+            except Exception as exc:  # a missed payload, never the engine's failure; said once
+                if not self._failed:
+                    self._failed = True
+                    self._log.error("stats_failed", error=f"{type(exc).__name__}: {exc}")
         now = time.monotonic()
         if self._future is None and now - self._asked >= self.interval_s:
             self._asked = now
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvactors-vllm-metrics")
-            self._future = self._executor.submit(self._tm.metrics_snapshot)
+            self._future = self._executor.submit(self._next_payload)
         return out
+
+    def _next_payload(self) -> OffloadingConnectorStats | None:
+        return self.payload(self._tm.metrics_snapshot())
 
     def payload(self, snap: MetricsSnapshot) -> OffloadingConnectorStats | None:
         """The changes since the last payload, as vLLM's stats (None: nothing changed)."""
