@@ -74,7 +74,7 @@ def test_the_identity_is_the_fields_of_file_mapper_and_the_row_and_its_digest_is
         "world_size": 1, "tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1,
         "worker_kv_bytes_per_block": 16384, "block_bytes": 16384,
     }
-    assert len(identity.digest) == PREFIX_BYTES and identity.prefix == identity.digest
+    assert len(identity.digest) == PREFIX_BYTES
     # Pinned: a digest that changes makes every block of every deployment a miss after an upgrade.
     # Change it only with the fields, on purpose.
     assert identity.digest.hex() == "2965e24d310cba81"
@@ -114,6 +114,76 @@ def test_a_config_without_a_model_name_needs_model_id() -> None:
     with pytest.raises(ValueError, match="model_id"):
         block_identity(vllm_config(name=""), model_id=None, block_bytes=1)
     assert block_identity(vllm_config(name=""), model_id="m", block_bytes=1).fields["model"] == "m"
+
+
+REQUIRED = ["model.name", "model.dtype", "cache.tokens_per_hash", "cache.blocks_per_chunk", "groups",
+            "groups.0.group_id", "groups.0.tokens_per_block", "groups.0.layer_names", "parallel.world_size",
+            "parallel.tp_size", "parallel.pp_size", "parallel.pcp_size", "parallel.dcp_size",
+            "worker_kv_bytes_per_block", "model", "cache", "parallel"]
+
+
+@pytest.mark.parametrize("path", REQUIRED)
+def test_a_missing_required_field_is_a_value_error_naming_it(path: str) -> None:
+    """Found in review: required fields were read with defaults (dtype "None", parallel sizes 1,
+    tokens_per_hash 0): a config without them would share a digest with configs of other layouts."""
+    config = vllm_config()
+    *parents, last = path.split(".")
+    owner: Any = config
+    for name in parents:
+        owner = owner[int(name)] if name.isdigit() else getattr(owner, name)
+    delattr(owner, last)
+    shown = path.replace(".0.", "[0].")
+    with pytest.raises(ValueError, match=r"^kvactors: .*" + shown.replace("[", r"\[").replace("]", r"\]")):
+        block_identity(config, model_id=None, block_bytes=16384)
+
+
+def test_the_optional_layout_fields_may_be_missing() -> None:
+    config = vllm_config()
+    for name in ("replicated_layout", "canonical_layout", "kv_cache_layout"):
+        delattr(config, name)
+    assert block_identity(config, model_id=None, block_bytes=16384).digest == digest()
+    del config.model.name  # with model_id, vLLM's model name is not read
+    assert block_identity(config, model_id="m", block_bytes=16384).fields["model"] == "m"
+
+
+@pytest.mark.parametrize("change", [{"groups": None}, {"layer_names": None}, {"layer_names": "abc"}])
+def test_a_groups_field_that_is_not_a_sequence_is_a_value_error(change: dict[str, Any]) -> None:
+    config = vllm_config()
+    owner = config if "groups" in change else config.groups[0]
+    setattr(owner, *next(iter(change.items())))
+    with pytest.raises(ValueError, match=f"kvactors: .*{next(iter(change))}"):
+        block_identity(config, model_id=None, block_bytes=16384)
+
+
+@pytest.mark.parametrize("venv", [".venv-vllm033", ".venv-vllmcpu032"])
+def test_the_real_offloading_config_of_each_vllm_gives_the_pinned_digest(venv: str) -> None:
+    """vLLM's own dataclasses (its config.py is plain dataclasses, loaded from the file without vLLM)."""
+    import importlib.util
+
+    found = sorted((Path(__file__).resolve().parents[1] / venv).glob("lib/python*/site-packages/"
+                                                                        "vllm/v1/kv_offload/config.py"))
+    if not found:
+        pytest.skip(f"no {venv}")
+    spec = importlib.util.spec_from_file_location(f"vllm_offload_config_{venv[1:].replace('-', '_')}", found[0])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def make(cls: type, **values: Any) -> Any:
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})  # what the other version lacks, left out
+
+    stand_in = vllm_config()
+    config = make(
+        module.OffloadingConfig,
+        groups=tuple(make(module.OffloadingGroupConfig, **vars(g)) for g in stand_in.groups),
+        worker_kv_bytes_per_block=stand_in.worker_kv_bytes_per_block, enable_kv_cache_events=False,
+        extra_config={}, engine_id="e0", model=make(module.OffloadingModelConfig, **vars(stand_in.model)),
+        cache=make(module.OffloadingCacheConfig, **vars(stand_in.cache)),
+        parallel=make(module.OffloadingParallelConfig, **vars(stand_in.parallel)))
+    assert block_identity(config, model_id=None, block_bytes=16384).digest.hex() == "2965e24d310cba81"
 
 
 @pytest.mark.parametrize("change", [{"tp_size": "2"}, {"tokens_per_block": None}, {"block_bytes": 1.5},
@@ -229,9 +299,9 @@ def test_keys_go_in_with_the_prefix_and_come_out_without_it() -> None:
     h = Harness(PrefixedTier(inner, b"P" * 8))
     h.tier.lookup(keys, CTX)
     h.tier.touch(keys, CTX)
-    inner.successful = (b"P" * 8 + keys[1], keys[0], b"Q" * 8 + keys[0])  # its own key, and two it was not given
+    inner.successful = (b"P" * 8 + keys[1],)  # a partial report of its own keys
     result = h.run(keys, [0, 1], load=False)
-    assert result.successful_keys == (keys[1],)  # the others are dropped: failed, never another key's success
+    assert result.successful_keys == (keys[1],) and result.error == "partial"
     assert inner.seen == [b"P" * 8 + k for k in keys] * 3
     assert all(k[-4:] == (7).to_bytes(4, "little") for k in inner.seen)  # the group index stays last
     inner.successful = None
@@ -241,6 +311,22 @@ def test_keys_go_in_with_the_prefix_and_come_out_without_it() -> None:
                     OffloadingEvent((b"P" * 8 + keys[1],), "fake", True)]
     assert h.tier.take_events() == [OffloadingEvent((keys[0],), "fake", False),
                                     OffloadingEvent((keys[1],), "fake", True)]
+
+
+@pytest.mark.parametrize("stray", ["unprefixed", "another prefix", "prefix alone", "not bytes", "bytearray"])
+@pytest.mark.parametrize("load", [False, True])
+def test_a_report_naming_a_key_outside_the_prefix_fails_the_whole_job(stray: str, load: bool) -> None:
+    """Found in review: stray keys were dropped and the tier's other keys still counted as successes.
+    A report that does not fit its job fails the whole job (kvactors.core.outcomes.key_outcomes)."""
+    inner, keys = FakeTier(), vllm_keys(2)
+    h = Harness(PrefixedTier(inner, b"P" * 8))
+    bad = {"unprefixed": keys[0], "another prefix": b"Q" * 8 + keys[0], "prefix alone": b"P" * 7,
+           "not bytes": 5, "bytearray": bytearray(b"P" * 8 + keys[0])}[stray]
+    inner.successful = (b"P" * 8 + keys[1], bad)
+    result = h.run(keys, [0, 1], load=load)
+    assert result == JobResult(result.job_id, False, "successful_keys names a key outside this tier's prefix", None)
+    inner.successful = (b"P" * 8 + keys[1], b"P" * 8 + keys[0])  # the same tier, a fitting report: passed on
+    assert h.run(keys, [0, 1], load=load).successful_keys == (keys[1], keys[0])
 
 
 def test_a_disk_tier_evicting_another_models_blocks_shows_no_event_of_them(tmp_path: Path) -> None:
@@ -302,5 +388,6 @@ def test_build_tiers_puts_every_kind_in_the_identity_and_logs_it(tmp_path: Path,
             t.shutdown()
     logged = [r for r in caplog.records if getattr(r, "kvactors_event", {}).get("event") == "block_identity"]
     assert len(logged) == 1 and logged[0].kvactors_event["identity"] == identity.digest.hex()  # type: ignore[attr-defined]
-    bare = build_tiers(parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "memory", "capacity_blocks": 4}]}))
+    bare = build_tiers(parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "memory", "capacity_blocks": 4}]}),
+                       identity=None)
     assert [type(t) for t in bare] == [MemoryTier]

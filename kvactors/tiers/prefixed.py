@@ -19,7 +19,7 @@ use it); and keys stay the tier's only notion of identity, so a block of
 another writer can only be a miss. The key's end is unchanged (vLLM's keys
 end with their 4-byte group index, which code reads as ``key[-4:]``).
 
-Cost: one ``bytes`` concatenation per key going in, one comparison and slice
+Cost: one ``bytes`` concatenation per key going in, one ``startswith`` and slice
 per key coming out in an event or a per-key report. Measured on a 2-core VM
 (36-byte vLLM keys, 10 000 keys a call): 30-65 ns added per key to a lookup
 (a bare ``MemoryTier`` or ``DiskTier`` lookup costs 130-140 ns per key), about
@@ -47,10 +47,12 @@ class PrefixedTier(DelegatingTier):
     what the blocks' bytes depend on: see
     :mod:`kvactors.integrations.vllm.identity`).
 
-    Reports: a job's ``successful_keys`` come back without the prefix; a key
-    in them without it (a tier reporting a key it was never given) is dropped,
-    so that key's block counts as failed: never as the success of a key of the
-    runtime that happens to look the same.
+    Reports: a job's ``successful_keys`` come back without the prefix. A key
+    in them without it, or not ``bytes`` (a tier reporting a key it was never
+    given), fails the whole job, as any report that does not fit its job does
+    (:func:`kvactors.core.outcomes.key_outcomes`): a tier that names keys it was
+    not given cannot be trusted with the others it names either, and such a key
+    is never taken for the success of a runtime key that happens to look the same.
     """
 
     def __init__(self, inner: SecondaryTier, prefix: bytes, *, max_inflight_jobs: int | None = None) -> None:
@@ -87,7 +89,7 @@ class PrefixedTier(DelegatingTier):
     def _strip(self, keys: Sequence[object]) -> tuple[OffloadKey, ...]:
         """``keys`` of this namespace, without the prefix; the others are left out."""
         prefix, n = self.prefix, len(self.prefix)
-        return tuple([key[n:] for key in keys if type(key) is bytes and key[:n] == prefix])
+        return tuple([key[n:] for key in keys if type(key) is bytes and key.startswith(prefix)])
 
     def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
         def unprefixed(result: JobResult) -> None:
@@ -95,7 +97,13 @@ class PrefixedTier(DelegatingTier):
             # Anything but a tuple goes on as it is: the runtime reads a malformed report
             # as every key failed (kvactors.core.outcomes), which is safe as it stands.
             if type(named) is tuple:
-                result = JobResult(result.job_id, result.success, result.error, self._strip(named))
+                prefix, n = self.prefix, len(self.prefix)
+                if all(type(key) is bytes and key.startswith(prefix) for key in named):
+                    result = JobResult(result.job_id, result.success, result.error,
+                                       tuple([key[n:] for key in named]))
+                else:  # a report that does not fit its job fails the whole job (key_outcomes)
+                    result = JobResult(result.job_id, False,
+                                       "successful_keys names a key outside this tier's prefix", None)
             report(result)
 
         super().attach(pool, unprefixed)

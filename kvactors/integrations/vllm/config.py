@@ -208,7 +208,7 @@ def build_tiers(config: KvactorsConfig, identity: BlockIdentity | None = None) -
             except Exception as exc:  # a custom tier's constructor raised something else
                 raise ValueError(f"kvactors: {where} ({kind}): its constructor raised "
                                  f"{type(exc).__name__}: {exc}") from exc
-            tiers.append(tier if identity is None else PrefixedTier(tier, identity.prefix))
+            tiers.append(tier if identity is None else PrefixedTier(tier, identity.digest))
     except BaseException:
         for tier in tiers:
             with contextlib.suppress(Exception):  # the first error is the one to report

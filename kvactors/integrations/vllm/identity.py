@@ -70,7 +70,8 @@ class BlockIdentity:
     ``fields`` is plain JSON (str, int, bool, lists, dicts); ``digest`` is the
     first :data:`PREFIX_BYTES` bytes of the SHA-256 of its canonical JSON (sorted
     keys, no spaces), so the same fields give the same digest in every process,
-    on every machine and with every Python.
+    on every machine and with every Python. It is what
+    :class:`~kvactors.tiers.prefixed.PrefixedTier` puts in front of each key.
     """
 
     fields: Mapping[str, Any]
@@ -80,18 +81,30 @@ class BlockIdentity:
         canonical = json.dumps(self.fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         object.__setattr__(self, "digest", hashlib.sha256(canonical.encode("ascii")).digest()[:PREFIX_BYTES])
 
-    @property
-    def prefix(self) -> bytes:
-        """What :class:`~kvactors.tiers.prefixed.PrefixedTier` puts in front of each key."""
-        return self.digest
-
     def describe(self) -> dict[str, Any]:
         """For the log: the digest (hex) and the fields it was made of."""
         return {"identity": self.digest.hex(), **self.fields}
 
 
-def _get(obj: object, name: str, default: Any = None) -> Any:
-    return getattr(obj, name, default) if obj is not None else default
+_MISSING = object()
+
+
+def _required(obj: object, path: str, where: str = "") -> Any:
+    """``obj.<path>`` (dotted), a field every vLLM with the offloading spec reports
+    (0.32 and 0.33); ``ValueError`` naming it if missing: a default in its place
+    would put blocks of other layouts under one digest."""
+    value = obj
+    for name in path.split("."):
+        value = getattr(value, name, _MISSING)
+        if value is _MISSING:
+            raise ValueError(f"kvactors: vLLM's offloading config has no {where}{path}")
+    return value
+
+
+def _seq(value: object, what: str) -> tuple[Any, ...]:
+    if not isinstance(value, tuple | list):
+        raise ValueError(f"kvactors: vLLM reported {what}={value!r}, not a sequence")
+    return tuple(value)
 
 
 def _int(value: object, what: str) -> int:
@@ -105,39 +118,38 @@ def block_identity(config: Any, *, model_id: str | None, block_bytes: int) -> Bl
 
     ``model_id``: the operator's name for the model (the config key), or None to
     use ``config.model.name``. ``block_bytes``: the bytes of one pool row.
-    ``ValueError`` if vLLM's config names no model and ``model_id`` is None, or
-    reports a size that is not an integer."""
-    model, cache, parallel = _get(config, "model"), _get(config, "cache"), _get(config, "parallel")
-    name = model_id if model_id is not None else _get(model, "name")
+    ``ValueError`` if vLLM's config names no model and ``model_id`` is None,
+    lacks a field that vLLM 0.32 and 0.33 both report, or reports a size that is
+    not an integer. Only the layout flags and ``kv_cache_layout`` may be absent."""
+    name = model_id if model_id is not None else _required(config, "model.name")
     if not isinstance(name, str) or not name:
         raise ValueError("kvactors: vLLM's config names no model; set model_id")
     groups = [
-        {"group_id": _int(_get(g, "group_id", i), "group_id"),
-         "tokens_per_block": _int(_get(g, "tokens_per_block"), "tokens_per_block"),
-         "layer_names": [str(n) for n in (_get(g, "layer_names") or ())]}
-        for i, g in enumerate(_get(config, "groups") or ())
+        {"group_id": _int(_required(g, "group_id", f"groups[{i}]."), "group_id"),
+         "tokens_per_block": _int(_required(g, "tokens_per_block", f"groups[{i}]."), "tokens_per_block"),
+         "layer_names": [str(n) for n in _seq(_required(g, "layer_names", f"groups[{i}]."), "layer_names")]}
+        for i, g in enumerate(_seq(_required(config, "groups"), "groups"))
     ]
     fields: dict[str, Any] = {
         "row_format": ROW_FORMAT,
         "model": name,
-        "dtype": str(_get(model, "dtype")),
-        "tokens_per_hash": _int(_get(cache, "tokens_per_hash", 0), "tokens_per_hash"),
-        "blocks_per_chunk": _int(_get(cache, "blocks_per_chunk", 1), "blocks_per_chunk"),
+        "dtype": str(_required(config, "model.dtype")),
+        "tokens_per_hash": _int(_required(config, "cache.tokens_per_hash"), "tokens_per_hash"),
+        "blocks_per_chunk": _int(_required(config, "cache.blocks_per_chunk"), "blocks_per_chunk"),
         "groups": groups,
-        "world_size": _int(_get(parallel, "world_size", 1), "world_size"),
-        "tp_size": _int(_get(parallel, "tp_size", 1), "tp_size"),
-        "pp_size": _int(_get(parallel, "pp_size", 1), "pp_size"),
-        "pcp_size": _int(_get(parallel, "pcp_size", 1), "pcp_size"),
-        "dcp_size": _int(_get(parallel, "dcp_size", 1), "dcp_size"),
-        "worker_kv_bytes_per_block": _int(_get(config, "worker_kv_bytes_per_block"), "worker_kv_bytes_per_block"),
+        **{size: _int(_required(config, f"parallel.{size}"), size)
+           for size in ("world_size", "tp_size", "pp_size", "pcp_size", "dcp_size")},
+        "worker_kv_bytes_per_block": _int(_required(config, "worker_kv_bytes_per_block"), "worker_kv_bytes_per_block"),
         "block_bytes": _int(block_bytes, "block_bytes"),
     }
-    # Only when set, as FileMapper does: a vLLM without these flags and one with them
-    # off describe the same bytes, so they give the same digest.
+    # Optional (defaults in vLLM's dataclass, and custom builds may lack them). Only when
+    # set, as FileMapper does: a vLLM without these flags and one with them off describe
+    # the same bytes, so they give the same digest.
     for flag in ("replicated_layout", "canonical_layout"):
-        if _get(config, flag) is True:
+        if getattr(config, flag, False) is True:
             fields[flag] = True
     # The page layout (NHD, HND, ...) changes the bytes of a direct-layout page too.
-    if _get(config, "kv_cache_layout") is not None:
-        fields["kv_cache_layout"] = str(_get(config, "kv_cache_layout"))
+    layout = getattr(config, "kv_cache_layout", None)
+    if layout is not None:
+        fields["kv_cache_layout"] = str(layout)
     return BlockIdentity(fields)
