@@ -41,9 +41,9 @@ one round trip to the actors. A stopped manager yields no samples.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 try:
     from prometheus_client import CollectorRegistry, start_http_server
@@ -114,7 +114,17 @@ FAMILIES: tuple[FamilyDef, ...] = (
     FamilyDef("kvactors_tiers_stuck", "gauge", "Secondary tiers stuck inside a call."),
     FamilyDef("kvactors_tier_stuck", "gauge", "1 while a tier is stuck inside a call.", ("tier",)),
 )
-_DOC = {f.name: f.doc for f in FAMILIES}
+_BY_NAME = {f.name: f for f in FAMILIES}
+_TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
+
+
+def _family(name: str, **value: float) -> Any:
+    """An empty family ``name`` as :data:`FAMILIES` declares it (type, help, labels); a label-less
+    one may be given its ``value`` at once."""
+    d = _BY_NAME[name]
+    if value:
+        return _TYPES[d.kind](name, d.doc, **value)
+    return _TYPES[d.kind](name, d.doc, labels=list(d.labels))
 
 
 def stuck_tiers(stats: dict[str, int | float]) -> tuple[int | None, dict[str, int]]:
@@ -161,42 +171,20 @@ class KvactorsCollector(Collector):
     def _traffic_families(self, snap: MetricsSnapshot) -> Iterator[Metric]:
         """Keys asked and found, bytes moved and keys evicted, per tier."""
         bb = self.block_bytes
-
-        def per_tier(name: str, doc: str, values: dict[str, int], scale: int = 1) -> Metric:
-            family = CounterMetricFamily(name, doc, labels=["tier"])
-            for tier, value in values.items():
-                family.add_metric([tier], value * scale)
-            return family
-
-        yield per_tier("kvactors_lookup_keys", "Keys asked at a tier (a secondary tier: keys the pool missed).",
-                       snap.lookup_keys)
-        yield per_tier("kvactors_hit_keys", "Keys a tier answered HIT (cpu: ready in the pool).", snap.hit_keys)
-        yield per_tier("kvactors_stored_bytes", "Block payload stored at a tier by successful transfers.",
-                       snap.stored_blocks, bb)
-        yield per_tier("kvactors_loaded_bytes", "Block payload loaded from a tier by successful transfers.",
-                       snap.loaded_blocks, bb)
-        yield per_tier("kvactors_evicted_keys", "Keys evicted to make room.", snap.evicted_keys)
+        for name, values, scale in (("kvactors_lookup_keys", snap.lookup_keys, 1),
+                                    ("kvactors_hit_keys", snap.hit_keys, 1),
+                                    ("kvactors_stored_bytes", snap.stored_blocks, bb),
+                                    ("kvactors_loaded_bytes", snap.loaded_blocks, bb),
+                                    ("kvactors_evicted_keys", snap.evicted_keys, 1)):
+            yield _labelled(name, [((tier,), value * scale) for tier, value in values.items()])
 
     @staticmethod
     def _job_families(snap: MetricsSnapshot) -> Iterator[Metric]:
         """Transfers ended, started and dropped, and their durations."""
-        jobs = CounterMetricFamily("kvactors_jobs", "Transfers ended, by tier, kind and outcome.",
-                                   labels=["tier", "kind", "outcome"])
-        for (tier, kind, outcome), value in snap.jobs.items():
-            jobs.add_metric([tier, kind, outcome], value)
-        yield jobs
-        for name, doc, values in (
-            ("kvactors_jobs_started", "Cascades and promotions submitted to a tier.", snap.jobs_started),
-            ("kvactors_jobs_dropped", "Cascades and promotions failed before reaching their tier (reset, stop).",
-             snap.jobs_dropped),
-        ):
-            family = CounterMetricFamily(name, doc, labels=["tier", "kind"])
-            for (tier, kind), value in values.items():
-                family.add_metric([tier, kind], value)
-            yield family
-        durations = HistogramMetricFamily("kvactors_job_duration_seconds",
-                                          "A tier's cascades and promotions, submit to report (or deadline).",
-                                          labels=["tier", "kind"])
+        yield _labelled("kvactors_jobs", snap.jobs.items())
+        yield _labelled("kvactors_jobs_started", snap.jobs_started.items())
+        yield _labelled("kvactors_jobs_dropped", snap.jobs_dropped.items())
+        durations = _family("kvactors_job_duration_seconds")
         for (tier, kind), hist in snap.durations.items():
             durations.add_metric([tier, kind], hist.cumulative(), hist.sum_s)
         yield durations
@@ -204,44 +192,31 @@ class KvactorsCollector(Collector):
     @staticmethod
     def _state_families(snap: MetricsSnapshot) -> Iterator[Metric]:
         """Gauges of the moment (queues, pool rows, requests, stuck tiers) and the runtime's counters."""
-        for name, doc, depths in (
-            ("kvactors_tier_jobs_queued", "Jobs waiting for a slot of their tier (queue depth).", snap.jobs_queued),
-            ("kvactors_tier_jobs_in_flight", "Jobs submitted to a tier and not reported yet.", snap.jobs_in_flight),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=["tier"])
-            for tier, value in depths.items():
-                gauge.add_metric([tier], value)
-            yield gauge
-        pool = GaugeMetricFamily("kvactors_pool_blocks", "Rows of the primary pool by state (they sum to num_blocks).",
-                                 labels=["state"])
-        for state in POOL_STATES:
-            pool.add_metric([state], snap.pool_blocks[state])
-        yield pool
-
+        yield _labelled("kvactors_tier_jobs_queued", [((tier,), v) for tier, v in snap.jobs_queued.items()])
+        yield _labelled("kvactors_tier_jobs_in_flight", [((tier,), v) for tier, v in snap.jobs_in_flight.items()])
+        yield _labelled("kvactors_pool_blocks", [((state,), snap.pool_blocks[state]) for state in POOL_STATES])
         stats = snap.stats
-        for name, doc, stat in (
-            ("kvactors_active_requests", "Request attempts from on_new_request until finalized.", "active_requests"),
-            ("kvactors_lookups_in_flight", "Lookups waiting for the secondary tiers.", "lookups_in_flight"),
-        ):
-            yield GaugeMetricFamily(name, doc, value=stats.get(stat, 0))
-        for name, doc, stat in (
-            ("kvactors_contract_violations", "Misuse found in non-blocking calls (logged, state unchanged).",
-             "contract_violations"),
-            ("kvactors_lookups_timed_out", "Lookups that gave up waiting for a tier (lookup_timeout_s).",
-             "lookups_timed_out"),
-            ("kvactors_late_reports", "Job reports that came after their deadline.", "late_reports"),
-            ("kvactors_requests_finalized", "Request attempts finalized at every tier.", "requests_finalized"),
-            ("kvactors_internal_errors", "Handler failures inside the runtime (should stay 0).", "internal_errors"),
-        ):
-            yield CounterMetricFamily(name, doc, value=stats.get(stat, 0))
+        for name, stat in (("kvactors_active_requests", "active_requests"),
+                           ("kvactors_lookups_in_flight", "lookups_in_flight"),
+                           ("kvactors_contract_violations", "contract_violations"),
+                           ("kvactors_lookups_timed_out", "lookups_timed_out"),
+                           ("kvactors_late_reports", "late_reports"),
+                           ("kvactors_requests_finalized", "requests_finalized"),
+                           ("kvactors_internal_errors", "internal_errors")):
+            yield _family(name, value=stats.get(stat, 0))
         count, per_tier_stuck = stuck_tiers(stats)
         if count is not None:
-            yield GaugeMetricFamily("kvactors_tiers_stuck", "Secondary tiers stuck inside a call.", value=count)
+            yield _family("kvactors_tiers_stuck", value=count)
         if per_tier_stuck:
-            stuck = GaugeMetricFamily("kvactors_tier_stuck", "1 while a tier is stuck inside a call.", labels=["tier"])
-            for tier, value in per_tier_stuck.items():
-                stuck.add_metric([tier], value)
-            yield stuck
+            yield _labelled("kvactors_tier_stuck", [((tier,), v) for tier, v in per_tier_stuck.items()])
+
+
+def _labelled(name: str, values: Iterable[tuple[tuple[str, ...], float]]) -> Metric:
+    """Family ``name`` with one sample per ``(label values, value)``."""
+    family = _family(name)
+    for labels, value in values:
+        family.add_metric(list(labels), value)
+    return family
 
 
 def serve_metrics(manager: TieringManager, port: int, addr: str = "127.0.0.1"
