@@ -401,7 +401,7 @@ def test_a_disk_root_that_cannot_be_a_directory_is_a_value_error(tmp_path, where
     config = parse_config({"cpu_bytes_to_use": 1 << 20,
                            "tiers": [{"type": "disk", "root": str(root), "capacity_bytes": 1 << 20}]})
     with pytest.raises(ValueError, match=r"tiers\[0\] \(disk\)"):
-        build_tiers(config)
+        build_tiers(config, identity=None)
 
 
 @pytest.mark.parametrize("where", ["missing folder", "a directory", "NUL", "not a path"])
@@ -432,7 +432,7 @@ def test_a_custom_vllm_tier_that_fails_to_load_names_its_entry(tmp_path, monkeyp
         {"type": "memory", "capacity_blocks": 4},
         {"type": "custom", "class": f"planted_{failure.replace(' ', '_')}:Tier"}]})
     with pytest.raises(ValueError, match=r"kvactors: tiers\[1\]"):
-        build_tiers(config)
+        build_tiers(config, identity=None)
 
 
 @pytest.mark.parametrize("spec", [":Good", "pkg:", " : ", "nocolon"])

@@ -391,3 +391,10 @@ def test_build_tiers_puts_every_kind_in_the_identity_and_logs_it(tmp_path: Path,
     bare = build_tiers(parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "memory", "capacity_blocks": 4}]}),
                        identity=None)
     assert [type(t) for t in bare] == [MemoryTier]
+
+
+def test_build_tiers_needs_the_identity_said() -> None:
+    """Found in review: ``identity=None`` by default made the isolation easy to forget."""
+    config = parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "memory", "capacity_blocks": 4}]})
+    with pytest.raises(TypeError, match="identity"):
+        build_tiers(config)  # type: ignore[call-arg]

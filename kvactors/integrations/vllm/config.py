@@ -175,10 +175,12 @@ def _load_class(spec: str, where: str) -> type:
     return obj
 
 
-def build_tiers(config: KvactorsConfig, identity: BlockIdentity | None = None) -> list[SecondaryTier]:
+def build_tiers(config: KvactorsConfig, identity: BlockIdentity | None) -> list[SecondaryTier]:
     """Construct the configured secondary tiers, in order.
 
-    With ``identity``, each tier is wrapped in a
+    ``identity`` is required (None only where no wrapping is meant: tests, tools),
+    so that no caller leaves a shared tier without isolation by forgetting it.
+    With one, each tier is wrapped in a
     :class:`~kvactors.tiers.prefixed.PrefixedTier` keyed by its digest, so that
     the tier holds this engine's blocks beside those of other models and layouts
     and never answers with theirs (every kind alike: a memory tier too, so that a
