@@ -67,6 +67,8 @@ _TMP_PREFIX = ".kvactors_tmp_"
 #: How long a participant that was not the last to map the pool watches for the others (then the
 #: name stays until :meth:`SharedPool.close`, the interpreter's exit or the next start's reclaim).
 WATCH_S = 3600.0
+#: How long taking the shared lock of a pool file may take (a reclaim holds it exclusively for a moment).
+LOCK_WAIT_S = 5.0
 
 _open_paths: dict[str, tuple[int, int]] = {}  # path -> (st_dev, st_ino) of the file this process opened
 _open_lock = threading.Lock()
@@ -134,6 +136,29 @@ def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
+def pool_file_size(num_blocks: int, block_bytes: int, num_writers: int = 1, participants: int | None = None) -> int:
+    """The bytes of a pool file (see the module docstring): the pool, the status table, the participants."""
+    return num_blocks * block_bytes + num_blocks * num_writers + (participants or 0)
+
+
+def _lock_shared(fd: int, path: str) -> None:
+    """Share-lock ``fd`` (the pool file ``path``) within :data:`LOCK_WAIT_S`; ``TimeoutError`` naming it if not."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    delay = 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"kvactors: could not take the shared lock of the pool file {path} within "
+                               f"{LOCK_WAIT_S}s: another process holds it exclusively")
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.1)
+
+
 def check_pool_fits(cpu_bytes: int, size: int, folder: str) -> None:
     """``ValueError`` naming ``cpu_bytes_to_use`` if the pool (a shared file in ``folder``, backed by
     memory) cannot fit: more than the machine's memory, or than ``folder`` has free."""
@@ -154,7 +179,7 @@ def _create(path: str, size: int) -> int | None:
     tmp = os.path.join(os.path.dirname(path), f"{_TMP_PREFIX}{os.getpid()}_{uuid.uuid4().hex}")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _lock_shared(fd, path)
         os.ftruncate(fd, size)
         os.link(tmp, path)
     except FileExistsError:
@@ -183,7 +208,7 @@ def _open_locked(path: str, size: int) -> tuple[int, bool]:
                 continue
             return created, True
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            _lock_shared(fd, path)
             if _identity(os.fstat(fd)) == _identity(os.stat(path, follow_symlinks=False)):
                 return fd, False
         except FileNotFoundError:
@@ -224,36 +249,54 @@ class SharedPool:
         self.slot = slot
         pool_size = num_blocks * block_bytes
         table = num_blocks * num_writers
-        size = pool_size + table + (participants or 0)
+        size = pool_file_size(num_blocks, block_bytes, num_writers, participants)
         reclaim_stale(os.path.dirname(path) or ".")
         fd, self.created = _open_locked(path, size)
+        ident: tuple[int, int] | None = None
         try:
             ident = _identity(os.fstat(fd))
             current = os.fstat(fd).st_size
             if current != size:
                 raise ValueError(f"{path} holds {current} bytes, expected {size}: another engine's pool?")
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._fd = fd  # holds the shared lock: this pool is alive while the fd is open
+            self._ident = ident
+            with _open_lock:
+                _open_paths[path] = ident
+            flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            self.pool = flat[:pool_size].view(num_blocks, block_bytes)
+            self.status = flat[pool_size:pool_size + table].view(num_blocks, num_writers)
+            self._members = flat[pool_size + table:]
+            del flat
+            self._lock = threading.Lock()
+            self._closed = False
+            self.unlinked = False
+            if participants is not None:
+                self._members[slot] = 1
+                if not self._unlink_if_all_mapped():
+                    threading.Thread(target=self._watch, name="kvactors-vllm-pool-watch", daemon=True).start()
         except BaseException:
-            if self.created:  # ours, and never mapped: nothing may keep it
-                with contextlib.suppress(OSError):
-                    _unlink_if(path, ident)
-            os.close(fd)
+            self._abandon(fd, ident)
             raise
-        self._fd = fd  # holds the shared lock: this pool is alive while the fd is open
-        self._ident = ident
-        with _open_lock:
-            _open_paths[path] = ident
-        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self.pool = flat[:pool_size].view(num_blocks, block_bytes)
-        self.status = flat[pool_size:pool_size + table].view(num_blocks, num_writers)
-        self._members = flat[pool_size + table:]
-        self._lock = threading.Lock()
-        self._closed = False
-        self.unlinked = False
-        if participants is not None:
-            self._members[slot] = 1
-            if not self._unlink_if_all_mapped():
-                threading.Thread(target=self._watch, name="kvactors-vllm-pool-watch", daemon=True).start()
+
+    def _abandon(self, fd: int, ident: tuple[int, int] | None) -> None:
+        """Undo a construction that raised: the name (if this one created the file: never used by
+        it), the entry in ``_open_paths``, the tensors, the map and the fd."""
+        if ident is not None:
+            if self.created:
+                with contextlib.suppress(OSError):
+                    _unlink_if(self.path, ident)
+            with _open_lock:
+                if _open_paths.get(self.path) == ident:
+                    del _open_paths[self.path]
+        for name in ("pool", "status", "_members"):
+            self.__dict__.pop(name, None)
+        mapping = self.__dict__.pop("_mmap", None)
+        if mapping is not None:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
     # ------------------------------------------------------------ the file's name
 

@@ -20,7 +20,7 @@ from kvactors.integrations.vllm import compat, stops
 from kvactors.integrations.vllm.config import build_tiers, parse_config
 from kvactors.integrations.vllm.identity import block_identity
 from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
-from kvactors.integrations.vllm.shm import SharedPool, check_pool_fits, pool_path
+from kvactors.integrations.vllm.shm import SharedPool, check_pool_fits, pool_file_size, pool_path
 from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
 from kvactors.manager import TieringManager
 
@@ -54,15 +54,17 @@ class KvactorsOffloadingSpec(OffloadingSpec):
         if self.num_blocks <= 0:
             raise ValueError(f"kvactors: cpu_bytes_to_use={self.kv_config.cpu_bytes_to_use} holds no block of "
                              f"{self.block_bytes} bytes")
+        self.participants = self.num_writers + 1  # the scheduler side and every worker rank
         self.pool_path = pool_path(config.engine_id)
-        check_pool_fits(self.kv_config.cpu_bytes_to_use, self.num_blocks * (self.block_bytes + self.num_writers),
+        check_pool_fits(self.kv_config.cpu_bytes_to_use,
+                        pool_file_size(self.num_blocks, self.block_bytes, self.num_writers, self.participants),
                         os.path.dirname(self.pool_path))
 
     def _open_pool(self, slot: int) -> SharedPool:
         # Mapped by the scheduler side (slot 0) and every worker rank (slot 1 + rank); its name goes
         # once all have mapped it (shm.py), so nothing of it outlives the engine however it ends.
         return SharedPool(self.pool_path, num_blocks=self.num_blocks, block_bytes=self.block_bytes,
-                          num_writers=self.num_writers, participants=self.num_writers + 1, slot=slot)
+                          num_writers=self.num_writers, participants=self.participants, slot=slot)
 
     def get_manager(self) -> OffloadingManager:
         shared = self._open_pool(0)

@@ -17,13 +17,19 @@ which the workers exit. So:
   signal is never swallowed, and nothing is raised into kvactors' actors (they
   run on their own threads; a handler runs on the main thread). Where no
   handler was installed (``SIG_DFL``: an in-process engine in a script), the
-  process was about to die: it stops the managers first (on a helper thread,
-  at most :data:`SIGNAL_STOP_BUDGET_S` plus a margin), then dies of the same
-  signal.
+  process was about to die: the handler puts ``SIG_DFL`` back at once (a
+  second signal kills the process there and then), wakes a helper thread that
+  :func:`register` started (a handler starts and joins no thread: the thread it
+  interrupted may hold threading's own locks) and waits for it at most
+  :data:`SIGNAL_STOP_BUDGET_S` plus a margin; the helper stops the managers,
+  then the process dies of the same signal. A handler installed from C
+  (``signal.getsignal`` answers ``None``) is left alone.
 * It also stops every registered manager at the process's exit (a
-  ``multiprocessing`` finalizer, which runs in vLLM's engine core and worker
-  processes, forked or spawned, and ``atexit`` in a plain interpreter), in case
-  the engine's own shutdown path did not get to it (it raised before).
+  ``multiprocessing`` finalizer with an ``exitpriority``: it runs in vLLM's
+  engine core and worker processes, forked or spawned, and, through the
+  ``atexit`` hook that ``multiprocessing.util`` registers, in a plain
+  interpreter), in case the engine's own shutdown path did not get to it (it
+  raised before).
 
 SIGKILL cannot be handled: the shared pool's file is gone by then anyway
 (:mod:`kvactors.integrations.vllm.shm`); the event log of a killed manager
@@ -33,13 +39,11 @@ INCONCLUSIVE, which is the truth.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import multiprocessing.util
 import os
 import signal
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from types import FrameType
@@ -60,13 +64,19 @@ class _Stoppable(Protocol):
 _managers: weakref.WeakSet[Any] = weakref.WeakSet()
 _previous: dict[int, Any] = {}
 _lock = threading.Lock()
-_signalled_at: float | None = None
+_signalled = False
 _exit_hooked_pid: int | None = None
+# The helper that stops the managers when a stop signal nobody handles came: its process, the event
+# that wakes it, the event it sets once they stopped, and the signal to die of.
+_helper_pid: int | None = None
+_wake = threading.Event()
+_stopped = threading.Event()
+_signum: int | None = None
 
 
 def signalled() -> bool:
     """Whether this process got SIGTERM or SIGINT since :func:`register` hooked it."""
-    return _signalled_at is not None
+    return _signalled
 
 
 def stop_all() -> None:
@@ -78,33 +88,55 @@ def stop_all() -> None:
             manager.shutdown()
 
 
+def _stop_then_die(wake: threading.Event, stopped: threading.Event) -> None:
+    wake.wait()
+    try:
+        stop_all()  # each manager within stop_budget(): SIGNAL_STOP_BUDGET_S, signalled() being true
+    finally:
+        stopped.set()
+        if _signum is not None:
+            os.kill(os.getpid(), _signum)  # SIG_DFL again (the handler put it back): the process dies of it
+
+
+def _start_helper() -> None:
+    """The helper thread of this process (once per process: a forked child has none)."""
+    global _helper_pid, _wake, _stopped
+    if _helper_pid == os.getpid():
+        return
+    wake, stopped = threading.Event(), threading.Event()  # fresh ones: a forked child's may be in any state
+    threading.Thread(target=_stop_then_die, args=(wake, stopped), name="kvactors-vllm-stop", daemon=True).start()
+    _wake, _stopped, _helper_pid = wake, stopped, os.getpid()
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
-    global _signalled_at
-    if _signalled_at is None:
-        _signalled_at = time.monotonic()
+    global _signalled, _signum
+    _signalled = True
     previous = _previous.get(signum, signal.SIG_DFL)
     if callable(previous):
         previous(signum, frame)  # vLLM's own (sets its flag), or Python's KeyboardInterrupt
         return
     if previous == signal.SIG_IGN:
         return
-    # Nobody handles it: the process dies of it now. The managers stop first, bounded, off this
-    # thread (this one may have been interrupted inside a manager's call, holding its lock).
-    stopper = threading.Thread(target=stop_all, name="kvactors-vllm-stop", daemon=True)
-    stopper.start()
-    stopper.join(SIGNAL_STOP_BUDGET_S + _MARGIN_S)
+    # Nobody handles it: the process dies of it now. A second one kills it at once.
     signal.signal(signum, signal.SIG_DFL)
+    if _helper_pid == os.getpid():
+        # The managers stop first, bounded, on the helper (this thread may have been interrupted
+        # inside a manager's call, holding its lock, or inside threading's own: no thread starts here).
+        _signum = signum
+        _wake.set()
+        _stopped.wait(SIGNAL_STOP_BUDGET_S + _MARGIN_S)
     os.kill(os.getpid(), signum)
 
 
 def _hook_signals() -> None:
     if threading.current_thread() is not threading.main_thread():
         return  # only the main thread may set handlers; vLLM's engine core builds the manager there
+    _start_helper()
     for sig in STOP_SIGNALS:
         with contextlib.suppress(ValueError, OSError):
             current = signal.getsignal(sig)
-            if current is _handler:
-                continue
+            if current is _handler or current is None:
+                continue  # hooked already, or a handler installed from C: not ours to wrap
             _previous[sig] = current
             signal.signal(sig, _handler)
 
@@ -117,8 +149,9 @@ def register(manager: _Stoppable, *, hook_signals: bool = True) -> None:
         _managers.add(manager)
         if _exit_hooked_pid != os.getpid():  # once per process (a forked child registers again)
             _exit_hooked_pid = os.getpid()
+            # Runs at the interpreter's exit too: multiprocessing.util's atexit hook (_exit_function)
+            # runs every finalizer with an exitpriority >= 0.
             multiprocessing.util.Finalize(None, stop_all, exitpriority=100)
-            atexit.register(stop_all)
     if hook_signals:
         _hook_signals()
 
