@@ -20,11 +20,9 @@ another writer can only be a miss. The key's end is unchanged (vLLM's keys
 end with their 4-byte group index, which code reads as ``key[-4:]``).
 
 Cost: one ``bytes`` concatenation per key going in, one ``startswith`` and slice
-per key coming out in an event or a per-key report. Measured on a 2-core VM
-(36-byte vLLM keys, 10 000 keys a call): 30-65 ns added per key to a lookup
-(a bare ``MemoryTier`` or ``DiskTier`` lookup costs 130-140 ns per key), about
-120 ns per key of an event; against a block's copy (microseconds for the
-smallest blocks) and the actor messages of a job, negligible.
+per key coming out in an event or a per-key report: small against a block's copy
+and the actor messages of a job (figures: ``docs/performance.md``, "Model
+isolation").
 """
 
 from __future__ import annotations
