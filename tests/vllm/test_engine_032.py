@@ -82,8 +82,8 @@ def assert_correct(r: dict) -> None:
 def test_round_two_is_served_from_kvactors_with_identical_output(engine):
     r = result(engine, "round_two")
     # Round 1: kvactors holds nothing yet, so some prompt computes the prefix and the others hit the
-    # engine's own cache. Which one depends on when each lookup is answered (lookup_wait_s = 0
-    # defers a request whose answer is not in yet): not on the prompt's position.
+    # engine's own cache. Which one depends on when each lookup is answered (a request whose answer
+    # is not in after lookup_wait_s is deferred): not on the prompt's position.
     assert min(r["cached_round1"]) == 0, r
     # Round 2, engine cache dropped: every prompt, the first too, starts from kvactors' blocks, as
     # many as the engine's own cache served (so the output is compared bit for bit).

@@ -7,11 +7,12 @@ chunk after chunk, every step. The manager
   ``ReqContext`` carries the positions of the request's offload keys) and
   answers the following keys from that answer for the rest of the step;
 * runs every kvactors call that may wait for a secondary tier (lookups,
-  ``take_events``) on a helper thread; by default the scheduler thread does
-  not wait for it (:attr:`KvactorsOffloadingManager.lookup_wait_s` = 0, at
-  most :attr:`~KvactorsOffloadingManager.step_wait_s` per step in all when
-  set): a key not answered yet is ``RETRY`` and vLLM asks again on the next
-  step, which finds the answer (kept, unread, for one step end);
+  ``take_events``) on a helper thread; the scheduler thread waits for a
+  lookup's answer briefly (:attr:`KvactorsOffloadingManager.lookup_wait_s`,
+  at most :attr:`~KvactorsOffloadingManager.step_wait_s` per step in all),
+  never for a tier: a key not answered by then is ``RETRY`` and vLLM asks
+  again on the next step, which finds the answer (kept, unread, for one step
+  end);
 * pins the leading ``HIT`` keys of an answer (``prepare_load``) before it
   answers ``HIT``, so that nothing (another request's store or promotion)
   can evict a block between vLLM's lookup and its ``prepare_load``; pins not
@@ -84,11 +85,12 @@ class KvactorsOffloadingManager(OffloadingManager):
     promoted from a secondary tier.
     """
 
-    # Longest wait for one lookup answer on the scheduler thread, and per step in all. 0: never
-    # wait: waiting cost the step far more than it won (docs/performance.md); the answer is
-    # there one step later.
-    lookup_wait_s: float = 0.0
-    step_wait_s: float = 0.02
+    # Longest wait for one lookup answer on the scheduler thread, and per step in all. A short wait
+    # lets the helper threads (which need the GIL the scheduler's loop holds) answer in the same
+    # step; not waiting cost a step or more per lookup, up to thousands of empty steps under pool
+    # pressure (docs/performance.md, "vLLM engine sweep"). 0: never wait.
+    lookup_wait_s: float = 0.002
+    step_wait_s: float = 0.005
     # The most scheduler steps a request waits for keys that are not final (HIT_PENDING, RETRY) before
     # they are a MISS and it computes them, once lookup_wait_min_s has passed: bounded in steps as well
     # as in seconds (lookup_timeout_s). The floor in seconds is for an engine that spins through empty
