@@ -44,4 +44,22 @@ class StallingTier(MemoryTier):
         self._stall.set()
 
 
-__all__ = ["JobResult", "RaisingTier", "StallingTier"]
+class HangingLookupTier(MemoryTier):
+    """Stores like a MemoryTier; its lookups hang until shutdown (a tier stuck inside a call, on its own
+    thread: it does not declare them inline, as no tier whose calls can block may)."""
+
+    inline_calls = frozenset()
+
+    def __init__(self, name: str = "hanging") -> None:
+        super().__init__(name=name, capacity_blocks=64)
+        self._release = threading.Event()
+
+    def lookup(self, keys, ctx):
+        self._release.wait(30.0)
+        return [LookupResult.MISS for _ in keys]
+
+    def shutdown(self):
+        self._release.set()
+
+
+__all__ = ["HangingLookupTier", "JobResult", "RaisingTier", "StallingTier"]

@@ -176,3 +176,45 @@ def test_under_pool_pressure_every_request_ends_within_the_steps_vllms_own_tieri
     assert ours["loaded"] >= theirs["loaded"]
     assert st["contract_violations"] == 0
     assert st["blocks_pinned"] == 0 and st["blocks_pending"] == 0 and st["jobs_in_flight"] == 0, st
+
+
+@pytest.mark.timeout(300)
+def test_a_tier_stuck_in_its_lookup_costs_the_scheduler_at_most_the_step_wait(tmp_path):
+    """The scheduler thread waits for a lookup's answer briefly (lookup_wait_s, at most step_wait_s a
+    step in all), never for a tier: with a tier that hangs in every lookup, every request still ends
+    (its keys RETRY, then MISS at the step bound) and no step spends more than step_wait_s (plus
+    slack for a loaded machine) inside the connector's lookups."""
+    import time
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    cfg = extra(str(tmp_path), pool_blocks=16,
+                tiers=[{"type": "custom", "class": "fault_tiers:HangingLookupTier"}])
+    cfg["lookup_timeout_s"] = 1.0
+    h = Harness(str(tmp_path), cfg, num_gpu_blocks=64, max_num_seqs=4, max_batched=256)
+    run = Run(h)
+    mgr = h.manager
+    spent = [0.0]
+    lookup = mgr.lookup
+
+    def timed(key, rc):
+        t0 = time.perf_counter()
+        try:
+            return lookup(key, rc)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    mgr.lookup = timed
+    per_step = []
+    rng = random.Random(7)
+    for i in range(6):
+        run.add(f"r{i}", [rng.randrange(3, 500) for _ in range(BLOCK * 4)], max_tokens=2)
+    while h.scheduler.has_requests():
+        spent[0] = 0.0
+        run.step()
+        per_step.append(spent[0])
+        time.sleep(0.005)
+        assert run.steps < 2000, "the run does not end"
+    assert max(per_step) <= mgr.step_wait_s + 0.05, sorted(per_step)[-5:]
+    assert mgr.counters["lookups_given_up"] > 0
+    h.connector.shutdown() if hasattr(h.connector, "shutdown") else mgr.shutdown()
+    h.worker.shutdown()
