@@ -47,6 +47,10 @@ __all__ = ["AsyncTieringManager"]
 _Undo = Callable[[Any], None] | None
 
 
+def _at_once() -> bool:
+    return True
+
+
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
     """On ``future``'s loop: its result, unless its awaiting task gave up on it."""
     if future.cancelled():
@@ -175,8 +179,11 @@ class AsyncTieringManager:
     # ------------------------------------------------------------ the bridge
 
     def _send(self, message: object) -> None:
-        """Put ``message`` as the blocking manager does (claiming the idle primary unless ``claims=False``)."""
-        self.manager._send(message, claim=self._claims)
+        """Put ``message`` as the blocking manager does (claiming the idle primary unless
+        ``claims=False``), but a claim runs this message's handler only: what it causes
+        (the supervisor's part, the tiers' calls) goes to the primary's thread, never
+        to the loop's."""
+        self.manager._send(message, claim=self._claims, until=_at_once)
 
     def _ask(self, message: object, reply: Reply[T]) -> Reply[T]:
         self._send(message)

@@ -6,7 +6,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -93,11 +93,13 @@ class TieringManager:
 
     Every call goes to the primary tier's actor first, as one message, whatever
     the number of keys. When the primary is idle (no handler running, nothing
-    queued to it), the calling thread claims it and runs the handler itself:
-    still one handler at a time and in order, but no thread hand-off (a
-    lookup that misses in the pool then waits for the supervisor and the
-    tiers on their threads). Otherwise the message is queued to the
-    primary's thread: at most one round trip per blocking call.
+    queued to it), the calling thread claims it and runs the handler itself,
+    then what that handler caused on the primary's thread (the supervisor's
+    part, the tiers' inline calls), up to its own reply or a bounded number of
+    messages: still one handler at a time and in order, but no thread hand-off
+    (a lookup then waits only for the tiers that answer on their own threads).
+    Otherwise the message is queued to the primary's thread: at most one round
+    trip per blocking call.
 
     Arguments are checked at the caller, before anything is queued, by every
     method (non-blocking ones too): a bad one is a ``ValueError`` and changes
@@ -218,7 +220,7 @@ class TieringManager:
 
     # ------------------------------------------------------------ plumbing
 
-    def _send(self, message: object, *, claim: bool = True) -> None:
+    def _send(self, message: object, *, claim: bool = True, until: Callable[[], bool] | None = None) -> None:
         """Run ``message`` here if the primary is idle (a claim), or queue it to the primary's thread.
 
         Every frontend call claims: its handler then costs no thread hand-off
@@ -234,7 +236,7 @@ class TieringManager:
         with self._gate:
             claimed = self._put(message, claim)
         if claimed:
-            self._primary.run_claimed(message)
+            self._primary.run_claimed(message, until)
 
     def _put(self, message: object, claim: bool = True) -> bool:
         """Claim the idle primary (True: the caller must ``run_claimed``) or queue (always, with
@@ -250,7 +252,7 @@ class TieringManager:
         return False
 
     def _ask(self, message: object, reply: Reply[T]) -> T:
-        self._send(message)
+        self._send(message, until=reply.done)
         if not self._runtime.wait(reply, self._answer_bound_s):
             call = type(message).__name__
             self._log.error("call_unanswered", call=call, waited_s=self._answer_bound_s)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvactors import ReqContext, TieringManager
+from kvactors import LookupResult, ReqContext, TieringManager
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, handles
 from kvactors.actors.threads import ThreadActorRef, ThreadRuntime
@@ -190,6 +190,73 @@ def test_frontend_calls_run_on_the_caller_when_the_primary_is_idle(tmp_path):
     assert ran_on["store_prepared"] == here
     assert ran_on["store_completed"] == here
     assert ran_on["request_finished"] == here
+
+
+class Chain(Actor):
+    """Tells itself ``n - 1`` after handling ``n`` (down to 0); records the thread of each."""
+
+    name = "chain"
+
+    def __init__(self) -> None:
+        self.ran_on: dict[int, int] = {}
+        self.done = threading.Event()
+
+    @handles(int)
+    def _on_int(self, n: int) -> None:
+        self.ran_on[n] = threading.get_ident()
+        if n:
+            self.ref.tell(n - 1)
+        else:
+            self.done.set()
+
+
+def test_a_claimer_follows_what_its_handler_told_up_to_the_limit_the_thread_the_rest(runtime):
+    from kvactors.actors.mailbox import CLAIM_FOLLOW_LIMIT
+
+    actor = Chain()
+    ref = runtime.spawn(actor, "chain")
+    length = CLAIM_FOLLOW_LIMIT + 5
+    assert ref.claim()
+    ref.run_claimed(length)
+    assert actor.done.wait(10)
+    here = threading.get_ident()
+    on_caller = [n for n, ident in actor.ran_on.items() if ident == here]
+    # The claimed message and CLAIM_FOLLOW_LIMIT of those it caused, in order; the thread the rest.
+    assert sorted(on_caller, reverse=True) == list(range(length, length - CLAIM_FOLLOW_LIMIT - 1, -1))
+    assert all(actor.ran_on[n] != here for n in range(length - CLAIM_FOLLOW_LIMIT))
+
+
+def test_a_claimer_stops_following_once_its_reply_is_in(runtime):
+    actor = Chain()
+    ref = runtime.spawn(actor, "chain")
+    assert ref.claim()
+    ref.run_claimed(5, until=lambda: 3 in actor.ran_on)  # "the reply": message 3 handled
+    assert actor.done.wait(10)
+    here = threading.get_ident()
+    assert [n for n in (5, 4, 3) if actor.ran_on[n] == here] == [5, 4, 3]
+    assert actor.ran_on[2] != here and actor.ran_on[0] != here
+
+
+def test_a_lookup_through_inline_tiers_runs_whole_on_the_caller(tmp_path):
+    """Primary, supervisor and the tiers' inline lookups: no thread hand-off when the primary is idle."""
+    from kvactors.tiers.memory import MemoryTier
+
+    tiers = [MemoryTier(name="m0", capacity_blocks=64), MemoryTier(name="m1", capacity_blocks=64)]
+    seen: list[str] = []
+    for tier in tiers:
+        lookup = tier.lookup
+
+        def recording(keys_, ctx_, lookup=lookup):
+            seen.append(threading.current_thread().name)
+            return lookup(keys_, ctx_)
+
+        tier.lookup = recording  # type: ignore[method-assign]
+    ctx = ReqContext("r")
+    with TieringManager.start(num_blocks=8, block_bytes=8, secondary_tiers=tiers) as manager:
+        manager.on_new_request(ctx)
+        assert manager.wait_idle(10)
+        assert manager.lookup(keys(2), ctx) == [LookupResult.MISS] * len(keys(2))
+    assert seen == [threading.current_thread().name] * 2
 
 
 def test_frontend_calls_queue_when_claims_are_off(tmp_path):

@@ -8,9 +8,13 @@ must find it within a bounded number of seeds, and a failing seed replays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from kvactors.actors import mailbox
 from kvactors.actors.mailbox import CLAIMER, Mailbox
+from kvactors.actors.runtime import Actor
 from kvactors.testing.mailbox_explore import explore_mailbox, explore_mailbox_one
 
 SEEDS = 300
@@ -25,20 +29,23 @@ def claim_ignoring_the_owner(self: Mailbox) -> bool:
         return True
 
 
-def end_claim_running_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+def follow_running_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The claimer handles what was told meanwhile, and leaves it for the thread too."""
-    end_claim = Mailbox.end_claim
 
-    def twice(self: Mailbox) -> None:
-        for actor, message in list(self.pending):
+    def twice(self: Mailbox, actor: Actor, message: object, until: Callable[[], bool] | None = None) -> None:
+        try:
             self.deliver(actor, message)
-        end_claim(self)
+            for item in list(self.pending):
+                self.deliver(*item)
+        finally:
+            self.end_claim()
 
-    monkeypatch.setattr(Mailbox, "end_claim", twice)
+    monkeypatch.setattr(Mailbox, "run_claimed", twice)
 
 
 def end_claim_dropping_when_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Closed while claimed: what waited for the claimer is dropped, not handled."""
+    """Closed while claimed: what waited for the claimer is dropped, not handled (with the
+    claimer following nothing, what it leaves all reaches ``end_claim``)."""
     end_claim = Mailbox.end_claim
 
     def dropping(self: Mailbox) -> None:
@@ -48,6 +55,24 @@ def end_claim_dropping_when_closed(monkeypatch: pytest.MonkeyPatch) -> None:
         end_claim(self)
 
     monkeypatch.setattr(Mailbox, "end_claim", dropping)
+    monkeypatch.setattr(mailbox, "CLAIM_FOLLOW_LIMIT", 0)
+
+
+def follow_dropping_when_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closed while claimed: the claimer stops following and drops what was told meanwhile."""
+    run_claimed = Mailbox.run_claimed
+
+    def dropping(self: Mailbox, actor: Actor, message: object, until: Callable[[], bool] | None = None) -> None:
+        def stop() -> bool:
+            if self.closed:
+                with self.lock:
+                    self.pending.clear()
+                return True
+            return until is not None and until()
+
+        run_claimed(self, actor, message, stop)
+
+    monkeypatch.setattr(Mailbox, "run_claimed", dropping)
 
 
 def _hunt(needle: str, min_fraction: float) -> None:
@@ -59,7 +84,9 @@ def _hunt(needle: str, min_fraction: float) -> None:
     assert explore_mailbox_one(seed) == found[seed]  # replays
 
 
-def test_mailbox_exploration_finds_no_violation() -> None:
+@pytest.mark.parametrize("follow_limit", [0, 1, mailbox.CLAIM_FOLLOW_LIMIT])
+def test_mailbox_exploration_finds_no_violation(monkeypatch: pytest.MonkeyPatch, follow_limit: int) -> None:
+    monkeypatch.setattr(mailbox, "CLAIM_FOLLOW_LIMIT", follow_limit)  # what a claimer leaves to end_claim
     report = explore_mailbox(range(2000))
     assert report.runs == 2000 and not report.failures, report.failures
 
@@ -70,10 +97,15 @@ def test_planted_claim_while_the_thread_owns_the_mailbox(monkeypatch: pytest.Mon
 
 
 def test_planted_message_run_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    end_claim_running_twice(monkeypatch)
+    follow_running_twice(monkeypatch)
     _hunt("handled twice", 0.05)
 
 
 def test_planted_close_while_claimed_losing_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
     end_claim_dropping_when_closed(monkeypatch)
+    _hunt("lost", 0.01)
+
+
+def test_planted_follow_dropping_what_waited_when_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    follow_dropping_when_closed(monkeypatch)
     _hunt("lost", 0.01)

@@ -239,9 +239,9 @@ def test_planted_claim_while_the_thread_owns_the_mailbox_is_found_through_the_ma
 
 
 def test_planted_message_run_twice_is_found_through_the_manager(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.test_mailbox_explore import end_claim_running_twice
+    from tests.test_mailbox_explore import follow_running_twice
 
-    end_claim_running_twice(monkeypatch)
+    follow_running_twice(monkeypatch)
     _hunt(150, 0.1, "internal_errors")
 
 

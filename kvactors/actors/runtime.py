@@ -70,8 +70,11 @@ class ActorRef(Protocol):
         """
         ...
 
-    def run_claimed(self, message: object) -> None:
-        """Handle ``message`` on the calling thread, then give the turn back."""
+    def run_claimed(self, message: object, until: Callable[[], bool] | None = None) -> None:
+        """Handle ``message`` on the calling thread, then the messages told meanwhile, in
+        order, until ``until()`` is true (the caller's reply is in) or none is left (a
+        bounded number: :data:`~kvactors.actors.mailbox.CLAIM_FOLLOW_LIMIT`), then give the
+        turn back."""
         ...
 
 
@@ -188,13 +191,3 @@ class Actor:
 
     def on_stop(self) -> None:
         """Called once, after the last message."""
-
-
-def __getattr__(name: str) -> Any:
-    # The thread runtime moved to kvactors.actors.threads; imported on first use,
-    # so that importing this module (the seeded scheduler does) imports no pykka.
-    if name in ("ThreadRuntime", "ThreadActorRef"):
-        from kvactors.actors import threads
-
-        return getattr(threads, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,6 +30,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -106,15 +107,11 @@ class ThreadActorRef:
         colocated with this one are idle too until :meth:`run_claimed`."""
         return self._claims and self._mailbox.claim()
 
-    def run_claimed(self, message: object) -> None:
-        """Handle ``message`` on the calling thread, then give the turn back.
-
-        Messages told to this mailbox meanwhile (by the handler itself, say,
-        to a colocated actor) go to the actor's thread: a caller that went on
-        handling them would hold the GIL longer, and the tiers' threads would
-        wait for it (``docs/performance.md``). A
-        ``KeyboardInterrupt`` in the handler gives the turn back and reaches the caller."""
-        self._mailbox.run_claimed(self._actor, message)
+    def run_claimed(self, message: object, until: Callable[[], bool] | None = None) -> None:
+        """Handle ``message`` on the calling thread, then what was told meanwhile (a bounded
+        number, until ``until()``: :meth:`Mailbox.run_claimed`), then give the turn back. A
+        ``KeyboardInterrupt`` in a handler gives the turn back and reaches the caller."""
+        self._mailbox.run_claimed(self._actor, message, until)
 
     def close(self) -> pykka.Future[Any] | None:
         """Queue the stop after every message already told; refuse all later ones."""
