@@ -58,7 +58,7 @@ import torch
 from baseline import LockedManager
 
 from kvactors import JobResult, LookupResult, ReqContext, SecondaryTier, TieringManager, TransferJob
-from kvactors.actors.runtime import ThreadRuntime
+from kvactors.actors.threads import ThreadRuntime
 
 NUM_BLOCKS = 8192
 BLOCK_BYTES = 64
@@ -134,11 +134,14 @@ def import_base(rev: str) -> Any:
 @contextlib.contextmanager
 def based(base: Any) -> Any:
     """Rebind this module's kvactors names (and the bench tier's base class) to ``base``'s."""
-    import kvactors_base.actors.runtime as base_runtime  # type: ignore[import-not-found]
+    try:
+        from kvactors_base.actors.threads import ThreadRuntime as base_threads  # type: ignore[import-not-found]
+    except ImportError:  # a base from before the thread runtime had kvactors.actors.threads
+        from kvactors_base.actors.runtime import ThreadRuntime as base_threads  # type: ignore[import-not-found]
 
     names = {"JobResult": base.JobResult, "LookupResult": base.LookupResult, "ReqContext": base.ReqContext,
              "SecondaryTier": base.SecondaryTier, "TieringManager": base.TieringManager,
-             "ThreadRuntime": base_runtime.ThreadRuntime}
+             "ThreadRuntime": base_threads}
     body = {k: v for k, v in vars(BenchTier).items() if k not in ("__dict__", "__weakref__")}
     names["BenchTier"] = type("BenchTier", (base.SecondaryTier,), body)
     saved = {name: globals()[name] for name in names}

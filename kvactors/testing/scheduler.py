@@ -63,9 +63,53 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError
 from kvactors.core.arguments import check_timeout
 from kvactors.testing import clients
-from kvactors.testing.simrefs import _TASKS, SEPARATE_IDLE_CHANCE, SimActorRef, SimMailbox, _Expected, _Stop, _Thaw
+from kvactors.testing.simrefs import SimActorRef, SimMailbox
 
 __all__ = ["SimActorRef", "SimMailbox", "SimRuntime", "SimulationStuck"]
+
+
+SEPARATE_IDLE_CHANCE = 0.25
+"""How often a mailbox whose thread handled its last message goes idle in a step of its own
+(else at once): the moment between, when a claim is refused, is reachable, and rarely costs a step."""
+
+CHECKPOINT_CHANCE = 0.5
+"""How often a client pauses between its claim and the claimed handler (others run meanwhile)."""
+
+
+class _Stop:
+    """The option of stopping a closed, idle mailbox."""
+
+    __slots__ = ("box",)
+
+    def __init__(self, box: SimMailbox) -> None:
+        self.box = box
+
+
+_TASKS = object()  # the option of running one deferred task
+
+
+class _Thaw:
+    """A timer's target that ends a mailbox's stuck call."""
+
+    __slots__ = ("box",)
+
+    def __init__(self, box: SimMailbox) -> None:
+        self.box = box
+
+    def tell(self, message: object) -> None:
+        self.box.frozen = False
+
+
+class _Expected:
+    """A reply :meth:`SimRuntime.expect_by` watches for."""
+
+    __slots__ = ("future", "label", "start", "within")
+
+    def __init__(self, future: Reply[Any] | Future[Any], label: str, start: float, within: float) -> None:
+        self.future = future
+        self.label = label
+        self.start = start
+        self.within = within
 
 
 class SimulationStuck(RuntimeError):
@@ -205,6 +249,12 @@ class SimRuntime:
         this one waits or pauses."""
         self._clients.append(self._carrier(name, client))
 
+    def preempt_claimer(self) -> None:
+        """Between a claim and its handler: on a client thread, as the seed says, let the
+        scheduler run others first (the claimer's thread preempted there); elsewhere nothing."""
+        if self._client_of and self.rng.random() < CHECKPOINT_CHANCE:
+            self.checkpoint()
+
     def checkpoint(self) -> None:
         """On a client thread: let the scheduler run others before this one goes on
         (a thread being preempted); elsewhere nothing."""
@@ -316,11 +366,13 @@ class SimRuntime:
         item = box.take_one()
         if item is None:
             return  # went idle
-        self._run_handler(box, item[0], item[1], claimed=False)
+        self.run_handler(box, item[0], item[1], claimed=False)
         if not box.pending and self.rng.random() >= SEPARATE_IDLE_CHANCE:
             box.take_one()  # goes idle within this step (else in a step of its own, later)
 
-    def _run_handler(self, box: SimMailbox, actor: Actor, message: object, *, claimed: bool) -> None:
+    def run_handler(self, box: SimMailbox, actor: Actor, message: object, *, claimed: bool) -> None:
+        """Run ``actor``'s handler of ``message`` within this step: a mailbox's thread
+        delivering it, or (``claimed``) a claimer running it on its own thread."""
         if self.trace is not None:
             self.trace.append(f"{self.steps} {_name_of(actor)} <- {type(message).__name__}"
                               f"{' (claimed)' if claimed else ''}")
