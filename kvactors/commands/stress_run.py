@@ -21,7 +21,7 @@ from typing import Any
 
 from kvactors.commands import options as opt
 from kvactors.commands.scratch import drop_redis_namespace, run_namespace
-from kvactors.commands.stress import PROG, Plan
+from kvactors.commands.stress_plan import PROG, Plan
 from kvactors.commands.watch import Watch
 
 LEAK_STATS = ("active_requests", "primary_requests", "supervisor_requests", "lookups_in_flight")
