@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvactors import LookupResult, OffloadingEvent
+from kvactors.core import pool_check
 from kvactors.core.policies import LRUPolicy, make_policy
 from kvactors.core.pool import BlockPool, PoolError
 
@@ -28,7 +29,7 @@ def test_prepared_blocks_are_pending_until_completed():
     outcome = p.complete_store([b"k1", b"k2"], A, success=True)
     assert (outcome.live, outcome.stale, outcome.stored) == (2, 0, (b"k1", b"k2"))
     assert p.lookup([b"k1"]) == [LookupResult.HIT]
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_present_and_duplicate_keys_are_left_out():
@@ -36,7 +37,7 @@ def test_present_and_duplicate_keys_are_left_out():
     p.prepare_store([b"k1"], A)
     plan = p.prepare_store([b"k1", b"k2", b"k2"], B)
     assert plan is not None and plan.keys == (b"k2",)
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_failed_store_removes_the_block():
@@ -46,20 +47,20 @@ def test_failed_store_removes_the_block():
     assert outcome.live == 1 and outcome.stored == ()
     assert p.lookup([b"k1"]) == [LookupResult.MISS]
     assert p.stats()["blocks_free"] == 4
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_completing_unprepared_or_twice_is_an_error_that_changes_nothing():
     p = pool()
     p.prepare_store([b"k1"], A)
-    before = p.snapshot()
+    before = pool_check.snapshot(p)
     with pytest.raises(PoolError):
         p.complete_store([b"k1"], B, success=True)  # another writer
     with pytest.raises(PoolError):
         p.complete_store([b"k1", b"nope"], A, success=True)
     with pytest.raises(PoolError):
         p.complete_store([b"k1", b"k1"], A, success=True)
-    assert p.snapshot() == before
+    assert pool_check.snapshot(p) == before
     p.complete_store([b"k1"], A, success=True)
     with pytest.raises(PoolError):
         p.complete_store([b"k1"], A, success=True)
@@ -73,14 +74,14 @@ def test_eviction_takes_only_ready_unpinned_blocks():
     p.prepare_store([b"pending"], A)
     # Full: ready (evictable), pinned, pending. Room for one new block only.
     assert p.prepare_store([b"x", b"y"], A) is None
-    p.check_invariants()
+    pool_check.check_invariants(p)
     plan = p.prepare_store([b"x"], A)
     assert plan is not None and plan.evicted == (b"ready",)
     assert p.prepare_store([b"y"], A) is None  # pinned and pending are never evicted
     p.unpin_load([b"pinned"], B)
     plan = p.prepare_store([b"y"], A)
     assert plan is not None and plan.evicted == (b"pinned",)
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_every_pin_needs_exactly_one_unpin():
@@ -101,7 +102,7 @@ def test_every_pin_needs_exactly_one_unpin():
     with pytest.raises(PoolError):
         p.unpin_load([b"k"], B)  # a double unpin (LMCache #2954) is refused
     assert p.stats()["blocks_pinned"] == 0
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_a_refused_unpin_leaves_the_pins_as_they_were_in_order() -> None:
@@ -110,15 +111,15 @@ def test_a_refused_unpin_leaves_the_pins_as_they_were_in_order() -> None:
     p.prepare_store(keys, A)
     p.complete_store(keys, A, success=True)
     p.pin_for_load(keys, B)
-    before = list(p._pin_book.entries()), p.snapshot()
+    before = list(p._pin_book.entries()), pool_check.snapshot(p)
     with pytest.raises(PoolError):
         p.unpin_load([b"k1", b"k2", b"never-pinned"], B)
     with pytest.raises(PoolError):
         p.unpin_load([b"k2", b"k2"], B)  # pinned once
-    assert (list(p._pin_book.entries()), p.snapshot()) == before
+    assert (list(p._pin_book.entries()), pool_check.snapshot(p)) == before
     p.unpin_load(keys, B)
     assert p.stats()["blocks_pinned"] == 0
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_reset_keeps_busy_rows_until_their_users_end():
@@ -137,7 +138,7 @@ def test_reset_keeps_busy_rows_until_their_users_end():
     assert p.prepare_store([b"new"], B) is not None
     p.unpin_load([b"read"], B)
     assert p.stats()["blocks_detached"] == 0 and p.stats()["blocks_free"] == 1
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 @pytest.mark.parametrize("detach", ["deadline", "reset"])
@@ -159,7 +160,7 @@ def test_a_writer_stores_again_a_key_whose_write_was_detached(detach, outcomes):
     assert (first.live, first.stale, first.stored) == (0, 1, ())  # one of two writes ended: nothing counted
     assert p.lookup([b"k"]) == [LookupResult.HIT_PENDING]
     assert p.stats()["blocks_detached"] == 1  # the old row is still held: its copy may be the one still running
-    p.check_invariants()
+    pool_check.check_invariants(p)
     last = p.complete_store([b"k"], A, success=outcomes[1])
     assert last.live == 1 and last.stored == ((b"k",) if all(outcomes) else ())
     assert p.lookup([b"k"]) == [LookupResult.HIT if all(outcomes) else LookupResult.MISS]
@@ -167,7 +168,7 @@ def test_a_writer_stores_again_a_key_whose_write_was_detached(detach, outcomes):
     with pytest.raises(PoolError):
         p.complete_store([b"k"], A, success=True)  # a third completion: none is owed
     assert p.prepare_store([b"k"], B).keys == (() if all(outcomes) else (b"k",))
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_a_copy_that_never_ends_holds_two_rows_not_one_more_per_retry():
@@ -186,7 +187,7 @@ def test_a_copy_that_never_ends_holds_two_rows_not_one_more_per_retry():
     p.complete_store([b"k"], A, success=True)  # the hung copy ends at last: every row comes back
     assert p.stats()["blocks_detached"] == 0 and p.stats()["blocks_free"] == 8
     assert p.prepare_store([b"k"], A).keys == (b"k",)
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_cascade_pins_and_timed_out_holds():
@@ -203,7 +204,7 @@ def test_cascade_pins_and_timed_out_holds():
     assert p.release_hold(7)
     assert p.prepare_store([b"y"], B) is not None
     assert not p.release_hold(7)
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_promotions_become_ready_or_vanish():
@@ -222,14 +223,14 @@ def test_promotions_become_ready_or_vanish():
     for busy in (4, 5):  # held (timed out), or promoting: its id is not given out again
         if busy == 5:
             p.allocate_promotion(5, [b"p5"])
-        before = p.snapshot()
+        before = pool_check.snapshot(p)
         with pytest.raises(PoolError, match=f"job {busy}"):
             p.allocate_promotion(busy, [b"p6"])
-        assert p.snapshot() == before
+        assert pool_check.snapshot(p) == before
     p.end_promotion(5, success=False)
     p.release_hold(4)
     assert p.stats()["blocks_detached"] == 0
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_events_report_stores_and_removals_in_order():
@@ -254,7 +255,7 @@ def _ready(p: BlockPool, keys: list[bytes], writer=A) -> tuple[int, ...]:
 
 
 def _pins(p: BlockPool, row: int) -> int:
-    return p.snapshot()[5][row]
+    return pool_check.snapshot(p)[5][row]
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -269,10 +270,10 @@ def test_a_pin_after_a_reset_is_booked_on_the_new_row(policy):
     assert new != old
     p.pin_for_load([b"k"], B)
     assert (_pins(p, old), _pins(p, new)) == (1, 1)
-    p.check_invariants()
+    pool_check.check_invariants(p)
     # One copy ended, the other may still read either row: neither row may be handed out.
     p.unpin_load([b"k"], B)
-    p.check_invariants()
+    pool_check.check_invariants(p)
     assert (_pins(p, old), _pins(p, new)) == (1, 1)
     assert p.prepare_store([b"x"], A) is None, "a row still being read was handed to a new store"
     assert p.load_pins_of(B) == 1
@@ -283,7 +284,7 @@ def test_a_pin_after_a_reset_is_booked_on_the_new_row(policy):
     plan = p.prepare_store([b"x"], A)
     assert plan is not None and plan.rows == (old,) and plan.evicted == ()  # the old row is free once read
     assert not p._load_pins
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_a_release_more_than_the_pins_taken_changes_nothing():
@@ -294,17 +295,17 @@ def test_a_release_more_than_the_pins_taken_changes_nothing():
     _ready(p, [b"k"])
     p.pin_for_load([b"k"], B)
     p.unpin_load([b"k"], B)  # owed: the pins lie on two rows
-    before = p.snapshot()
+    before = pool_check.snapshot(p)
     with pytest.raises(PoolError):
         p.unpin_load([b"k", b"k"], B)  # one pin left, two released
     with pytest.raises(PoolError):
         p.unpin_load([b"k"], A)  # another request
-    assert p.snapshot() == before
+    assert pool_check.snapshot(p) == before
     p.unpin_load([b"k"], B)
     with pytest.raises(PoolError):
         p.unpin_load([b"k"], B)  # every pin was released once: a third release is refused
     assert p.stats()["blocks_pinned"] == 0
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_pins_on_one_row_are_released_at_once_and_a_new_row_of_the_key_waits_for_all():
@@ -322,11 +323,11 @@ def test_pins_on_one_row_are_released_at_once_and_a_new_row_of_the_key_waits_for
     assert (_pins(p, old), _pins(p, new)) == (1, 2)  # which two copies ended is unknown
     p.pin_for_load([b"k"], B)  # pinning again while releases are owed
     assert (_pins(p, old), _pins(p, new)) == (1, 3)
-    p.check_invariants()
+    pool_check.check_invariants(p)
     p.unpin_load([b"k", b"k"], B)
     assert (_pins(p, old), _pins(p, new)) == (0, 0)
     assert p.stats()["blocks_free"] == 3
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 def test_a_promotion_into_a_new_row_while_the_old_one_is_pinned():
@@ -342,7 +343,7 @@ def test_a_promotion_into_a_new_row_while_the_old_one_is_pinned():
     assert p.allocate_promotion(2, [b"x"]) is None  # both rows may still be read
     p.unpin_load([b"k"], B)
     assert p.allocate_promotion(3, [b"x"]) == (old,)
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 # ---------------------------------------------------------------- own keys are never evicted (item 2)
@@ -357,21 +358,21 @@ def test_prepare_store_never_evicts_a_key_of_its_own_call(policy):
     assert plan is not None and plan.keys == (b"c",)
     assert plan.evicted == (b"b",), "the call evicted its own present key"
     assert p.lookup([b"a"]) == [LookupResult.HIT]
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_room_only_from_the_calls_own_keys_is_no_room(policy):
     p = pool(2, policy)
     _ready(p, [b"a", b"b"])
-    before = p.snapshot()
+    before = pool_check.snapshot(p)
     assert p.prepare_store([b"a", b"b", b"c"], B) is None
     assert p.prepare_store([b"c", b"b", b"c", b"a"], B) is None  # duplicates change nothing
-    assert p.snapshot() == before and p.take_events() == [
+    assert pool_check.snapshot(p) == before and p.take_events() == [
         OffloadingEvent((b"a", b"b"), "cpu", False)]
     plan = p.prepare_store([b"b", b"c", b"c"], B)  # one other key is evictable: enough for one new key
     assert plan is not None and plan.keys == (b"c",) and plan.evicted == (b"a",)
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -381,7 +382,7 @@ def test_duplicates_are_stored_once_and_spared_once(policy):
     plan = p.prepare_store([b"a", b"a", b"c", b"c", b"a"], B)
     assert plan is not None and plan.keys == (b"c",) and len(plan.rows) == 1
     assert b"a" not in plan.evicted and plan.evicted == (b"b",)
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 KEYS = [bytes([n]) for n in range(6)]
@@ -439,11 +440,11 @@ class PoolMachine(RuleBasedStateMachine):
         return set(pins) | writers | set(holds)
 
     def _guarded(self, call, *args, **kwargs):
-        before = self.pool.snapshot()
+        before = self._snapshot()
         try:
             return call(*args, **kwargs)
         except PoolError:
-            assert self.pool.snapshot() == before, "a refused operation changed state"
+            assert self._snapshot() == before, "a refused operation changed state"
             return None
 
     def _store(self, keys, writer):
@@ -487,6 +488,12 @@ class PoolMachine(RuleBasedStateMachine):
         if not rows:
             del self.m_reads[entry]
 
+
+    def _snapshot(self) -> tuple[object, ...]:
+        return pool_check.snapshot(self.pool)
+
+    def _check(self) -> None:
+        pool_check.check_invariants(self.pool)
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3), writer=st.sampled_from(WRITERS))
     def prepare_store(self, keys, writer):
         self._store(keys, writer)
@@ -503,11 +510,11 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3), owner=st.sampled_from(WRITERS))
     def unpin(self, keys, owner):
-        before = self.pool.snapshot()
+        before = self._snapshot()
         try:
             self.pool.unpin_load(keys, owner)
         except PoolError:
-            assert self.pool.snapshot() == before, "a refused operation changed state"
+            assert self._snapshot() == before, "a refused operation changed state"
             wanted = Counter(keys)
             assert any(len(self.m_reads.get((owner, key), ())) - self.m_released[(owner, key)] < count
                        for key, count in wanted.items()), "a release of pins held was refused"
@@ -610,11 +617,11 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        self.pool.check_invariants()
+        self._check()
 
     @invariant()
     def rows_hold_what_the_model_says(self):
-        snapshot = self.pool.snapshot()
+        snapshot = self._snapshot()
         writer, pins, holds = snapshot[4], snapshot[5], snapshot[6]
         m_pins, m_writers, m_holds = self._model_rows()
         for row in range(self.ROWS):
@@ -662,9 +669,18 @@ class RowLRUMachine(PoolMachine):
         super().__init__()
         self.pool = _Twin(BlockPool(4, make_policy("lru", 4)), BlockPool(4, _KeyLRU()))  # type: ignore[assignment]
 
+    def _snapshot(self) -> tuple[object, ...]:
+        states = [pool_check.snapshot(pool) for pool in (self.pool.a, self.pool.b)]
+        assert states[0] == states[1], "the two pools differ"
+        return states[0]
+
+    def _check(self) -> None:
+        pool_check.check_invariants(self.pool.a)
+        pool_check.check_invariants(self.pool.b)
+
     @invariant()
     def same_state(self):
-        assert self.pool.a.snapshot() == self.pool.b.snapshot()
+        self._snapshot()
         assert list(self.pool.a._policy._key_of) == list(self.pool.a._keys)
 
 
@@ -680,7 +696,7 @@ def test_rows_for_consecutive_keys_ascend_after_eviction():
     plan = p.prepare_store([bytes([100 + n]) for n in range(8)], B)  # evicts all 8, in LRU order
     assert plan is not None and len(plan.evicted) == 8
     assert list(plan.rows) == sorted(plan.rows) == list(range(8))
-    p.check_invariants()
+    pool_check.check_invariants(p)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -695,4 +711,4 @@ def test_stores_after_a_reset_continue_each_others_rows(policy):
     plans = [p.prepare_store([bytes([9, i, n]) for n in range(4)], A) for i in range(3)]
     rows = [row for plan in plans for row in plan.rows]
     assert rows == list(range(12))
-    p.check_invariants()
+    pool_check.check_invariants(p)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvactors import JobResult, LifecycleError, MemoryTier, ReqContext, TieringManager, TransferJob
+from kvactors.core import pool_check
 from kvactors.testing import SimRuntime
 from tests.support import RecordingTier
 
@@ -235,7 +236,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        self.primary.pool.check_invariants()
+        pool_check.check_invariants(self.primary.pool)
         for tier in self.tiers:
             assert tier.violations == []
         supervised = {state.req_context.identity: state for state in self.supervisor.table.states()}
