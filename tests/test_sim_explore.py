@@ -13,7 +13,8 @@ import pytest
 
 from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.core import lifecycle
-from kvactors.core.pool import BlockPool, _LoadPins
+from kvactors.core.load_pins import LoadPins
+from kvactors.core.pool import BlockPool
 from kvactors.testing import explore as explore_module
 from kvactors.testing.explore import ExploreReport, explore, explore_one
 from kvactors.testing.workload import WorkloadConfig
@@ -192,7 +193,7 @@ def test_planted_repin_booked_on_the_old_row(monkeypatch: pytest.MonkeyPatch) ->
         for key, row in zip(keys, rows, strict=True):
             entry = pool._load_pins.get((owner, key))
             if entry is None:
-                pool._load_pins[(owner, key)] = _LoadPins(row)
+                pool._load_pins[(owner, key)] = LoadPins(row)
             else:
                 entry.rows[next(iter(entry.rows))] += 1  # the bug: booked on the row of the first pin
             pool._pin(row)

@@ -58,9 +58,6 @@ class LoadPins:
         return None
 
 
-_LoadPins = LoadPins
-"""The former name (the planted-bug tests book pins with it)."""
-
 
 class LoadPinBook:
     """Every request's load pins, in two books that never share a ``(owner, key)``.

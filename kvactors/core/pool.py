@@ -38,12 +38,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 
 from kvactors.core import pool_check
-from kvactors.core.load_pins import LoadPins, _LoadPins
+from kvactors.core.load_pins import LoadPins
 from kvactors.core.pool_rows import PoolRows
 from kvactors.core.pool_types import Identity, PinOwner, PoolError, Rewrite, StoreOutcome, StorePlan, Writer
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey
 
-__all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "StorePlan", "Writer", "_LoadPins"]
+__all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "StorePlan", "Writer"]
 
 
 class BlockPool(PoolRows):
