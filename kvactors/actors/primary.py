@@ -141,13 +141,17 @@ class PrimaryTier(Actor):
             tier=PRIMARY_TIER_NAME
         )
 
-    def _arm_timer(self) -> None:
-        deadlines = [d for d in (self._store_deadlines.next_deadline(), self._reservations.next_deadline())
-                     if d is not None]
-        if not deadlines:
-            return
-        deadline = min(deadlines)
-        if self._timer_due is not None and self._timer_due <= deadline:
+    def _arm_timer(self, deadline: float | None = None) -> None:
+        """Make sure a tick comes by every deadline in the books: ``deadline``, one just
+        added (the others have their tick already); ``None``, the soonest of all (after a tick)."""
+        due = self._timer_due
+        if deadline is None:
+            deadlines = [d for d in (self._store_deadlines.next_deadline(), self._reservations.next_deadline())
+                         if d is not None]
+            if not deadlines:
+                return
+            deadline = min(deadlines)
+        if due is not None and due <= deadline:
             return  # a tick is due no later than it
         self._timer_due = deadline
         self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
@@ -272,8 +276,9 @@ class PrimaryTier(Actor):
             record.pending_stores += len(plan.keys)
             store_id = next(self._store_ids)
             record.store_of.update(dict.fromkeys(plan.keys, store_id))
-            self._store_deadlines.add((ctx, plan.keys, store_id), self.runtime.now() + self.transfer_timeout_s)
-            self._arm_timer()
+            deadline = self.runtime.now() + self.transfer_timeout_s
+            self._store_deadlines.add((ctx, plan.keys, store_id), deadline)
+            self._arm_timer(deadline)
         msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
 
     @handles(m.CompleteStore)
@@ -421,10 +426,11 @@ class PrimaryTier(Actor):
         if record is None or record.finished:
             return []
         ready = [key for key in keys if self.pool.is_ready(key)]
-        new = self._reservations.grant(identity, ready, self.runtime.now() + self.reserve_s)
+        deadline = self.runtime.now() + self.reserve_s
+        new = self._reservations.grant(identity, ready, deadline)
         if new:
             self.pool.pin_for_load(new, reservation_owner(identity))
-            self._arm_timer()
+            self._arm_timer(deadline)
         return new
 
     def _end_reservations(self, identity: tuple[str, int], keys: Sequence[OffloadKey]) -> None:

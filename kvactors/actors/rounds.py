@@ -116,22 +116,28 @@ class SupervisorRounds(Actor):
 
     # ------------------------------------------------------------ deadlines
 
-    def _arm_timer(self, soonest: float | None = None) -> None:
-        """Make sure a tick comes by the next deadline. ``soonest``: a deadline just
-        added that may be sooner than ``now + min(timeouts)`` (the fast path's bound)."""
-        bound = self.runtime.now() + self._shortest_timeout if soonest is None else soonest
-        if self._timer_due is not None and self._timer_due <= bound:
-            return  # a tick is due no later than any deadline added now
-        deadlines = [d for d in (self.jobs.next_deadline(), self.lookups.next_deadline(),
-                                 self.gathers.next_deadline(), self._watch.next_deadline())
-                     if d is not None]
-        if self._shutdown is not None and not self._shutdown.gathering and not self._shutdown.expired:
-            deadlines.append(self._shutdown.deadline)
-        if not deadlines:
-            return
-        deadline = min(deadlines)
-        if self._timer_due is not None and self._timer_due <= deadline:
-            return
+    def _arm_timer(self, deadline: float | None = None) -> None:
+        """Make sure a tick comes by every deadline in the books.
+
+        ``deadline``: one just added to a book. Every deadline already there has a
+        tick due by it, so a tick due by this one is all it needs: no book is read
+        (this runs for every job sent). ``None``: after a tick, the next one is
+        armed for the soonest deadline of all the books."""
+        due = self._timer_due
+        if deadline is not None:
+            if due is not None and due <= deadline:
+                return
+        else:
+            deadlines = [d for d in (self.jobs.next_deadline(), self.lookups.next_deadline(),
+                                     self.gathers.next_deadline(), self._watch.next_deadline())
+                         if d is not None]
+            if self._shutdown is not None and not self._shutdown.gathering and not self._shutdown.expired:
+                deadlines.append(self._shutdown.deadline)
+            if not deadlines:
+                return
+            deadline = min(deadlines)
+            if due is not None and due <= deadline:
+                return
         self._timer_due = deadline
         self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
 

@@ -221,7 +221,7 @@ class LifecycleSupervisor(SupervisorRounds):
         elif step is Step.QUEUED:
             self._count(ctx, entry.counter, +1)
             if entry.deadline is not None:
-                self._arm_timer()
+                self._arm_timer(entry.deadline)
             if self.tracing:
                 self.log.debug("job_queued", kind=entry.kind, job_id=entry.job_id, tier=entry.tier,
                                req_id=ctx.req_id, attempt=ctx.attempt)
@@ -247,7 +247,7 @@ class LifecycleSupervisor(SupervisorRounds):
         ctx = entry.job.req_context
         self.counters["jobs_submitted"] += 1
         self.metrics.job_started(entry.tier, entry.kind)
-        self._arm_timer()
+        self._arm_timer(entry.deadline if entry.deadline is not None else entry.submitted_at + self.transfer_timeout_s)
         if self.tracing:
             self.log.debug(JOB_SUBMITTED[entry.kind], job_id=entry.job_id, tier=entry.tier, keys=len(entry.job.keys),
                            req_id=ctx.req_id, attempt=ctx.attempt)
@@ -370,7 +370,7 @@ class LifecycleSupervisor(SupervisorRounds):
             return
         # The other answers are messages to this actor: they come after this handler.
         self.lookups.wait(pending, now)
-        self._arm_timer()
+        self._arm_timer(now + self._shortest_timeout)  # the lookup's deadline, or a tier's stuck one
 
     @handles(m.TierLookupAnswered)
     def _on_tier_lookup_answered(self, msg: m.TierLookupAnswered) -> None:
