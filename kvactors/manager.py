@@ -284,7 +284,7 @@ class TieringManager:
         with self._gate:
             if identity in self._live and not self._closed:
                 raise LifecycleError(f"on_new_request: request {ctx} is already active (or finishing)")
-            message = m.NewRequest(ctx, None)
+            message = m.NewRequest(ctx)
             claimed = self._put(message, claim)
             self._live.add(identity)
         if claimed:

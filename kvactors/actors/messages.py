@@ -31,10 +31,9 @@ Keys = tuple[OffloadKey, ...]
 
 
 class NewRequest(NamedTuple):
-    """``reply`` is ``None`` when the facade already refused duplicates (nobody waits)."""
+    """Not answered: the facade refuses duplicates before it sends one."""
 
     ctx: ReqContext
-    reply: Reply[None] | None
 
 
 class Lookup(NamedTuple):

@@ -163,22 +163,18 @@ class PrimaryTier(Actor):
         ctx = msg.ctx
         record = self._requests.get(ctx.identity)
         if record is not None:
+            # The facade refuses duplicates before they are sent: its registry is out of step.
             state = "finishing" if record.finished else "active"
-            if msg.reply is None:
-                # The facade refuses duplicates before they are sent: its registry is out of step.
-                self.internal_errors += 1
-                self.log.error("invariant_broken", req_id=ctx.req_id, attempt=ctx.attempt,
-                               error=f"on_new_request for a request already {state}")
-                return
-            raise LifecycleError(f"on_new_request: request {ctx} is already {state}")
+            self.internal_errors += 1
+            self.log.error("invariant_broken", req_id=ctx.req_id, attempt=ctx.attempt,
+                           error=f"on_new_request for a request already {state}")
+            return
         record = self._requests[ctx.identity] = _RequestRecord(ctx)
         if self.tracing:
             self.log.debug("request_started", req_id=ctx.req_id, attempt=ctx.attempt)
         if self.announce_starts:
             record.announced = True
             self.supervisor.tell(m.RequestStarted(ctx))
-        if msg.reply is not None:
-            msg.reply.set_result(None)
 
     @handles(m.FinishRequest)
     def _on_finish_request(self, msg: m.FinishRequest) -> None:

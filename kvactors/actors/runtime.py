@@ -25,11 +25,14 @@ logic, state and ref, but shares the other's thread and mailbox, so the two
 handle their messages one at a time, in the order they were told, across
 both.
 
-Failures: :meth:`Actor.deliver` catches every ``Exception`` of a handler. A
-failed ask gets the exception; a failed tell is logged and counted, and the
-actor lives on. ``KeyboardInterrupt`` and ``SystemExit`` are not caught: they
-reach the thread that ran the handler (the caller's, in a claimed call, after
-the claim is given back).
+Failures, one policy for every actor and every plugin call: an ``Exception``
+is a failure of that handler or call, contained where it happened.
+:meth:`Actor.deliver` catches it: a failed ask gets the exception; a failed
+tell is logged and counted, and the actor lives on. A tier actor catches its
+plugin's (:mod:`kvactors.actors.secondary`): logged, counted, and a job it
+was running fails. ``KeyboardInterrupt`` and ``SystemExit`` are never caught:
+they reach the thread that ran the handler (the caller's, in a claimed call,
+after the claim is given back).
 """
 
 from __future__ import annotations

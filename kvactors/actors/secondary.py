@@ -198,7 +198,7 @@ class SecondaryTierActor(Actor):
         with contextlib.suppress(ActorStoppedError):
             self.supervisor.tell(message)
 
-    def _failed(self, call: str, exc: BaseException, **context: object) -> None:
+    def _failed(self, call: str, exc: Exception, **context: object) -> None:
         self.tier_errors += 1
         self.log.warning("tier_call_failed", tier=self.tier.name, call=call, error=repr(exc), **context)
 
@@ -207,7 +207,7 @@ class SecondaryTierActor(Actor):
         self._open.add(msg.ctx.identity)
         try:
             self.tier.on_new_request(msg.ctx)
-        except BaseException as exc:
+        except Exception as exc:
             self._failed("on_new_request", exc, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
 
     @handles(m.TierFinished)
@@ -217,14 +217,14 @@ class SecondaryTierActor(Actor):
             self.log.debug("tier_finish_received", tier=self.tier.name, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
         try:
             self.tier.on_request_finished(msg.ctx)
-        except BaseException as exc:
+        except Exception as exc:
             self._failed("on_request_finished", exc, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
 
     @handles(m.TierTouch)
     def _on_touch(self, msg: m.TierTouch) -> None:
         try:
             self.tier.touch(msg.keys, msg.ctx)
-        except BaseException as exc:
+        except Exception as exc:
             self._failed("touch", exc)
 
     @handles(m.TierSubmit)
@@ -240,7 +240,7 @@ class SecondaryTierActor(Actor):
                 self.tier.submit_load(job)
             else:
                 self.tier.submit_store(job)
-        except BaseException as exc:
+        except Exception as exc:
             self._failed("submit_load" if job.is_promotion else "submit_store", exc, job_id=job.job_id)
             self._report(JobResult(job.job_id, False, f"{type(exc).__name__}: {exc}"))
 
@@ -265,7 +265,7 @@ class SecondaryTierActor(Actor):
             for result in results:
                 if type(result) is not LookupResult:
                     raise TypeError(f"lookup returned {result!r}, not a LookupResult")
-        except BaseException as exc:
+        except Exception as exc:
             self._failed("lookup", exc)
             results = None
         if msg.reply is not None:
@@ -284,6 +284,6 @@ class SecondaryTierActor(Actor):
                     self.tier.drain(msg.timeout_s)
                 finally:
                     self.tier.shutdown()
-        except BaseException as exc:
+        except Exception as exc:
             self._failed(msg.what, exc)
         self._answer(m.TierGathered(msg.gather_id, self.tier.name, payload))
