@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvactors.core.gathers import GatherBook
+from kvactors.core.gathers import GatherBook, GatherKind
 from kvactors.core.lookupbook import LookupBook, PendingLookup
 from kvactors.types import LookupResult, ReqContext
 
@@ -109,20 +109,20 @@ def test_bad_input_raises_and_changes_nothing() -> None:
 
 def test_a_gather_ends_once_and_late_payloads_wait_for_the_next() -> None:
     gathers: GatherBook[str] = GatherBook()
-    first = gathers.begin("events", "done1", waiting=TIERS)
+    first = gathers.begin(GatherKind.EVENTS, "done1", waiting=TIERS)
     gathers.wait(first, 1.0)
     assert gathers.answered(first.gather_id, "t1", ("e1",)) is None
     assert gathers.tier_stuck("t2") == [first] and first.missing == {"t2"}
     gathers.end(first)
     assert gathers.answered(first.gather_id, "t2", ("late",)) is None  # too late: kept
-    patient = gathers.begin("barrier", "done2", waiting=TIERS, patient=True)
+    patient = gathers.begin(GatherKind.BARRIER, "done2", waiting=TIERS, patient=True)
     gathers.wait(patient, None)
     assert gathers.tier_stuck("t2") == [] and patient.waiting == set(TIERS)  # a patient one waits
     assert gathers.expire(10.0) == [] and len(gathers) == 1
     assert gathers.take_late("t2") == ["late"] and gathers.take_late("t2") == []
     with pytest.raises(ValueError):
-        gathers.wait(gathers.begin("events", "x", waiting=()), 1.0)
-    timed = gathers.begin("events", "done3", waiting=("t1",))
+        gathers.wait(gathers.begin(GatherKind.EVENTS, "x", waiting=()), 1.0)
+    timed = gathers.begin(GatherKind.EVENTS, "done3", waiting=("t1",))
     gathers.wait(timed, 2.0)
     assert gathers.expire(2.0) == [timed]
     assert gathers.end(timed) and timed.missing == {"t1"} and gathers.next_deadline() is None
@@ -132,8 +132,8 @@ def test_a_gather_ended_by_an_earlier_ones_callback_is_not_ended_twice() -> None
     """A stop's gather that expires first ends every open gather from its callback; the
     later entries of the same expire() list are then ended already (a reply set twice)."""
     gathers: GatherBook[str] = GatherBook()
-    stop = gathers.begin("shutdown", "stop", waiting=TIERS)
-    events = gathers.begin("events", "take_events", waiting=TIERS)
+    stop = gathers.begin(GatherKind.SHUTDOWN, "stop", waiting=TIERS)
+    events = gathers.begin(GatherKind.EVENTS, "take_events", waiting=TIERS)
     gathers.wait(stop, 1.0)
     gathers.wait(events, 1.5)
     ended: list[str] = []
@@ -147,7 +147,7 @@ def test_a_gather_ended_by_an_earlier_ones_callback_is_not_ended_twice() -> None
                 ended.append(other.on_done)
     assert ended == ["stop", "take_events"] and len(gathers) == 0
     # A gather that waits for no tier is never open: it is ended at once, once.
-    empty = gathers.begin("events", "no tiers", waiting=())
+    empty = gathers.begin(GatherKind.EVENTS, "no tiers", waiting=())
     assert gathers.end(empty) and not gathers.end(empty)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from kvactors.actors.reply import Reply
+from kvactors.core.gathers import GatherKind
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 Keys = tuple[OffloadKey, ...]
@@ -292,11 +293,10 @@ class TierLookup(NamedTuple):
 
 
 class TierGather(NamedTuple):
-    """Ask a tier actor for something it answers with :class:`TierGathered`:
-    ``what`` is ``"barrier"``, ``"events"`` or ``"shutdown"``."""
+    """Ask a tier actor for something it answers with :class:`TierGathered`: ``what``."""
 
     gather_id: int
-    what: str
+    what: GatherKind
     timeout_s: float | None = None
 
 

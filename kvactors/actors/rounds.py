@@ -39,7 +39,7 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.actors.secondary import TierLink
 from kvactors.core import counters
-from kvactors.core.gathers import Gather, GatherBook
+from kvactors.core.gathers import Gather, GatherBook, GatherKind
 from kvactors.core.jobbook import BookedJob, JobBook, Step
 from kvactors.core.lifecycle import LifecycleTable, RequestState
 from kvactors.core.lookupbook import LookupBook, PendingLookup
@@ -208,7 +208,7 @@ class SupervisorRounds(Actor):
         self._reset_waits.append(wait)
         # A round through the tiers, at once (it ends by its deadline, as the jobs do by
         # theirs): when reset_cache returns, they have processed its finishes.
-        self._gather("barrier", functools.partial(self._reset_gathered, wait))
+        self._gather(GatherKind.BARRIER, functools.partial(self._reset_gathered, wait))
         self._check_barriers()
 
     def _reset_gathered(self, wait: _ResetWait, payloads: object, missing: frozenset[str]) -> None:
@@ -229,9 +229,9 @@ class SupervisorRounds(Actor):
                 events.extend(payloads.get(tier, ()))
             msg.reply.set_result(events)
 
-        self._gather("events", done)
+        self._gather(GatherKind.EVENTS, done)
 
-    def _gather(self, what: str, on_done: GatherDone, *, drain_timeout_s: float | None = None,
+    def _gather(self, what: GatherKind, on_done: GatherDone, *, drain_timeout_s: float | None = None,
                 deadline: float | None = None, patient: bool = False) -> None:
         """One round through the tiers: ``on_done`` once each answered, or was found
         stuck, or ``deadline`` (default: ``transfer_timeout_s`` from now) passed.
@@ -246,7 +246,7 @@ class SupervisorRounds(Actor):
         now = self.runtime.now()
         probe = ("gather", gather.gather_id)
         for tier in self.tier_order:
-            if tier in stuck and what != "shutdown":
+            if tier in stuck and what != GatherKind.SHUTDOWN:
                 continue
             self.tiers[tier].ref.tell(m.TierGather(gather.gather_id, what, drain_timeout_s))
             if tier not in stuck:
@@ -293,7 +293,7 @@ class SupervisorRounds(Actor):
             # queue must pass the releases sent before now: a tier round, then the primary.
             # Patient: wait_idle's own timeout bounds its caller, and a tier found stuck
             # (perhaps only slow) that moves again passes the barrier and lets it say True.
-            self._gather("barrier", functools.partial(self._finish_barrier, reply), patient=True)
+            self._gather(GatherKind.BARRIER, functools.partial(self._finish_barrier, reply), patient=True)
 
     def _finish_barrier(self, reply: Reply[bool], payloads: object, missing: frozenset[str]) -> None:
         # A patient round misses a tier only when stop() cuts it short: not idle.
@@ -363,7 +363,7 @@ class SupervisorRounds(Actor):
             return
         shutdown.gathering = True
         remaining = max(shutdown.deadline - self.runtime.now(), 0.0)
-        self._gather("shutdown", self._shut_down, drain_timeout_s=remaining,
+        self._gather(GatherKind.SHUTDOWN, self._shut_down, drain_timeout_s=remaining,
                      deadline=shutdown.deadline + SHUTDOWN_GRACE_S)
 
     def _shut_down(self, payloads: object, missing: frozenset[str]) -> None:

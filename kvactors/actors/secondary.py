@@ -47,7 +47,8 @@ import torch
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, handles
-from kvactors.tiers.base import SecondaryTier, inline_calls_of, overrides
+from kvactors.core.gathers import GatherKind
+from kvactors.tiers.base import InlineCall, SecondaryTier, inline_calls_of, overrides
 from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext
 
 
@@ -111,12 +112,12 @@ class TierLink:
     __slots__ = ("inline", "lane", "on_blocked", "ref", "tier", "wants_new_request", "wants_touch")
 
     def __init__(self, ref: ActorRef, lane: LookupLane, wants_new_request: bool, wants_touch: bool,
-                 inline: frozenset[str] = frozenset(), tier: str = "") -> None:
+                 inline: frozenset[InlineCall] = frozenset(), tier: str = "") -> None:
         self.ref = ref
         self.lane = lane
         self.wants_new_request = wants_new_request
         self.wants_touch = wants_touch
-        self.inline: frozenset[str] = inline
+        self.inline: frozenset[InlineCall] = inline
         self.tier = tier
         self.on_blocked: Callable[[str, str, float], None] | None = None
 
@@ -277,9 +278,9 @@ class SecondaryTierActor(Actor):
     def _on_gather(self, msg: m.TierGather) -> None:
         payload: tuple[object, ...] = ()
         try:
-            if msg.what == "events":
+            if msg.what == GatherKind.EVENTS:
                 payload = tuple(self.tier.take_events())
-            elif msg.what == "shutdown":
+            elif msg.what == GatherKind.SHUTDOWN:
                 try:
                     self.tier.drain(msg.timeout_s)
                 finally:

@@ -14,6 +14,7 @@ untouched. Times are the owner's clock.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -23,10 +24,21 @@ from kvactors.core.deadlines import DeadlineQueue
 D = TypeVar("D")
 
 
+class GatherKind(enum.StrEnum):
+    """What a gather asks each tier for (a ``str``: logged as its value)."""
+
+    BARRIER = "barrier"
+    """Nothing: the answer says every earlier message to the tier was handled."""
+    EVENTS = "events"
+    """The tier's ``take_events()``."""
+    SHUTDOWN = "shutdown"
+    """The tier's ``drain`` then ``shutdown``."""
+
+
 @dataclass(slots=True)
 class Gather(Generic[D]):
     gather_id: int
-    what: str
+    what: GatherKind
     waiting: set[str]
     on_done: D
     patient: bool = False
@@ -52,7 +64,7 @@ class GatherBook(Generic[D]):
     def next_deadline(self) -> float | None:
         return self._deadlines.next_deadline()
 
-    def begin(self, what: str, on_done: D, *, waiting: Iterable[str], missing: Iterable[str] = (),
+    def begin(self, what: GatherKind, on_done: D, *, waiting: Iterable[str], missing: Iterable[str] = (),
               patient: bool = False) -> Gather[D]:
         """A new gather (a fresh id) waiting for ``waiting``; ``missing``: tiers not waited for."""
         self._ids += 1

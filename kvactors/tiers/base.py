@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias, get_args
 
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 if TYPE_CHECKING:
     import torch
 
-INLINE_CALLS = frozenset(("lookup", "submit_store", "submit_load", "on_new_request", "on_request_finished", "touch"))
+InlineCall: TypeAlias = Literal["lookup", "submit_store", "submit_load", "on_new_request", "on_request_finished",
+                                "touch"]
+"""The name of a tier method the runtime may run on the sender's thread (:attr:`SecondaryTier.inline_calls`)."""
+
+INLINE_CALLS: frozenset[InlineCall] = frozenset(get_args(InlineCall))
 """The methods a tier may name in :attr:`SecondaryTier.inline_calls`."""
 
 ReportFn = Callable[[JobResult], None]
@@ -199,7 +203,7 @@ class SecondaryTier(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-_HOOKS = ("on_new_request", "on_request_finished", "touch")
+_HOOKS: tuple[InlineCall, ...] = ("on_new_request", "on_request_finished", "touch")
 
 
 def overrides(tier: SecondaryTier, method: str) -> bool:
@@ -207,7 +211,7 @@ def overrides(tier: SecondaryTier, method: str) -> bool:
     return getattr(type(tier), method) is not getattr(SecondaryTier, method)
 
 
-def inline_calls_of(tier: SecondaryTier) -> frozenset[str]:
+def inline_calls_of(tier: SecondaryTier) -> frozenset[InlineCall]:
     """``tier.inline_calls`` and the hooks it leaves to the base class (no-ops).
 
     ``ValueError`` if it names a method outside :data:`INLINE_CALLS`."""
@@ -217,4 +221,4 @@ def inline_calls_of(tier: SecondaryTier) -> frozenset[str]:
         raise ValueError(f"tier {tier.name!r}: inline_calls names {sorted(unknown)}; "
                          f"choose from {sorted(INLINE_CALLS)}")
     inherited = {hook for hook in _HOOKS if not overrides(tier, hook)}
-    return declared | inherited
+    return frozenset(call for call in INLINE_CALLS if call in declared) | inherited
