@@ -7,6 +7,7 @@ fraction of seeds: proof that a clean exploration means something.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -130,10 +131,9 @@ PER_KEY_WORKLOAD = WorkloadConfig(clients=2, requests=8, ops=16, keys=36, keys_p
 def _more_report_faults(monkeypatch: pytest.MonkeyPatch) -> None:
     draw = explore_module.draw_params
 
-    def drawn(seed: int, base: WorkloadConfig | None = None) -> dict[str, object]:
+    def drawn(seed: int, base: WorkloadConfig | None = None) -> explore_module.SeedParams:
         params = draw(seed, base)
-        params["report_faults"] = [(0.4, 0.3) for _ in params["report_faults"]]
-        return params
+        return dataclasses.replace(params, report_faults=tuple((0.4, 0.3) for _ in params.report_faults))
 
     monkeypatch.setattr(explore_module, "draw_params", drawn)
 

@@ -441,7 +441,10 @@ class PrimaryTier(Actor):
             if ready and requester is not None:
                 self._reserve(requester, ready)
         else:
+            ready = ()
             self.pool.end_job(msg.job_id, hold=msg.hold)
+        if self._job_observer is not None:
+            self._job_observer(msg, ready)
 
     @handles(m.HoldReleased)
     def _on_hold_released(self, msg: m.HoldReleased) -> None:
@@ -508,3 +511,20 @@ class PrimaryTier(Actor):
     @handles(m.Shutdown)
     def _on_shutdown(self, msg: m.Shutdown) -> None:
         self.supervisor.tell(m.SupervisorShutdown(msg.reply, msg.budget_s))
+
+    # ------------------------------------------------------------ for tests and tools
+
+    _job_observer: Callable[[m.JobEnded, tuple[OffloadKey, ...]], None] | None = None
+
+    def request_identities(self) -> tuple[tuple[str, int], ...]:
+        """The ``(req_id, attempt)`` of each request attempt this actor keeps a record of (from its
+        start until the supervisor finalizes it), oldest first. Ask it on the actor's thread, or
+        while nothing runs (a seeded scheduler between steps)."""
+        return tuple(self._requests)
+
+    def observe_job_ended(self, observer: Callable[[m.JobEnded, tuple[OffloadKey, ...]], None] | None) -> None:
+        """Call ``observer(msg, made_ready)`` in the handler, after each job's end is applied
+        (:class:`~kvactors.actors.messages.JobEnded`): ``made_ready``, the keys a promotion made ready
+        (none for a cascade job). ``None``: no observer. For tests and tools; unobserved, a job's end
+        costs one attribute test."""
+        self._job_observer = observer

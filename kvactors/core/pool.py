@@ -47,6 +47,7 @@ from kvactors.core.pool_types import (
     Identity,
     PinOwner,
     PoolError,
+    PoolHoldings,
     Rewrite,
     StoreOutcome,
     StorePlan,
@@ -712,3 +713,15 @@ class BlockPool:
         index.update(zip(keys, taken, strict=True))
         self._n_pending += count
         return tuple(taken), evicted
+
+    def holdings(self) -> PoolHoldings:
+        """What the pool holds now (copies: ready keys and their rows, pending writes, load
+        pins, job pins, promotions in flight), for tests and tools. O(rows + pins)."""
+        ready = self._ready
+        return PoolHoldings(
+            ready={key: row for key, row in self._index.items() if ready[row]},
+            pending_writes=frozenset((writer, key) for writer, mine in self._pending_writes.items() for key in mine),
+            load_pins={(owner, key): dict(rows) for owner, key, rows, _ in self._pin_book.entries()},
+            job_pins=dict(self._job_pins),
+            promotions=dict(self._promotions),
+        )

@@ -1,7 +1,8 @@
 """The invariants of :class:`~kvactors.core.pool.BlockPool`, checked whole (for tests).
 
 Reads the pool's private state on purpose: it is the pool's own checker, kept apart
-because it is not on any operation's path.
+because it is not on any operation's path. It imports the pool, never the reverse: tests
+call these functions on a pool (tools read :meth:`~kvactors.core.pool.BlockPool.holdings`).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeAlias
 
@@ -58,3 +59,20 @@ class Rewrite:
     stale_rows: list[int] = field(default_factory=list)
     ended: int = 0
     ok: bool = True
+
+
+@dataclass(frozen=True)
+class PoolHoldings:
+    """What a :class:`~kvactors.core.pool.BlockPool` holds at one moment
+    (:meth:`~kvactors.core.pool.BlockPool.holdings`): copies, for tests and tools."""
+
+    ready: Mapping[OffloadKey, int]
+    """Each key that is indexed and ready, and its row."""
+    pending_writes: frozenset[tuple[Writer, OffloadKey]]
+    """Each ``(writer, key)`` whose write is not completed yet (indexed or detached)."""
+    load_pins: Mapping[tuple[PinOwner, OffloadKey], Mapping[int, int]]
+    """Per ``(owner, key)`` a request (or one of its roles) holds load pins of: the pins per row."""
+    job_pins: Mapping[int, tuple[int, ...]]
+    """Per cascade job reading rows: the rows it pins."""
+    promotions: Mapping[int, tuple[tuple[OffloadKey, int], ...]]
+    """Per promotion job in flight: the ``(key, row)`` it writes."""

@@ -32,16 +32,53 @@ import functools
 import random
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvactors.actors import messages as m
+from kvactors.actors.primary import PrimaryTier
 from kvactors.actors.reply import Reply
 from kvactors.manager import TieringManager
 from kvactors.testing.scheduler import SimRuntime, SimulationStuck
 from kvactors.testing.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer, rows_hold
 from kvactors.testing.workload import Env, WorkloadConfig, make_clients
 from kvactors.tiers.base import INLINE_CALLS
+from kvactors.types import OffloadKey
+
+
+@dataclass(frozen=True)
+class TierParams:
+    """One recording, fault-injecting test tier of a seed (:class:`~kvactors.testing.tiers.RecordingTier`'s
+    arguments)."""
+
+    name: str
+    capacity_blocks: int
+    faults: Faults
+    max_inflight_jobs: int
+
+
+@dataclass(frozen=True)
+class SeedParams:
+    """The manager, tiers and workload of one seed (:func:`draw_params`)."""
+
+    config: WorkloadConfig
+    num_blocks: int
+    block_bytes: int
+    eviction: str
+    tiers: tuple[TierParams, ...]
+    time_jump_chance: float
+    tier_hooks: bool
+    """Whether the tiers have the request hooks; without them the primary never announces a
+    start, and the supervisor opens a request's state lazily."""
+    claim_chance: float
+    """How often a frontend call runs the idle primary itself (0: never, as with claims off)."""
+    inline_calls: bool
+    """Every call of every tier inline (run by the supervisor when the tier's actor is idle), or none."""
+    report_faults: tuple[tuple[float, float], ...]
+    """Per tier, ``(partial, lie)``: how often a job ends per key, and how often a report is
+    sloppy (the runtime must apply the one, reject the other)."""
+    poller: bool
+    """A scheduler polls between steps (:func:`poller`): drawn with a tier that may get stuck."""
 
 
 @dataclass
@@ -51,7 +88,7 @@ class RunResult:
     steps: int = 0
     operations: int = 0
     requests: int = 0
-    params: dict[str, Any] = field(default_factory=dict)
+    params: SeedParams | None = None
     trace: list[str] | None = None
 
     @property
@@ -129,24 +166,22 @@ def check_internals(runtime: SimRuntime, manager: TieringManager, env: Env, tier
     The actors come from the scheduler (:meth:`SimRuntime.ref`); the stats
     already checked the counts (:func:`check_stats`): this looks at which
     keys and jobs are held, which only the actors' state says."""
-    from kvactors.core import pool_check
-
     out = []
-    primary: Any = runtime.ref("primary").actor
+    primary = _primary(runtime)
     supervisor: Any = runtime.ref("supervisor").actor
-    pool = primary.pool
-    pending = {(writer, key) for writer, key, _ in pool_check.pending_writes(pool)}
+    holdings = primary.pool.holdings()
+    pending = set(holdings.pending_writes)
     if pending != env.never_completed:
         extra = pending - env.never_completed
         out.append(f"pool: {len(extra)} pending writes nobody completes (leak), e.g. {sorted(extra)[:3]}")
-    for label, held in (("load pins", pool_check.load_pins(pool)), ("job pins", pool._job_pins),
-                        ("promotions", pool._promotions), ("primary requests", primary._requests),
+    for label, held in (("load pins", holdings.load_pins), ("job pins", holdings.job_pins),
+                        ("promotions", holdings.promotions), ("primary requests", primary.request_identities()),
                         ("supervisor jobs", [job.job_id for job in supervisor.jobs.jobs()]),
                         ("supervisor lookups", [lookup.lookup_id for lookup in supervisor.lookups.open_lookups()]),
                         ("supervisor allocations", supervisor.lookups.allocating())):
         if held:
             out.append(f"{label} left: {list(held)[:5]}")
-    ready = [(key, row) for key, row in pool._index.items() if pool._ready[row]]
+    ready = list(holdings.ready.items())
     bad = rows_hold(manager.pool, [key for key, _ in ready], [row for _, row in ready])
     if bad:
         out.append(f"pool: ready rows {[ready[i][1] for i in bad][:5]} do not hold their blocks "
@@ -163,22 +198,28 @@ def check_internals(runtime: SimRuntime, manager: TieringManager, env: Env, tier
 def watch_promotions(runtime: SimRuntime, manager: TieringManager, violations: list[str]) -> None:
     """Simulation only: when a promotion ends, the rows it made ready must hold their blocks
     (the fault tiers fill the rows of keys that must not become ready with junk)."""
-    primary: Any = runtime.ref("primary").actor
-    pool, handle = primary.pool, primary._on_job_ended
+    primary = _primary(runtime)
 
-    def checked(msg: m.JobEnded) -> None:
-        entries = pool._promotions.get(msg.job_id, ()) if msg.is_promotion else ()
-        handle(msg)
-        ready = [(key, row) for key, row in entries if pool._index.get(key) == row and pool._ready[row]]
+    def checked(msg: m.JobEnded, made_ready: tuple[OffloadKey, ...]) -> None:
+        if not made_ready:
+            return
+        rows = primary.pool.holdings().ready
+        ready = [(key, rows[key]) for key in made_ready]
         bad = rows_hold(manager.pool, [key for key, _ in ready], [row for _, row in ready])
         if bad:
             violations.append(f"promotion job {msg.job_id}: rows {[ready[i][1] for i in bad]} made ready "
                               f"do not hold their blocks (keys {[ready[i][0] for i in bad]})")
 
-    primary._on_job_ended = checked
+    primary.observe_job_ended(checked)
 
 
-def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]:
+def _primary(runtime: SimRuntime) -> PrimaryTier:
+    actor = runtime.ref("primary").actor
+    assert isinstance(actor, PrimaryTier), actor
+    return actor
+
+
+def draw_params(seed: int, base: WorkloadConfig | None = None) -> SeedParams:
     """The manager, tiers and workload of one seed."""
     rng = random.Random(f"params/{seed}")
     config = (base or WorkloadConfig()).draw(rng)
@@ -192,35 +233,32 @@ def draw_params(seed: int, base: WorkloadConfig | None = None) -> dict[str, Any]
             slow_s=config.transfer_timeout_s * rng.choice((0.5, 1.5)),
             lookup_raise=rng.choice((0.0, 0.0, 0.05)),
         )
-        tiers.append({"name": f"t{n}", "capacity_blocks": rng.randint(4, 32), "faults": faults,
-                      "max_inflight_jobs": rng.randint(1, 3)})
-    return {
-        "config": config,
-        "num_blocks": rng.randint(4, 16),
-        "block_bytes": 32,
-        "eviction": rng.choice(("lru", "arc")),
-        "tiers": tiers,
-        "time_jump_chance": rng.choice((0.005, 0.02, 0.1)),
-        # Without the hook the primary never announces a start: the supervisor opens state lazily.
-        "tier_hooks": rng.random() < 0.5,
-        # How often a frontend call runs the idle primary itself (0: never, as with claims off).
-        "claim_chance": rng.choice((0.0, 0.5, 0.9)),
-        # Drawn last, so the draws above still give every earlier seed its scenario.
-        # Every call of every tier inline (run by the supervisor when the tier's actor is idle), or none.
-        "inline_calls": rng.random() < 0.5,
-        # Jobs that end per key, and sloppy reports (the runtime must apply the one, reject the other).
-        "report_faults": [(rng.choice((0.0, 0.1, 0.3)), rng.choice((0.0, 0.0, 0.05, 0.2))) for _ in tiers],
-    } | _draw_hangs(rng, config, tiers)
+        tiers.append(TierParams(f"t{n}", capacity_blocks=rng.randint(4, 32), faults=faults,
+                                max_inflight_jobs=rng.randint(1, 3)))
+    # In this order: each seed keeps the scenario it always had (the later draws were added later).
+    num_blocks = rng.randint(4, 16)
+    eviction = rng.choice(("lru", "arc"))
+    time_jump_chance = rng.choice((0.005, 0.02, 0.1))
+    tier_hooks = rng.random() < 0.5
+    claim_chance = rng.choice((0.0, 0.5, 0.9))
+    inline_calls = rng.random() < 0.5
+    report_faults = tuple((rng.choice((0.0, 0.1, 0.3)), rng.choice((0.0, 0.0, 0.05, 0.2))) for _ in tiers)
+    poller = _draw_hangs(rng, config, tiers)
+    return SeedParams(config=config, num_blocks=num_blocks, block_bytes=32, eviction=eviction, tiers=tuple(tiers),
+                      time_jump_chance=time_jump_chance, tier_hooks=tier_hooks, claim_chance=claim_chance,
+                      inline_calls=inline_calls, report_faults=report_faults, poller=poller)
 
 
-def _draw_hangs(rng: random.Random, config: WorkloadConfig, tiers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Drawn after the rest: a tier that may get stuck in its calls, and a poller to notice."""
+def _draw_hangs(rng: random.Random, config: WorkloadConfig, tiers: list[TierParams]) -> bool:
+    """Drawn after the rest: a tier that may get stuck in its calls (replaced in ``tiers``), and
+    whether a poller notices (only then)."""
     if rng.random() >= 0.3:
-        return {"poller": False}
+        return False
     spec = rng.choice(tiers)
-    spec["faults"] = dataclasses.replace(spec["faults"], hang=rng.choice((0.02, 0.1, 0.3)),
-                                         hang_s=config.transfer_timeout_s * rng.choice((3, 20)))
-    return {"poller": True}
+    tiers[tiers.index(spec)] = dataclasses.replace(
+        spec, faults=dataclasses.replace(spec.faults, hang=rng.choice((0.02, 0.1, 0.3)),
+                                         hang_s=config.transfer_timeout_s * rng.choice((3, 20))))
+    return True
 
 
 def poller(env: Env, runtime: SimRuntime, seed: int) -> Callable[[], None]:
@@ -255,18 +293,19 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
                 event_log: str | None = None, internals: bool = True) -> RunResult:
     """Run the workload of ``seed`` on a fresh :class:`SimRuntime` and check it."""
     params = draw_params(seed, base)
-    config: WorkloadConfig = params["config"]
-    runtime = SimRuntime(seed, time_jump_chance=params["time_jump_chance"], claim_chance=params["claim_chance"],
+    config = params.config
+    runtime = SimRuntime(seed, time_jump_chance=params.time_jump_chance, claim_chance=params.claim_chance,
                          trace=trace)
     deferrer = SimDeferrer(runtime)
-    tier_class = RecordingTier if params["tier_hooks"] else HooklessRecordingTier
-    inline = INLINE_CALLS if params["inline_calls"] else frozenset()
-    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, inline_calls=inline,
-                        **{**spec, "faults": dataclasses.replace(spec["faults"], partial=partial, lie=lie)})
-             for spec, (partial, lie) in zip(params["tiers"], params["report_faults"], strict=True)]
+    tier_class = RecordingTier if params.tier_hooks else HooklessRecordingTier
+    inline = INLINE_CALLS if params.inline_calls else frozenset()
+    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, inline_calls=inline, name=spec.name,
+                        capacity_blocks=spec.capacity_blocks, max_inflight_jobs=spec.max_inflight_jobs,
+                        faults=dataclasses.replace(spec.faults, partial=partial, lie=lie))
+             for spec, (partial, lie) in zip(params.tiers, params.report_faults, strict=True)]
     manager = TieringManager.start(
-        num_blocks=params["num_blocks"], block_bytes=params["block_bytes"], secondary_tiers=tiers,
-        eviction=params["eviction"], transfer_timeout_s=config.transfer_timeout_s,
+        num_blocks=params.num_blocks, block_bytes=params.block_bytes, secondary_tiers=tiers,
+        eviction=params.eviction, transfer_timeout_s=config.transfer_timeout_s,
         lookup_timeout_s=config.transfer_timeout_s, event_log=event_log, runtime=runtime,
     )
     env = Env(manager=manager, deferrer=deferrer, config=config, seed=seed, spawn=runtime.spawn_client,
@@ -278,7 +317,7 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
     try:
         for index, client in enumerate(make_clients(env)):
             runtime.spawn_client(f"client{index}", client.run)
-        if params["poller"]:
+        if params.poller:
             runtime.spawn_client("poller", poller(env, runtime, seed))
         runtime.run()
         result.violations.extend(runtime.late)
