@@ -39,7 +39,7 @@ class ClientCancelled(BaseException):
     the client's own ``except Exception`` lets it through)."""
 
 
-class _Client:
+class Client:
     """What the scheduler knows of one client; subclasses carry it (a thread, a greenlet)."""
 
     __slots__ = ("_fn", "cancelled", "credit", "deadline", "error", "expect", "finished", "key", "name",
@@ -118,7 +118,7 @@ class _Client:
             self.running = False
 
 
-class ThreadClient(_Client):
+class ThreadClient(Client):
     """A client on a real thread. Two locks, both held while nothing is handed over:
     ``_go`` (released by :meth:`resume`: the client may run) and ``_back`` (released
     by the client when it pauses or ends: whoever resumed it goes on). Each client
@@ -166,7 +166,7 @@ class ThreadClient(_Client):
             self._back.release()
 
 
-class GreenletClient(_Client):
+class GreenletClient(Client):
     """A client as a greenlet on the scheduler's thread; it pauses into whoever resumed it."""
 
     __slots__ = ("_glet",)
@@ -202,5 +202,5 @@ class GreenletClient(_Client):
             raise ClientCancelled
 
 
-ClientThread: type[_Client] = GreenletClient if greenlet is not None else ThreadClient
+ClientThread: type[Client] = GreenletClient if greenlet is not None else ThreadClient
 """The carrier the scheduler uses (see the module docstring)."""

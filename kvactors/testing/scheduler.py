@@ -140,9 +140,9 @@ class SimRuntime:
         self._timers: list[tuple[float, int, ActorRef | _Thaw, object]] = []
         self._timer_seq = itertools.count()
         self._tasks: list[tuple[str, Callable[[], None]]] = []
-        self._clients: list[clients._Client] = []
+        self._clients: list[clients.Client] = []
         self._carrier = clients.ClientThread  # as chosen when this runtime was made
-        self._client_of: dict[object, clients._Client] = {}  # by self._carrier.current()
+        self._client_of: dict[object, clients.Client] = {}  # by self._carrier.current()
         self._current: list[tuple[SimMailbox, Actor, bool]] = []  # handlers running (claims nest)
         self._expected: list[_Expected] = []
         self.late: list[str] = []
@@ -396,7 +396,7 @@ class SimRuntime:
             self.trace.append(f"{self.steps} task {label}")
         task()
 
-    def _resume_client(self, client: clients._Client, *, cancel: bool = False) -> None:
+    def _resume_client(self, client: clients.Client, *, cancel: bool = False) -> None:
         if self.trace is not None and not cancel:
             self.trace.append(f"{self.steps} client {client.name}")
         if not client.started and not cancel:
