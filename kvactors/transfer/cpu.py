@@ -8,7 +8,9 @@ completer thread, which reports it (the engine then posts the completion to
 the manager and resolves the future). The workers never do that control work
 themselves: the next copy starts while the last one is being completed.
 Jobs start in submission order; with several workers they may end out of order;
-the completer reports them in the order their copies ended.
+the completer reports them in the order their copies ended. The copier's
+layout (:mod:`kvactors.transfer.layouts`) turns runs into copies: slice copies
+of whole rows for the engine, a ``_foreach_copy_`` of pages for the vLLM worker.
 
 A copy in progress is never abandoned: with a deadline, a job not started by
 its deadline fails without copying, one that passes it fails between two runs
@@ -26,6 +28,7 @@ import threading
 import torch
 
 from kvactors.transfer.jobs import CopyJob, Direction, FaultInjector, JobDone
+from kvactors.transfer.layouts import Layout, resolve
 
 _copier_ids = itertools.count()
 
@@ -39,21 +42,20 @@ _MAX_BATCH_BYTES = 16 << 20
 
 
 class CpuCopier:
-    """``workers`` threads copying between ``device_cache`` and ``pool`` (both on the CPU)."""
+    """``workers`` threads copying between ``device_cache`` and ``pool`` (both on the CPU), or
+    in a ``layout`` (:mod:`kvactors.transfer.layouts`) instead of those two."""
 
     def __init__(
         self,
         *,
-        device_cache: torch.Tensor,
-        pool: torch.Tensor,
+        device_cache: torch.Tensor | None = None,
+        pool: torch.Tensor | None = None,
         workers: int,
         done: JobDone,
         fault_injector: FaultInjector | None,
+        layout: Layout | None = None,
     ) -> None:
-        self._tensors: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {
-            "offload": (device_cache, pool),
-            "onboard": (pool, device_cache),
-        }
+        self._layout = resolve(device_cache, pool, layout)
         self._done = done
         self._inject = fault_injector
         self._queue: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
@@ -100,9 +102,8 @@ class CpuCopier:
         job.check_deadline()
         if self._inject is not None:
             self._inject(job.direction, job.ctx, job.keys)
-        src, dst = self._tensors[job.direction]
-        for s, d, n in job.runs:
-            dst[d : d + n].copy_(src[s : s + n])
+        for run in job.runs:
+            self._layout.copy(job.direction, (run,))
             job.check_deadline()
 
     def _copy_batch(self, direction: Direction, jobs: list[CopyJob]) -> list[tuple[CopyJob, BaseException | None]]:
@@ -122,10 +123,8 @@ class CpuCopier:
                     runs[-1][2] += n
                 else:
                     runs.append([s, d, n])
-        src, dst = self._tensors[direction]
         try:
-            for s, d, n in runs:
-                dst[d : d + n].copy_(src[s : s + n])
+            self._layout.copy(direction, [(s, d, n) for s, d, n in runs])
         except Exception as exc:  # which job's rows failed is unknown: fail them all
             return [(job, error or exc) for job, error in outcome]
         return outcome

@@ -4,7 +4,8 @@ Issue (on the calling thread, so that "the caller's current stream" means
 something): under the direction's issue lock, the copy stream waits on the
 caller's current stream (work the caller already queued on the device rows
 comes first), the job's coalesced runs are queued on the copy stream with
-``non_blocking=True`` slice copies, and an event is recorded after them. The
+``non_blocking=True`` copies (slice copies of the copier's layout,
+:mod:`kvactors.transfer.layouts`), and an event is recorded after them. The
 job then goes to the back of the direction's queue; the issue lock keeps that
 queue in the stream's order. Launching is asynchronous: the caller's thread
 never waits for the copy.
@@ -21,8 +22,9 @@ event has passed: a copy on a stream cannot be abandoned halfway, so a late
 copy fails only once its rows are quiet.
 
 The pool should be pinned (``TieringManager`` allocates it pinned when CUDA is
-available); a pageable pool still works, with copies that block the issuing
-thread.
+available; memory CUDA did not allocate, such as the vLLM worker's shared pool,
+is registered with :class:`HostRegistration`); a pageable pool still works,
+with copies that block the issuing thread.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from collections import deque
 
 import torch
 
+from kvactors.logs import component_logger
 from kvactors.transfer.jobs import OFFLOAD, ONBOARD, CopyJob, Direction, FaultInjector, JobDone
+from kvactors.transfer.layouts import Layout, resolve
 
 _copier_ids = itertools.count()
 
@@ -46,21 +50,25 @@ _Entry = tuple[CopyJob, "torch.cuda.Event | None", BaseException | None]
 
 
 class CudaCopier:
-    """Copies between a CUDA ``device_cache`` and the (pinned) host ``pool``."""
+    """Copies between a CUDA ``device_cache`` and the (pinned) host ``pool``, or in a
+    ``layout`` (:mod:`kvactors.transfer.layouts`) instead of those two, on ``device``."""
 
     def __init__(
         self,
         *,
-        device_cache: torch.Tensor,
-        pool: torch.Tensor,
+        device_cache: torch.Tensor | None = None,
+        pool: torch.Tensor | None = None,
         done: JobDone,
         fault_injector: FaultInjector | None,
+        layout: Layout | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        self._device = device_cache.device
-        self._tensors: dict[Direction, tuple[torch.Tensor, torch.Tensor]] = {
-            OFFLOAD: (device_cache, pool),
-            ONBOARD: (pool, device_cache),
-        }
+        self._layout = resolve(device_cache, pool, layout)
+        if device is None:
+            if device_cache is None:
+                raise ValueError("a CudaCopier with a layout needs its device")
+            device = device_cache.device
+        self._device = device
         self._streams: dict[Direction, torch.cuda.Stream] = {
             OFFLOAD: torch.cuda.Stream(device=self._device),
             ONBOARD: torch.cuda.Stream(device=self._device),
@@ -80,7 +88,6 @@ class CudaCopier:
     def submit(self, job: CopyJob) -> None:
         direction = job.direction
         stream = self._streams[direction]
-        src, dst = self._tensors[direction]
         with self._issue_locks[direction]:
             error: BaseException | None = None
             event: torch.cuda.Event | None = None
@@ -89,8 +96,7 @@ class CudaCopier:
                     self._inject(direction, job.ctx, job.keys)
                 stream.wait_stream(torch.cuda.current_stream(self._device))
                 with torch.cuda.stream(stream):
-                    for s, d, n in job.runs:
-                        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+                    self._layout.copy(direction, job.runs, non_blocking=True)
             except Exception as exc:
                 error = exc
             try:
@@ -159,3 +165,41 @@ class CudaCopier:
             self._cond.notify_all()
         if threading.current_thread() is not self._poller:
             self._poller.join()
+
+
+class HostRegistration:
+    """``tensor``'s host memory registered with CUDA (``cudaHostRegister``), so that copies
+    between it and a device are asynchronous, until :meth:`release` (``cudaHostUnregister``).
+
+    For memory CUDA did not allocate (a shared mapping): :meth:`release` must run before the
+    memory is unmapped. A registration that fails is logged (``pool_not_pinned``) and leaves
+    :attr:`registered` false: copies still work, blocking the issuing thread.
+
+    Threading: :meth:`release` may be called from any thread, more than once; the first call
+    unregisters.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._log = component_logger("transfer")
+        self._ptr = tensor.data_ptr()
+        self._lock = threading.Lock()
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            code = int(torch.cuda.cudart().cudaHostRegister(self._ptr, nbytes, 0))
+        except Exception as exc:  # no CUDA runtime to ask
+            code, detail = -1, f"{type(exc).__name__}: {exc}"
+        else:
+            detail = f"cudaError {code}"
+        self.registered = code == 0
+        if not self.registered:
+            self._log.warning("pool_not_pinned", detail=f"cudaHostRegister of {nbytes} bytes failed ({detail}): "
+                                                        "host copies will block the issuing thread")
+
+    def release(self) -> None:
+        """Unregister the memory (once; later calls do nothing). ``RuntimeError`` if CUDA refuses."""
+        with self._lock:
+            registered, self.registered = self.registered, False
+        if registered:
+            code = int(torch.cuda.cudart().cudaHostUnregister(self._ptr))
+            if code != 0:
+                raise RuntimeError(f"cudaHostUnregister failed: cudaError {code}")

@@ -28,7 +28,6 @@ the torch copier (:mod:`kvactors.transfer.cpu`) when one is given.
 
 from __future__ import annotations
 
-import array
 import collections
 import ctypes
 import importlib.util
@@ -41,7 +40,8 @@ from functools import cache
 import torch
 
 from kvactors.logs import component_logger
-from kvactors.transfer.jobs import CopyJob, CopyTimeoutError, Direction, JobDone
+from kvactors.transfer.jobs import CopyJob, CopyTimeoutError, JobDone
+from kvactors.transfer.layouts import Layout, resolve
 
 _copier_ids = itertools.count()
 
@@ -56,6 +56,7 @@ _STATUS_DEADLINE = 1
 _STATUS_NOT_QUEUED = 2  # posted by submit itself when the native side refused the job
 _STATUS_MOVED = 3  # posted by submit itself: a tensor's storage moved since the copier started
 _STATUS_FORKED = 4  # a copier inherited by a forked child
+_STATUS_INVALID = 5  # posted by submit itself: the layout refused the job's runs (the error in _invalid)
 _BATCH = 256  # finished jobs taken per wait
 
 
@@ -97,39 +98,41 @@ def supports(device_cache: torch.Tensor, pool: torch.Tensor) -> bool:
 
 class NativeCopier:
     """``threads`` native threads copying between ``device_cache`` and ``pool`` (both on the CPU,
-    contiguous: :func:`supports`). ``RuntimeError`` if the library is missing or cannot start them."""
+    contiguous: :func:`supports`), or in a ``layout`` (:mod:`kvactors.transfer.layouts`) instead
+    of those two, one whose :meth:`~kvactors.transfer.layouts.Layout.native` is true.
+    ``RuntimeError`` if the library is missing or cannot start them, or the tensors do not suit."""
 
     def __init__(
         self,
         *,
-        device_cache: torch.Tensor,
-        pool: torch.Tensor,
+        device_cache: torch.Tensor | None = None,
+        pool: torch.Tensor | None = None,
         threads: int,
         done: JobDone,
         piece_bytes: int = PIECE_BYTES,
         stream: bool = True,
+        layout: Layout | None = None,
     ) -> None:
         lib = _library()
         if lib is None:
             raise RuntimeError("the native copy loop (kvactors.transfer._streamcopy) is not built")
-        if not supports(device_cache, pool):
-            raise RuntimeError("the native copier needs two contiguous CPU tensors")
+        self._map = resolve(device_cache, pool, layout)
+        if not self._map.native():
+            raise RuntimeError("the native copier needs CPU tensors whose rows are contiguous"
+                               if layout is not None else "the native copier needs two contiguous CPU tensors")
         if not 1 <= threads <= MAX_THREADS:
             raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {threads}")
         self._lib = lib
-        self._row_bytes = int(pool.shape[1])
-        # The tensors stay referenced here: the native threads write through their addresses.
-        self._tensors = (device_cache, pool)
-        self._bases: dict[Direction, tuple[int, int]] = {
-            "offload": (device_cache.data_ptr(), pool.data_ptr()),
-            "onboard": (pool.data_ptr(), device_cache.data_ptr()),
-        }
+        # The tensors stay referenced here (the layout holds them): the native threads write
+        # through their addresses.
+        self._tensors = self._map.tensors
         self._layout = self._layout_of()
         self._done = done
         self._log = component_logger("transfer")
         self._jobs: dict[int, CopyJob] = {}
         self._ids = itertools.count(1)
         self._posted: collections.deque[tuple[int, int]] = collections.deque()  # jobs submit ended itself
+        self._invalid: dict[CopyJob, BaseException] = {}  # why the layout refused a job's runs
         self._stopped = False
         self._pid = os.getpid()
         handle = lib.kvc_start(threads, piece_bytes, int(stream))
@@ -162,14 +165,15 @@ class NativeCopier:
             # write through stale addresses. The torch copier would slice the new storage instead.
             self._post(job_id, _STATUS_MOVED)
             return
-        row = self._row_bytes
-        runs = array.array("Q")
-        for src, dst, n in job.runs:
-            runs.extend((src * row, dst * row, n * row))
-        src_base, dst_base = self._bases[job.direction]
+        try:
+            src_base, dst_base, runs = self._map.byte_runs(job.direction, job.runs)
+        except Exception as exc:  # runs outside the layout: never handed to the native threads
+            self._invalid[job] = exc
+            self._post(job_id, _STATUS_INVALID)
+            return
         deadline = math.nan if job.deadline is None else job.deadline
         if not runs or self._lib.kvc_submit(self._handle, job_id, src_base, dst_base, runs.buffer_info()[0],
-                                            len(job.runs), deadline) != 0:
+                                            len(runs) // 3, deadline) != 0:
             # Reported by the completer like any other job: never from the submitting thread.
             self._post(job_id, _STATUS_NOT_QUEUED)
 
@@ -219,6 +223,8 @@ class NativeCopier:
         elif status == _STATUS_FORKED:
             error = RuntimeError("this TransferEngine was inherited through os.fork: its copy threads are the "
                                  "parent's (make a new engine in the child)")
+        elif status == _STATUS_INVALID:
+            error = self._invalid.pop(job, None) or RuntimeError("the layout refused the job's runs")
         elif status == _STATUS_MOVED:
             error = RuntimeError("the device cache or the pool was resized or re-pointed since the engine started "
                                  "(the engine copies between the tensors it was given, in place)")

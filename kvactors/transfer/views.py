@@ -1,7 +1,8 @@
 """Tensor views and copy calls that move the same bytes with less work per copy.
 
-Used by the vLLM worker, whose jobs are many small strided copies (a few pages
-of one layer each, for every layer). Functions of torch only; any thread.
+Used by :class:`~kvactors.transfer.layouts.PageLayout` (the vLLM worker's),
+whose jobs are many small strided copies (a few pages of one layer each, for
+every layer). Functions of torch only; any thread.
 """
 
 from __future__ import annotations
