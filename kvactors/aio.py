@@ -8,12 +8,10 @@ called by the actor that sets the call's :class:`~kvactors.actors.reply.Reply`
 (:meth:`Reply.add_done_callback`). A call the primary answers on the spot
 (a claim that needed no other actor) returns without suspending.
 
-Every call runs the blocking manager's argument checks
-(:mod:`kvactors.core.arguments`) and raises its errors (``ValueError``,
-``LifecycleError``, ``ManagerStoppedError``): a coroutine builds the same
-message as the blocking method and sends it through the manager's own
-plumbing (``_send``, ``_register``), then awaits its reply instead of
-waiting for it.
+Every call is the blocking manager's (:mod:`kvactors.calls`: the same
+checks, errors and message) sent through the same door
+(:class:`~kvactors.door.PrimaryDoor`); a coroutine then awaits its reply
+instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -25,9 +23,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from kvactors.actors import messages as m
+from kvactors import calls
 from kvactors.actors.reply import Reply
-from kvactors.core.arguments import check_ctx, check_flag, check_request, check_timeout
+from kvactors.core.arguments import check_ctx, check_flag, check_timeout
+from kvactors.core.counters import MetricsSnapshot
 from kvactors.core.errors import ManagerStoppedError
 from kvactors.manager import STOP_GRACE_S, TieringManager
 from kvactors.types import (
@@ -137,7 +136,7 @@ class AsyncTieringManager:
     Coroutines (same names, arguments, results and errors as the blocking
     methods): :meth:`on_new_request`, :meth:`lookup`, :meth:`prepare_load`,
     :meth:`prepare_store`, :meth:`reset_cache`, :meth:`take_events`,
-    :meth:`wait_idle`, :meth:`stats`, :meth:`stop`. Plain methods:
+    :meth:`wait_idle`, :meth:`stats`, :meth:`metrics_snapshot`, :meth:`stop`. Plain methods:
     :meth:`complete_load`, :meth:`complete_store`, :meth:`touch`,
     :meth:`on_request_finished`.
 
@@ -183,11 +182,22 @@ class AsyncTieringManager:
         ``claims=False``), but a claim runs this message's handler only: what it causes
         (the supervisor's part, the tiers' calls) goes to the primary's thread, never
         to the loop's."""
-        self.manager._send(message, claim=self._claims, until=_at_once)
+        self.manager.door.send(message, claim=self._claims, until=_at_once)
 
-    def _ask(self, message: object, reply: Reply[T]) -> Reply[T]:
-        self._send(message)
-        return reply
+    async def _call(self, ask: calls.Ask[T]) -> T:
+        """Send ``ask`` and await its answer; a cancelled caller's answer is undone (``ask.undo``)."""
+        self._send(ask.message)
+        undo = ask.undo
+        if undo is None:
+            return await self._await(ask.reply, call=ask.name)
+
+        def release(answer: T) -> None:
+            message = undo(answer)
+            if message is not None:
+                with contextlib.suppress(ManagerStoppedError):  # stopped: the stop released it
+                    self._send(message)
+
+        return await self._await(ask.reply, release, call=ask.name)
 
     def _inbox_of(self, loop: asyncio.AbstractEventLoop) -> _Inbox:
         inbox = self._inbox
@@ -211,11 +221,11 @@ class AsyncTieringManager:
         try:
             if call is None:
                 return await future
-            bound = self.manager._answer_bound_s
+            bound = self.manager.door.answer_bound_s
             try:
                 return await asyncio.wait_for(future, bound)
             except TimeoutError:
-                self.manager._log.error("call_unanswered", call=call, waited_s=bound)
+                self.manager.door.log.error("call_unanswered", call=call, waited_s=bound)
                 raise TimeoutError(f"{call}: no answer from the primary tier's actor in {bound:.1f} s") from None
         except asyncio.CancelledError:
             # Cancelled after the answer was delivered but before this task resumed.
@@ -227,43 +237,31 @@ class AsyncTieringManager:
 
     async def on_new_request(self, ctx: ReqContext) -> None:
         """As :meth:`TieringManager.on_new_request` (never suspends: it returns once queued)."""
-        self.manager._register(ctx, claim=self._claims)
+        self.manager.door.register(check_ctx(ctx), claim=self._claims)
 
     async def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """As :meth:`TieringManager.lookup`."""
-        reply: Reply[list[LookupResult]] = Reply()
-        return await self._await(self._ask(m.Lookup(*check_request(keys, ctx), reply), reply), call="lookup")
+        return await self._call(calls.lookup(keys, ctx))
 
     async def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         """As :meth:`TieringManager.prepare_load`; cancelled, its pins are released."""
-        keys_t, ctx = check_request(keys, ctx)
-        reply: Reply[LoadStoreSpec] = Reply()
-        self._ask(m.PrepareLoad(keys_t, ctx, reply), reply)
-        return await self._await(reply, lambda _: self.complete_load(keys_t, ctx), call="prepare_load")
+        return await self._call(calls.prepare_load(keys, ctx))
 
     async def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         """As :meth:`TieringManager.prepare_store`; cancelled, its rows are completed as failed."""
-        reply: Reply[PrepareStoreOutput | None] = Reply()
-        self._ask(m.PrepareStore(*check_request(keys, ctx), reply), reply)
-
-        def undo(out: PrepareStoreOutput | None) -> None:
-            if out is not None and out.keys_to_store:
-                self.complete_store(out.keys_to_store, ctx, success=False)
-
-        return await self._await(reply, undo, call="prepare_store")
+        return await self._call(calls.prepare_store(keys, ctx))
 
     async def reset_cache(self) -> None:
         """As :meth:`TieringManager.reset_cache` (a cancelled reset still happens)."""
-        reply: Reply[None] = Reply()
-        await self._await(self._ask(m.ResetCache(reply), reply), call="reset_cache")
+        await self._call(calls.reset_cache())
 
     async def take_events(self) -> list[OffloadingEvent]:
         """As :meth:`TieringManager.take_events`; events taken by a cancelled call come first."""
-        reply: Reply[list[OffloadingEvent]] = Reply()
-        self._ask(m.TakeEvents(reply), reply)
+        ask = calls.take_events()
+        self._send(ask.message)
         # The undo keeps a cancelled call's events in the one list, for the next call.
         orphans = self._orphan_events
-        events = await self._await(reply, orphans.extend, call="take_events")
+        events = await self._await(ask.reply, orphans.extend, call=ask.name)
         if orphans:
             events = [*orphans, *events]
             orphans.clear()
@@ -272,17 +270,20 @@ class AsyncTieringManager:
     async def wait_idle(self, timeout: float | None = None) -> bool:
         """As :meth:`TieringManager.wait_idle`: False if ``timeout`` passed first."""
         timeout = check_timeout(timeout, "timeout")
-        reply: Reply[bool] = Reply()
-        self._send(m.Barrier(reply))
+        ask = calls.barrier()
+        self._send(ask.message)
         try:
-            return await asyncio.wait_for(self._await(reply), timeout)
+            return await asyncio.wait_for(self._await(ask.reply), timeout)
         except TimeoutError:
             return False
 
     async def stats(self) -> dict[str, int | float]:
         """As :meth:`TieringManager.stats`."""
-        reply: Reply[dict[str, int | float]] = Reply()
-        return await self._await(self._ask(m.QueryStats(reply), reply), call="stats")
+        return await self._call(calls.stats())
+
+    async def metrics_snapshot(self) -> MetricsSnapshot:
+        """As :meth:`TieringManager.metrics_snapshot`."""
+        return await self._call(calls.metrics_snapshot())
 
     async def stop(self, timeout: float | None = None) -> None:
         """As :meth:`TieringManager.stop`. Its last step joins the actors' threads (a
@@ -328,19 +329,19 @@ class AsyncTieringManager:
 
     def complete_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """As :meth:`TieringManager.complete_load`."""
-        self._send(m.CompleteLoad(*check_request(keys, ctx)))
+        self._send(calls.complete_load(keys, ctx))
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """As :meth:`TieringManager.touch`."""
-        self._send(m.Touch(*check_request(keys, ctx)))
+        self._send(calls.touch(keys, ctx))
 
     def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         """As :meth:`TieringManager.complete_store`."""
-        self._send(m.CompleteStore(*check_request(keys, ctx), check_flag(success, "success")))
+        self._send(calls.complete_store(keys, ctx, success))
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """As :meth:`TieringManager.on_request_finished`."""
-        self._send(m.FinishRequest(check_ctx(ctx)))
+        self._send(calls.finish(ctx))
 
     def __repr__(self) -> str:
         return f"AsyncTieringManager({self.manager!r})"

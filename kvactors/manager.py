@@ -6,22 +6,22 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from kvactors import calls
 from kvactors.actors import messages as m
 from kvactors.actors.primary import PrimaryTier
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import ActorRef, ActorStoppedError, Runtime
+from kvactors.actors.runtime import ActorRef, Runtime
 from kvactors.actors.secondary import SecondaryTierActor
 from kvactors.actors.supervisor import LifecycleSupervisor
-from kvactors.core.arguments import check_ctx as _check_ctx
-from kvactors.core.arguments import check_flag, check_int, check_request, check_timeout
+from kvactors.core.arguments import check_ctx, check_int, check_timeout
 from kvactors.core.counters import MetricsSnapshot
-from kvactors.core.errors import LifecycleError, ManagerStoppedError
 from kvactors.core.policies import POLICIES
+from kvactors.door import PrimaryDoor
 from kvactors.logs import make_event_logger
 from kvactors.primary_pool import allocate_pool, check_pool
 from kvactors.tiers.base import SecondaryTier
@@ -110,26 +110,17 @@ class TieringManager:
     Use :meth:`start` to create one; it is a context manager that stops on exit.
     """
 
-    def __init__(self, *, runtime: Runtime, pool: torch.Tensor, primary: ActorRef,
-                 actors: Sequence[ActorRef], sink: Any, tier_names: Sequence[str],
-                 transfer_timeout_s: float = 30.0, lookup_timeout_s: float = 5.0) -> None:
+    def __init__(self, *, runtime: Runtime, pool: torch.Tensor, door: PrimaryDoor, actors: Sequence[ActorRef],
+                 sink: Any, tier_names: Sequence[str], transfer_timeout_s: float = 30.0) -> None:
         self._runtime = runtime
         self._transfer_timeout_s = float(transfer_timeout_s)
-        self._answer_bound_s = max(float(transfer_timeout_s), float(lookup_timeout_s)) + ANSWER_SLACK_S
         self._pool = pool
-        self._primary = primary
+        self._door = door
+        self._log = door.log
         self._actors = list(actors)
         self._sink = sink
         self.tier_names = (PRIMARY_TIER_NAME, *tier_names)
-        self._gate = threading.Lock()
-        # Identities the primary holds a record for: added here by on_new_request
-        # (under the gate, with the message's put), removed by the primary's
-        # thread once the record is gone. Duplicates are refused here, at the
-        # caller, without a round trip.
-        self._live: set[tuple[str, int]] = set()
-        self._closed = False
         self._stopped = threading.Event()
-        self._log: Any = None
 
     @classmethod
     def start(
@@ -195,6 +186,8 @@ class TieringManager:
 
             runtime = ThreadRuntime(f"kvactors-{manager_id}")
         primary_ref = runtime.spawn(primary, "primary")
+        door = PrimaryDoor(primary_ref, log=log,
+                           answer_bound_s=max(float(transfer_timeout_s), float(lookup_timeout_s)) + ANSWER_SLACK_S)
         # One thread for both: the finalize path (completion -> primary -> supervisor -> tiers)
         # then waits for the GIL once less; the supervisor stays an actor of its own.
         supervisor_ref = runtime.spawn(supervisor, "supervisor", colocate_with=primary_ref)
@@ -208,57 +201,32 @@ class TieringManager:
             runtime.stop([primary_ref, supervisor_ref, *tier_refs.values()], 5.0)
             sink.close()
             raise
-        manager = cls(runtime=runtime, pool=pool, primary=primary_ref,
-                      actors=[primary_ref, supervisor_ref, *tier_refs.values()], sink=sink, tier_names=names[1:],
-                      transfer_timeout_s=transfer_timeout_s, lookup_timeout_s=lookup_timeout_s)
-        manager._log = log
-        primary.connect(supervisor_ref, forget=manager._live.discard)
+        primary.connect(supervisor_ref, forget=door.forget)
         supervisor.connect(primary_ref, {actor.tier.name: actor.link() for actor in tier_actors})
         log.info("manager_started", num_blocks=num_blocks, block_bytes=block_bytes, tiers=",".join(names),
                  eviction=eviction, transfer_timeout_s=transfer_timeout_s)
-        return manager
+        return cls(runtime=runtime, pool=pool, door=door, actors=[primary_ref, supervisor_ref, *tier_refs.values()],
+                   sink=sink, tier_names=names[1:], transfer_timeout_s=transfer_timeout_s)
 
     # ------------------------------------------------------------ plumbing
 
-    def _send(self, message: object, *, claim: bool = True, until: Callable[[], bool] | None = None) -> None:
-        """Run ``message`` here if the primary is idle (a claim), or queue it to the primary's thread.
+    @property
+    def door(self) -> PrimaryDoor:
+        """The door every call of this manager goes through (:class:`~kvactors.door.PrimaryDoor`):
+        another facade over the same runtime (:class:`~kvactors.aio.AsyncTieringManager`) sends
+        its calls through it too."""
+        return self._door
 
-        Every frontend call claims: its handler then costs no thread hand-off
-        and no wake-up. That pays where the primary is often idle (one
-        frontend thread). With eight the process is bound by the GIL either
-        way and most claims fail, the primary's thread being busy with the
-        supervisor's work too. Figures: ``docs/performance.md``.
-        """
-        # The gate makes "closed" and "queued" atomic: after stop() queued its
-        # shutdown, no frontend message can land behind it. A claimed message
-        # runs after the gate: the claim already orders it before anything
-        # queued later, and the other callers need not wait for the handler.
-        with self._gate:
-            claimed = self._put(message, claim)
-        if claimed:
-            self._primary.run_claimed(message, until)
-
-    def _put(self, message: object, claim: bool = True) -> bool:
-        """Claim the idle primary (True: the caller must ``run_claimed``) or queue (always, with
-        ``claim=False``); the caller holds the gate."""
-        if self._closed:
-            raise ManagerStoppedError("the TieringManager is stopped")
-        if claim and self._primary.claim():
-            return True
-        try:
-            self._primary.tell(message)
-        except ActorStoppedError:
-            raise ManagerStoppedError("the TieringManager is stopped") from None
-        return False
-
-    def _ask(self, message: object, reply: Reply[T]) -> T:
-        self._send(message, until=reply.done)
-        if not self._runtime.wait(reply, self._answer_bound_s):
-            call = type(message).__name__
-            self._log.error("call_unanswered", call=call, waited_s=self._answer_bound_s)
-            raise TimeoutError(f"{call}: no answer from the primary tier's actor in {self._answer_bound_s:.1f} s "
+    def _ask(self, ask: calls.Ask[T]) -> T:
+        """Send a blocking call (following its handlers while claimed, up to its reply) and wait,
+        at most ``answer_bound_s``, for the answer."""
+        self._door.send(ask.message, until=ask.reply.done)
+        bound = self._door.answer_bound_s
+        if not self._runtime.wait(ask.reply, bound):
+            self._log.error("call_unanswered", call=ask.name, waited_s=bound)
+            raise TimeoutError(f"{ask.name}: no answer from the primary tier's actor in {bound:.1f} s "
                                "(its thread is wedged: a tier's inline call blocking?)")
-        return reply.result()
+        return ask.reply.result()
 
     # ------------------------------------------------------------ the API
 
@@ -275,20 +243,7 @@ class TieringManager:
         a round trip to the primary: every later call, from any thread, is
         queued behind it and sees it.
         """
-        self._register(ctx)
-
-    def _register(self, ctx: ReqContext, *, claim: bool = True) -> None:
-        """:meth:`on_new_request`, claiming the idle primary only with ``claim``."""
-        ctx = _check_ctx(ctx)
-        identity = ctx.identity
-        with self._gate:
-            if identity in self._live and not self._closed:
-                raise LifecycleError(f"on_new_request: request {ctx} is already active (or finishing)")
-            message = m.NewRequest(ctx)
-            claimed = self._put(message, claim)
-            self._live.add(identity)
-        if claimed:
-            self._primary.run_claimed(message)
+        self._door.register(check_ctx(ctx))
 
     def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """One result per key. A key found only in a secondary tier starts its
@@ -299,16 +254,14 @@ class TieringManager:
         before them, are reserved for ``ctx`` until its ``prepare_load`` of the key,
         its finish, a reset, or ``lookup_timeout_s`` (``kvactors.core.reservations``).
         ``LifecycleError`` if the request is unknown or finished."""
-        reply: Reply[list[LookupResult]] = Reply()
-        return self._ask(m.Lookup(*check_request(keys, ctx), reply), reply)
+        return self._ask(calls.lookup(keys, ctx))
 
     def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
         """Pin the rows of ready ``keys`` until :meth:`complete_load`.
 
         ``LifecycleError`` (nothing pinned) if a key is not ready or the request
         is unknown or finished."""
-        reply: Reply[LoadStoreSpec] = Reply()
-        return self._ask(m.PrepareLoad(*check_request(keys, ctx), reply), reply)
+        return self._ask(calls.prepare_load(keys, ctx))
 
     def complete_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """Unpin what :meth:`prepare_load` pinned: one pin per key given, each
@@ -320,11 +273,11 @@ class TieringManager:
         ``complete_load`` of that key, so no row is reused while a copy may
         still read it. A release with no pin left is a ``contract_violation``
         (counted, nothing changes)."""
-        self._send(m.CompleteLoad(*check_request(keys, ctx)))
+        self._door.send(calls.complete_load(keys, ctx))
 
     def touch(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
         """Recency hint, passed on to every tier. Non-blocking."""
-        self._send(m.Touch(*check_request(keys, ctx)))
+        self._door.send(calls.touch(keys, ctx))
 
     def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         """Allocate not-ready rows for the keys not present (evicting if needed).
@@ -334,14 +287,13 @@ class TieringManager:
         without evicting them. The rows are protected until
         :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
         ``LifecycleError`` if the request is unknown or finished."""
-        reply: Reply[PrepareStoreOutput | None] = Reply()
-        return self._ask(m.PrepareStore(*check_request(keys, ctx), reply), reply)
+        return self._ask(calls.prepare_store(keys, ctx))
 
     def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         """The copy into the prepared rows ended. Success makes the blocks ready
         and cascades them to every secondary tier; failure removes them. Either
         way the store is no longer pending. Non-blocking."""
-        self._send(m.CompleteStore(*check_request(keys, ctx), check_flag(success, "success")))
+        self._door.send(calls.complete_store(keys, ctx, success))
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submit calls for this attempt. Idempotent. Non-blocking.
@@ -351,19 +303,17 @@ class TieringManager:
         does not know (never started, or finalized already) does nothing and is
         not a contract violation: after finalize nothing of a request is kept,
         so it cannot be told from a repeated finish, which is legal."""
-        self._send(m.FinishRequest(_check_ctx(ctx)))
+        self._door.send(calls.finish(ctx))
 
     def reset_cache(self) -> None:
         """Drain in-flight jobs, zero every request's pending counts, finalize
         the finished requests, keep the active ones, clear the primary pool.
         Secondary tiers keep their data."""
-        reply: Reply[None] = Reply()
-        self._ask(m.ResetCache(reply), reply)
+        self._ask(calls.reset_cache())
 
     def take_events(self) -> list[OffloadingEvent]:
         """Blocks stored or removed since the last call: the primary's, then each tier's."""
-        reply: Reply[list[OffloadingEvent]] = Reply()
-        return self._ask(m.TakeEvents(reply), reply)
+        return self._ask(calls.take_events())
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """True once every call made before it, every job those calls started and
@@ -373,21 +323,19 @@ class TieringManager:
         call holds it until the tier moves again: with ``timeout=None`` that may be
         for ever, so callers that must not wait unboundedly pass a timeout."""
         timeout = check_timeout(timeout, "timeout")
-        reply: Reply[bool] = Reply()
-        self._send(m.Barrier(reply))
-        return self._runtime.wait(reply, timeout) and reply.result()
+        ask = calls.barrier()
+        self._door.send(ask.message)
+        return self._runtime.wait(ask.reply, timeout) and ask.reply.result()
 
     def stats(self) -> dict[str, int | float]:
         """Counters: ``active_requests``, ``blocks_ready``, ``blocks_pending``,
         ``blocks_pinned``, ``jobs_in_flight``, ``contract_violations`` and more."""
-        reply: Reply[dict[str, int | float]] = Reply()
-        return self._ask(m.QueryStats(reply), reply)
+        return self._ask(calls.stats())
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         """Every counter and gauge :mod:`kvactors.metrics` shows, ``stats()`` included,
         in one round trip (a :class:`~kvactors.core.counters.MetricsSnapshot`)."""
-        reply: Reply[MetricsSnapshot] = Reply()
-        return self._ask(m.QueryMetrics(reply), reply)
+        return self._ask(calls.metrics_snapshot())
 
     def stop(self, timeout: float | None = None) -> None:
         """Drain in-flight jobs (each ends by its deadline at the latest), finalize
@@ -403,13 +351,8 @@ class TieringManager:
         """
         timeout = check_timeout(timeout, "timeout")
         budget = self._transfer_timeout_s if timeout is None else float(timeout)
-        with self._gate:
-            first = not self._closed
-            self._closed = True
-            if first:
-                reply: Reply[None] = Reply()
-                self._primary.tell(m.Shutdown(reply, budget))
-        if not first:
+        reply: Reply[None] = Reply()
+        if not self._door.close(m.Shutdown(reply, budget)):
             self._stopped.wait(None if timeout is None else timeout + 2 * STOP_GRACE_S)
             return
         started = time.monotonic()
@@ -435,5 +378,5 @@ class TieringManager:
         self.stop()
 
     def __repr__(self) -> str:
-        state = "stopped" if self._closed else "running"
+        state = "stopped" if self._door.closed else "running"
         return f"TieringManager(tiers={self.tier_names}, blocks={self._pool.shape[0]}, {state})"

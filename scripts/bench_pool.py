@@ -97,7 +97,8 @@ def pool_round(pkg: Any, keys_per_call: int, requests: int) -> Round:
 def manager_round(pkg: Any, keys_per_call: int, requests: int) -> tuple[Round, Callable[[], None]]:
     """A round runner over one ``TieringManager`` of ``pkg``, and its stop."""
     manager = pkg.TieringManager.start(num_blocks=NUM_BLOCKS, block_bytes=BLOCK_BYTES)
-    pool_type = type(manager._primary._actor.pool)
+    primary = getattr(manager, "_primary", None) or manager._actors[0]  # older revisions kept the ref by name
+    pool_type = type(primary._actor.pool)
     if not pool_type.__module__.startswith(pkg.__name__ + "."):
         manager.stop()
         raise RuntimeError(f"the {pkg.__name__} manager runs {pool_type.__module__}'s pool")

@@ -39,7 +39,7 @@ class SlowTier(RecordingTier):
 @contextlib.contextmanager
 def primary_held(manager: TieringManager) -> Iterator[None]:
     """Hold the primary's turn (a claim): every message to it waits until the block ends."""
-    primary = manager._primary
+    primary = manager._actors[0]  # the primary tier's ref, spawned first
     assert wait_for(primary.claim, 10), "the primary did not go idle"  # a claim holds the turn once True
     try:
         yield
@@ -507,3 +507,31 @@ def test_an_undo_that_fails_does_not_stop_the_answers_behind_it():
 
     reported = run(main())
     assert [type(e).__name__ for e in reported] == ["RuntimeError"]  # reported; a stop's is expected
+
+
+def test_the_asyncio_facade_has_every_call_of_the_blocking_one():
+    """Issue 29 item 3: both facades build their calls from one table (kvactors.calls); none is missing."""
+    import inspect
+
+    blocking = {name for name, _ in inspect.getmembers(TieringManager) if not name.startswith("_")}
+    asynchronous = {name for name, _ in inspect.getmembers(AsyncTieringManager) if not name.startswith("_")}
+    facade_only = {"start", "pool", "stopped", "tier_names", "door"}  # building, and the runtime's own state
+    assert blocking - facade_only <= asynchronous, sorted(blocking - facade_only - asynchronous)
+
+
+@pytest.mark.timeout(60)
+def test_metrics_snapshot_on_the_loop_equals_the_blocking_one():
+    with TieringManager.start(num_blocks=8, block_bytes=8) as manager:
+        wrapper = AsyncTieringManager(manager)
+        ctx = ReqContext("r")
+
+        async def go():
+            await wrapper.on_new_request(ctx)
+            out = await wrapper.prepare_store([b"k"], ctx)
+            wrapper.complete_store(out.keys_to_store, ctx)
+            assert await wrapper.wait_idle(10)
+            return await wrapper.metrics_snapshot()
+
+        on_loop = run(go())
+        assert on_loop == manager.metrics_snapshot()
+        assert on_loop.stats["blocks_ready"] == 1
