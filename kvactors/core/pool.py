@@ -492,11 +492,21 @@ class BlockPool:
         """Pin the rows of ready ``keys`` while a tier reads them (a cascade)."""
         if job_id in self._job_pins or job_id in self._held_jobs:
             raise PoolError(f"job {job_id} already pins rows")
-        rows = self._ready_rows(keys)
+        rows = tuple(self._ready_rows(keys))
+        # _pin, row by row, in one loop (a pin per key of every cascade: a hot path).
+        pins, rows_policy = self._pins, self._rows
+        newly = 0
         for row in rows:
-            self._pin(row)
-        self._job_pins[job_id] = tuple(rows)
-        return tuple(rows)
+            if not pins[row]:
+                newly += 1
+                if rows_policy is None:
+                    self._policy.discard(self._keys[row])  # type: ignore[arg-type]  # a ready row has its key
+            pins[row] += 1
+        if rows_policy is not None:
+            rows_policy.discard_rows(rows)  # a row pinned before is not linked: a no-op for it
+        self._n_pinned += newly
+        self._job_pins[job_id] = rows
+        return rows
 
     def end_job(self, job_id: int, *, hold: bool) -> bool:
         """Release a cascade job's pins. ``hold``: it timed out, so keep its rows
@@ -507,14 +517,33 @@ class BlockPool:
         rows = self._job_pins.pop(job_id, None)
         if rows is None:
             return False
-        for row in rows:
-            self._unpin(row)
-            if hold:
-                self._holds[row] += 1
         if hold:
+            for row in rows:
+                self._unpin(row)
+                self._holds[row] += 1
             self._held_jobs[job_id] = rows
+            for row in rows:
+                self._settle(row)
+            return True
+        # _unpin then _settle, row by row, in one loop; the rows that become evictable go to
+        # the row policy in one call, in order (the other outcomes of _settle add none to it).
+        pins, holds, writers, indexed, ready = self._pins, self._holds, self._writer, self._indexed, self._ready
+        rows_policy = self._rows
+        freed = 0
+        evictable = []
         for row in rows:
-            self._settle(row)
+            assert pins[row] > 0, "every unpin matches one pin"
+            pins[row] -= 1
+            if pins[row]:
+                continue
+            freed += 1
+            if rows_policy is not None and indexed[row] and ready[row] and writers[row] is None and not holds[row]:
+                evictable.append(row)
+            else:
+                self._settle(row)
+        self._n_pinned -= freed
+        if evictable:
+            rows_policy.add_rows(evictable)  # type: ignore[union-attr]  # only filled with a row policy
         return True
 
     def release_hold(self, job_id: int) -> bool:
