@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -270,3 +272,10 @@ class LookupBookMachine(RuleBasedStateMachine):
 
 TestLookupBookMachine = LookupBookMachine.TestCase
 TestLookupBookMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_gather_kind_is_logged_as_its_value() -> None:
+    """GatherKind replaced plain strings: the JSON log and the text log still read ``events``."""
+    assert json.dumps({"what": GatherKind.EVENTS}) == '{"what": "events"}'
+    assert f"what={GatherKind.SHUTDOWN}" == "what=shutdown"
+    assert [kind.value for kind in GatherKind] == ["barrier", "events", "shutdown"]
