@@ -185,7 +185,8 @@ def bandwidth(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def vllm_worker_check(device: torch.device) -> dict[str, Any]:
-    """The vLLM worker's copy path (CUDA streams and events into the shared pool): store then load, byte-exact."""
+    """The vLLM worker's copy path (the transfer layer's CUDA copier into the shared pool, registered with
+    CUDA until the worker's shutdown): store then load, byte-exact."""
     try:
         from vllm.v1.kv_offload.base import (
             CanonicalKVCacheRef,
@@ -220,9 +221,15 @@ def vllm_worker_check(device: torch.device) -> dict[str, Any]:
         loaded = all(torch.equal(t[dev_ids], b) for t, b in zip(tensors, before, strict=True))
         results = {r.job_id: r.success for r in worker.get_finished()}
         ok = stored and loaded and results == {1: True, 2: True} and shared.stored_ok(rows[0])
+        # The shared pool is registered with CUDA while the worker lives, unregistered at its shutdown.
+        registration = worker._registration
+        pinned = None if registration is None else registration.registered
     finally:
         worker.shutdown()
-    return {"skipped": False, "ok": ok, "stored_exact": stored, "loaded_exact": loaded}
+    unpinned = None if registration is None else not registration.registered
+    ok = ok and pinned is not False and unpinned is not False
+    return {"skipped": False, "ok": ok, "stored_exact": stored, "loaded_exact": loaded, "copier": worker.copier,
+            "pool_registered": pinned, "pool_unregistered_at_shutdown": unpinned}
 
 
 def main(argv: list[str] | None = None) -> int:

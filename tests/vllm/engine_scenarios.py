@@ -68,7 +68,8 @@ def _disk(tmp: str) -> list[dict[str, Any]]:
     return [{"type": "disk", "root": os.path.join(tmp, "disk"), "capacity_bytes": 64 << 20}]
 
 
-def _set_injector(fn: Callable[[str, int], None]) -> None:
+def _set_injector(fn: Callable[[str, Any, Any], None]) -> None:
+    """The transfer layer's fault injector, ``(direction, ctx, keys)``, on every live worker."""
     from kvactors.integrations.vllm.worker import WORKERS
 
     for w in list(WORKERS):
@@ -89,8 +90,8 @@ def disk_promotion(tmp: str, model: str) -> dict[str, Any]:
 def negative_control(tmp: str, model: str) -> dict[str, Any]:
     from kvactors.integrations.vllm.worker import WORKERS
 
-    def corrupt(direction: str, job_id: int) -> None:
-        if direction == "load":
+    def corrupt(direction: str, ctx: Any, keys: Any) -> None:
+        if direction == "onboard":
             for w in list(WORKERS):
                 w.pool.random_(0, 255)  # planted: every pool row becomes garbage before the load
 
@@ -104,8 +105,8 @@ def multiprocess(tmp: str, model: str) -> dict[str, Any]:
 
 @scenario
 def store_copy_fails(tmp: str, model: str) -> dict[str, Any]:
-    def fail_stores(direction: str, job_id: int) -> None:
-        if direction == "store":
+    def fail_stores(direction: str, ctx: Any, keys: Any) -> None:
+        if direction == "offload":
             raise OSError("planted: the store copy failed")
 
     return _run(model, tmp, pool_blocks=64, tiers=_disk(tmp), setup=lambda: _set_injector(fail_stores))

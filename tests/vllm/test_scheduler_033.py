@@ -218,3 +218,180 @@ def test_a_tier_stuck_in_its_lookup_costs_the_scheduler_at_most_the_step_wait(tm
     assert mgr.counters["lookups_given_up"] > 0
     h.connector.shutdown() if hasattr(h.connector, "shutdown") else mgr.shutdown()
     h.worker.shutdown()
+
+
+# ---------------------------------------------------------------- the worker on its own (CPU copiers)
+
+
+def _worker(tmp_path, *, bpc, copier, groups=((40, 256, 3), (24, 128, 2)), pool_rows=24):
+    """A worker over made-up KV caches: ``groups`` of (blocks, page, tensors); a pool row holds
+    ``bpc`` slots of the larger group. Returns (worker, tensors per group, shared pool)."""
+    import torch
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    from kvactors.integrations.vllm.shm import SharedPool
+    from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
+
+    gen = torch.Generator().manual_seed(1)
+    tensors, refs = [], []
+    for blocks, page, n in groups:
+        refs.append([CanonicalKVCacheRef(len(tensors) + i, page) for i in range(n)])
+        tensors += [torch.randint(-128, 127, (blocks, page), dtype=torch.int8, generator=gen) for _ in range(n)]
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, t.shape[1]) for t in tensors], refs)
+    row = bpc * max(page * n for _, page, n in groups)
+    shared = SharedPool(str(tmp_path / "pool"), num_blocks=pool_rows, block_bytes=row)
+    worker = KvactorsOffloadingWorker(kv, shared, rank=0, per_worker_bytes=row, blocks_per_chunk=bpc,
+                                      transfer_timeout_s=30.0, owns_shared=True, copier=copier)
+    per_group, i = [], 0
+    for _, _, n in groups:
+        per_group.append(tensors[i:i + n])
+        i += n
+    return worker, per_group, shared
+
+
+def _finished(worker, job_ids):
+    worker.wait(set(job_ids))
+    results = {r.job_id: r for r in worker.get_finished()}
+    assert set(results) == set(job_ids), (sorted(results), sorted(job_ids))
+    return results
+
+
+WORKER_COPIERS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
+    not __import__("kvactors.transfer.native", fromlist=["x"]).native_copy_available(),
+    reason="the native copy loop is not built"))]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("copier", WORKER_COPIERS)
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_worker_stores_and_loads_every_group_byte_exact_where_its_rows_say(tmp_path, copier, bpc):
+    """Two KV cache groups in one job, a first block that starts mid-chunk, runs that cross rows:
+    each block's page of every tensor lands at its slot of its row, and comes back."""
+    import torch
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from kvactors.integrations.vllm.shm import STORE_OK
+
+    worker, groups, shared = _worker(tmp_path, bpc=bpc, copier=copier)
+    assert worker.copier == copier
+    try:
+        dev = {0: [3, 4, 5, 9, 10, 30, 31], 1: [7, 8, 2]}
+        first = {0: 1, 1: 0}  # group 0's first block is block 1 of its request: slot 1 % bpc
+        rows = {0: [5, 6, 7, 11, 15, 16, 17][:-(-(len(dev[0]) + first[0] % bpc) // bpc)],
+                1: [12, 13, 14][:-(-len(dev[1]) // bpc)]}
+        gpu = GPULoadStoreSpec(dev[0] + dev[1], [len(dev[0]), len(dev[1])], [first[0], first[1]])
+        cpu = CPULoadStoreSpec(rows[0] + rows[1])
+        worker.submit_store(1, gpu, cpu)
+        stored = _finished(worker, [1])[1]
+        page_bytes = {0: 3 * 256, 1: 2 * 128}
+        assert stored.success and stored.transfer_size == sum(len(dev[g]) * page_bytes[g] for g in dev)
+        for g, ts in enumerate(groups):
+            skip = first[g] % bpc
+            for j, block in enumerate(dev[g]):
+                row, slot = rows[g][(skip + j) // bpc], (skip + j) % bpc
+                for i, t in enumerate(ts):
+                    page = t.shape[1]
+                    at = i * bpc * page + slot * page
+                    assert torch.equal(shared.pool[row, at:at + page].view(torch.int8), t[block]), (g, block, i)
+        assert all(shared.status[r, 0] == STORE_OK for r in cpu.block_ids)
+        before = [[t[dev[g]].clone() for t in ts] for g, ts in enumerate(groups)]
+        for g, ts in enumerate(groups):
+            for t in ts:
+                t[dev[g]] = 0
+        worker.submit_load(2, cpu, gpu)
+        assert _finished(worker, [2])[2].success
+        for g, ts in enumerate(groups):
+            assert all(torch.equal(t[dev[g]], b) for t, b in zip(ts, before[g], strict=True))
+        assert worker.bytes_stored == worker.bytes_loaded == stored.transfer_size
+        assert worker.store_failures == worker.load_failures == 0
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("copier", WORKER_COPIERS)
+def test_worker_fault_injector_has_the_transfer_layers_signature(tmp_path, copier):
+    """``(direction, ctx, keys)`` as the engine's: a raising store is reported done to vLLM (it
+    asserts success) and marked failed in the status table; nothing of it reaches the pool."""
+    import torch
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from kvactors import ReqContext
+    from kvactors.integrations.vllm.shm import STORE_FAILED
+
+    worker, _, shared = _worker(tmp_path, bpc=1, copier=copier)
+    calls = []
+
+    def inject(direction, ctx, keys):
+        calls.append((direction, ctx, tuple(keys)))
+        if direction == "offload":
+            raise OSError("planted")
+
+    worker.fault_injector = inject
+    try:
+        before = shared.pool.clone()
+        worker.submit_store(7, GPULoadStoreSpec([1, 2], [2], [0]), CPULoadStoreSpec([3, 4]))
+        worker.submit_load(8, CPULoadStoreSpec([5]), GPULoadStoreSpec([6], [1], [0]))
+        results = _finished(worker, [7, 8])
+        assert results[7].success and results[8].success  # vLLM asserts it; kvactors learns from the status
+        assert calls == [("offload", ReqContext("vllm-job-7"), ()), ("onboard", ReqContext("vllm-job-8"), ())]
+        assert shared.status[3, 0] == STORE_FAILED and shared.status[4, 0] == STORE_FAILED
+        assert torch.equal(shared.pool, before)
+        assert worker.store_failures == 1 and worker.load_failures == 0
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("copier", WORKER_COPIERS)
+def test_worker_spec_outside_the_caches_fails_its_job_not_the_engine(tmp_path, copier):
+    """A device block or a pool row out of range fails that job (counted, reported once), moves no
+    byte, and the next job runs."""
+    import torch
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    worker, groups, shared = _worker(tmp_path, bpc=1, copier=copier)
+    try:
+        before = shared.pool.clone()
+        worker.submit_store(1, GPULoadStoreSpec([39, 40], [2], [0]), CPULoadStoreSpec([0, 1]))  # block 40: none
+        worker.submit_store(2, GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([24]))  # row 24: none
+        worker.submit_load(3, CPULoadStoreSpec([0]), GPULoadStoreSpec([1, 2], [2], [0]))  # 2 blocks, 1 row
+        results = _finished(worker, [1, 2, 3])
+        assert all(r.success for r in results.values())
+        assert worker.store_failures == 2 and worker.load_failures == 1
+        assert torch.equal(shared.pool, before)
+        worker.submit_store(4, GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([0]))
+        _finished(worker, [4])
+        assert torch.equal(shared.pool[0, :256].view(torch.int8), groups[0][0][1])
+        assert worker.store_failures == 2
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_worker_shutdown_closes_its_pool_once_and_fails_later_jobs(tmp_path):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from kvactors.integrations.vllm.worker import WORKERS
+
+    worker, _, shared = _worker(tmp_path, bpc=1, copier="auto")
+    worker.submit_store(1, GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([0]))
+    assert worker._registration is None  # no CUDA: nothing registered, nothing to unregister
+    worker.shutdown()
+    assert not os.path.exists(shared.path) and worker not in WORKERS
+    assert [r.job_id for r in worker.get_finished()] == [1]  # ended before the pool was closed
+    worker.shutdown()  # twice: nothing more
+    worker.submit_store(2, GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([0]))
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, True)]
+    assert worker.store_failures == 1
+
+
+@pytest.mark.timeout(60)
+def test_worker_copier_choice_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="copier must be one of"):
+        _worker(tmp_path, bpc=1, copier="fast")
+

@@ -5,14 +5,19 @@ tensor ``(num_blocks, page_size_bytes)`` per layer (or group of layers). A
 kvactors block is one vLLM offload chunk: ``blocks_per_chunk`` vLLM blocks,
 their page in every tensor of their KV cache group. One pool row holds, for
 each worker rank ``r`` (at ``r * per_worker_bytes``), for each tensor of the
-group in order, ``blocks_per_chunk`` pages.
+group in order, ``blocks_per_chunk`` pages
+(:class:`~kvactors.transfer.layouts.PageLayout`).
 
-Copies run off vLLM's step thread: one copy thread on the CPU (a FIFO of
-jobs, each copy a slice ``copy_`` over consecutive blocks), or CUDA streams
-(one per direction, ordered after the caller's current stream) with one event
-per job on a GPU. ``get_finished`` reports each job once with its size and
-time; ``wait`` blocks until the given jobs ended, at most
-``transfer_timeout_s``.
+The copies are the transfer layer's (:mod:`kvactors.transfer`), through its
+``Copier`` protocol: on the CPU the native copy loop where it is built and the
+tensors allow it (:class:`~kvactors.transfer.native.NativeCopier`), torch's
+copy thread otherwise (:class:`~kvactors.transfer.cpu.CpuCopier`); on a GPU
+one CUDA stream per direction with an event per job
+(:class:`~kvactors.transfer.cuda.CudaCopier`), the shared pool registered with
+CUDA from the worker's start until its :meth:`~KvactorsOffloadingWorker.shutdown`,
+which unregisters it before the pool is unmapped. ``get_finished`` reports each
+job once with its size and time; ``wait`` blocks until the given jobs ended, at
+most ``transfer_timeout_s``.
 
 Failures: vLLM asserts that every transfer succeeded, so the worker always
 reports ``success=True`` to vLLM. A store whose copy failed instead marks its
@@ -26,13 +31,12 @@ make the request recompute it.
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
@@ -40,46 +44,59 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvactors.integrations.vllm.shm import STORE_FAILED, STORE_OK, SharedPool
 from kvactors.logs import component_logger
-from kvactors.transfer.runs import copy_runs
-from kvactors.transfer.views import copy_all, widest_views
+from kvactors.transfer.cpu import CpuCopier
+from kvactors.transfer.engine import native_threads
+from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, CopyJob, Direction, FaultInjector
+from kvactors.transfer.layouts import PageLayout
+from kvactors.transfer.native import NativeCopier, native_copy_available
+from kvactors.transfer.runs import Run, copy_runs
+from kvactors.types import ReqContext
 
-STORE = "store"
-LOAD = "load"
+if TYPE_CHECKING:
+    from kvactors.transfer.cuda import HostRegistration
 
 # Live workers of this process (tests reach the worker vLLM built through it).
 WORKERS: weakref.WeakSet[KvactorsOffloadingWorker] = weakref.WeakSet()
 
-FaultInjector = Callable[[str, int], None]
-"""Testing hook ``(direction, job_id)``, called before a job's copies; raising fails that copy."""
+COPIERS = ("auto", "native", "torch")
+
+_KIND: dict[Direction, str] = {OFFLOAD: "store", ONBOARD: "load"}  # the log's names for the two directions
 
 
-@dataclass(eq=False)
-class _Copy:
-    src: torch.Tensor
-    dst: torch.Tensor
+@dataclass(eq=False, slots=True)
+class _WorkerJob(CopyJob):
+    """A vLLM job: a :class:`~kvactors.transfer.jobs.CopyJob` whose ``ctx`` names the vLLM job
+    (``vllm-job-<id>``) and whose ``keys`` are empty (a worker sees block ids, never keys)."""
 
-
-@dataclass(eq=False)
-class _Job:
-    job_id: int
-    direction: str
-    copies: list[_Copy]
-    rows: tuple[int, ...]
-    nbytes: int
-    submitted: float = field(default_factory=time.monotonic)
-    event: torch.cuda.Event | None = None
-    error: BaseException | None = None
+    rows: tuple[int, ...] = ()
+    submitted: float = 0.0
 
 
 class KvactorsOffloadingWorker(OffloadingWorker):
     """Copies KV blocks between vLLM's ``CanonicalKVCaches`` and the shared kvactors pool.
 
-    Threading: vLLM calls it from its worker thread; the copy thread (CPU) or
-    the CUDA streams do the copies; results are handed over under a condition.
+    ``copier``: ``"auto"`` (native where it can run, else torch; CUDA on a GPU),
+    ``"native"`` (``ValueError`` where it cannot run) or ``"torch"``; CPU caches only
+    for the last two. ``owns_shared``: close and remove the pool at :meth:`shutdown`;
+    otherwise its owner closes it, and must do so only after :meth:`shutdown`.
+
+    ``fault_injector``: a **testing hook** with the transfer layer's signature
+    (:data:`~kvactors.transfer.jobs.FaultInjector`), ``(direction, ctx, keys)``
+    with ``direction`` ``"offload"`` (a store) or ``"onboard"`` (a load), ``ctx``
+    ``ReqContext("vllm-job-<id>")`` and no keys; called on vLLM's thread just
+    before a job goes to the copier; if it raises, the job fails as a failed
+    copy would.
+
+    Threading: vLLM calls every method from its one worker thread; the copier's
+    threads report each job once, and the results are handed over under a
+    condition. :meth:`wait` may also be called from another thread.
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, shared: SharedPool, *, rank: int, per_worker_bytes: int,
-                 blocks_per_chunk: int, transfer_timeout_s: float, owns_shared: bool = False) -> None:
+                 blocks_per_chunk: int, transfer_timeout_s: float, owns_shared: bool = False,
+                 copier: str = "auto") -> None:
+        if copier not in COPIERS:
+            raise ValueError(f"copier must be one of {', '.join(map(repr, COPIERS))}, got {copier!r}")
         self._log = component_logger("vllm")  # stdlib "kvactors.vllm"; events in kvactors.log_schema
         self.shared = shared
         self.pool = shared.pool
@@ -93,58 +110,89 @@ class KvactorsOffloadingWorker(OffloadingWorker):
         # Bytes copied by jobs that succeeded, per direction (for operators and benchmarks).
         self.bytes_stored = 0
         self.bytes_loaded = 0
-        # Per group: [(device tensor as rows, pool view (rows, page) or (rows, bpc, page))], both
-        # of the widest integer type their layout allows (widest_views).
-        self._layout: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.layout = PageLayout(self._planes(kv_caches, rank, per_worker_bytes), self.pool, blocks_per_chunk)
+        self.device = self.layout.device
+        self._cond = threading.Condition()
+        self._finished: list[TransferResult] = []
+        self._open: set[int] = set()
+        self._closed = False
+        self._registration: HostRegistration | None = None
+        self._copier = self._make_copier(copier)
+        WORKERS.add(self)
+
+    def _planes(self, kv_caches: CanonicalKVCaches, rank: int,
+                per_worker_bytes: int) -> list[list[tuple[torch.Tensor, int]]]:
+        """Per group: each tensor as ``uint8`` rows and its byte offset in a pool row. Every group
+        starts at the rank's part of the row (a row holds a chunk of one group)."""
         tensors = [t.tensor for t in kv_caches.tensors]
-        self.device = tensors[0].device if tensors else torch.device("cpu")
         base = rank * per_worker_bytes
+        groups = []
         for refs in kv_caches.group_data_refs:
             offset = base
-            group = []
+            planes = []
             for t_idx in dict.fromkeys(ref.tensor_idx for ref in refs):
                 dev = tensors[t_idx]
                 dev = dev.view(torch.uint8) if dev.dtype != torch.uint8 else dev
                 dev = dev.reshape(dev.shape[0], -1)
-                page = int(dev.shape[1])
-                width = self.bpc * page
+                width = self.bpc * int(dev.shape[1])
                 if offset + width > base + per_worker_bytes:
                     raise ValueError(f"kvactors: the KV cache pages ({offset + width - base} bytes a chunk) do not fit "
                                      f"the {per_worker_bytes} bytes a worker has in a pool row")
-                view = self.pool[:, offset:offset + width]
-                # (rows, page) when a chunk is one block (one index less per copy), else (rows, bpc, page).
-                view = view if self.bpc == 1 else view.unflatten(1, (self.bpc, page))
-                dev, view = widest_views(dev, view)
-                group.append((dev, view))
+                planes.append((dev, offset))
                 offset += width
-            self._layout.append(group)
-        self._cond = threading.Condition()
-        self._finished: list[TransferResult] = []
-        self._done_ids: set[int] = set()
-        self._open: set[int] = set()
-        self._closed = False
-        self._cuda = self.device.type == "cuda"
-        if self._cuda:
-            self._streams = {STORE: torch.cuda.Stream(self.device), LOAD: torch.cuda.Stream(self.device)}
-            self._inflight: list[_Job] = []
-            self._register_host_memory()
-        else:
-            self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._copy_loop, name="kvactors-vllm-copy", daemon=True)
-            self._thread.start()
-        WORKERS.add(self)
+            groups.append(planes)
+        return groups
+
+    def _make_copier(self, choice: str) -> Copier:
+        """The transfer layer's copier for this layout; sets :attr:`copier` to its name."""
+        if self.device.type == "cuda":
+            if choice != "auto":
+                raise ValueError(f"copier={choice!r} copies between host tensors; this KV cache is on {self.device}")
+            from kvactors.transfer.cuda import CudaCopier, HostRegistration
+
+            # Paired with its release in shutdown(), which runs before the pool is unmapped.
+            self._registration = HostRegistration(self.pool)
+            try:
+                cuda_copier = CudaCopier(layout=self.layout, device=self.device, done=self._copied,
+                                         fault_injector=None)
+            except BaseException:
+                self._registration.release()
+                raise
+            self.copier = "cuda"
+            return cuda_copier
+        if choice != "torch":
+            why = ("it is not built (no C compiler at install?)" if not native_copy_available()
+                   else "the KV cache rows are not contiguous" if not self.layout.native() else None)
+            if why is None:
+                try:
+                    native = NativeCopier(layout=self.layout, threads=native_threads(1), done=self._copied)
+                except RuntimeError as exc:
+                    why = str(exc)
+                else:
+                    self.copier = "native"
+                    return native
+            if choice == "native":
+                raise ValueError(f"copier='native' cannot be used: {why}")
+            self._log.warning("native_copier_unavailable", error=why)
+        self.copier = "torch"
+        return CpuCopier(layout=self.layout, workers=1, done=self._copied, fault_injector=None)
 
     # ------------------------------------------------------------ planning
 
-    def _plan(self, direction: str, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec, job_id: int) -> _Job:
-        rows = [int(r) for r in cpu.block_ids]
+    def _plan(self, direction: Direction, gpu: GPULoadStoreSpec, rows: tuple[int, ...]) -> tuple[list[Run], int]:
+        """The job's runs (device ids and pool slots of :attr:`layout`) and its bytes.
+
+        vLLM's spec: ``group_sizes[g]`` device blocks of group ``g`` in turn; group ``g``'s
+        first block is block ``block_indices[g]`` of its request, so it starts at slot
+        ``block_indices[g] % blocks_per_chunk`` of its first row. ``ValueError`` for a
+        spec that does not fit the layout."""
+        layout, bpc = self.layout, self.bpc
         dev_ids = [int(b) for b in gpu.block_ids]
         sizes = list(gpu.group_sizes) if gpu.group_sizes is not None else [len(dev_ids)]
         indices = list(gpu.block_indices) if gpu.block_indices is not None else [0] * len(sizes)
-        copies: list[_Copy] = []
-        nbytes = 0
-        dev_off = row_off = 0
-        bpc, store = self.bpc, direction == STORE
+        dev_side: list[int] = []
+        pool_side: list[int] = []
+        nbytes = dev_off = row_off = 0
         for g, (size, first) in enumerate(zip(sizes, indices, strict=True)):
             if size == 0:
                 continue
@@ -152,65 +200,62 @@ class KvactorsOffloadingWorker(OffloadingWorker):
             n_rows = -(-(size + skip) // bpc)
             g_rows = rows[row_off:row_off + n_rows]
             g_dev = dev_ids[dev_off:dev_off + size]
-            # Flattened pool slot of each device block: row * bpc + slot.
-            flat = [g_rows[(skip + j) // bpc] * bpc + (skip + j) % bpc for j in range(size)]
-            # The same pieces for every tensor of the group: runs split at row boundaries
-            # (a row holds bpc slots), found once per group, not once per layer.
-            pieces: list[tuple[int, int, int, int]] = []  # (device block, row, slot, blocks)
-            for d0, f0, n in copy_runs(g_dev, flat):
-                done = 0
-                while done < n:
-                    row, slot = divmod(f0 + done, bpc)
-                    take = min(n - done, bpc - slot) if bpc > 1 else n - done
-                    pieces.append((d0 + done, row, slot, take))
-                    done += take
-            for dev, view in self._layout[g]:
-                page = dev.shape[1] * dev.element_size()
-                for d, row, slot, take in pieces:
-                    pool_part = view[row:row + take] if bpc == 1 else view[row, slot:slot + take]
-                    dev_part = dev[d:d + take]
-                    copies.append(_Copy(dev_part, pool_part) if store else _Copy(pool_part, dev_part))
-                    nbytes += take * page
+            if len(g_rows) < n_rows or len(g_dev) < size:
+                raise ValueError(f"group {g}: {size} blocks need {n_rows} pool rows and {size} device blocks; "
+                                 f"the spec has {len(g_rows)} and {len(g_dev)} left")
+            for j, block in enumerate(g_dev):
+                dev_side.append(layout.device_id(g, block))
+                pool_side.append(layout.slot_id(g_rows[(skip + j) // bpc], (skip + j) % bpc))
+            nbytes += size * layout.slot_bytes[g]
             dev_off += size
             row_off += n_rows
-        return _Job(job_id, direction, copies, tuple(rows), nbytes)
+        runs = copy_runs(dev_side, pool_side) if direction == OFFLOAD else copy_runs(pool_side, dev_side)
+        return runs, nbytes
 
     # ------------------------------------------------------------ vLLM's calls
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec) -> bool:  # type: ignore[override, unused-ignore]
-        return self._submit(STORE, job_id, src_spec, dst_spec)
+        return self._submit(OFFLOAD, job_id, src_spec, dst_spec)
 
     def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec,  # type: ignore[override, unused-ignore]
                     expedited: bool = False) -> bool:
-        return self._submit(LOAD, job_id, dst_spec, src_spec)
+        return self._submit(ONBOARD, job_id, dst_spec, src_spec)
 
-    def _submit(self, direction: str, job_id: int, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> bool:
-        try:
-            job = self._plan(direction, gpu, cpu, job_id)
-        except Exception as exc:  # a spec we cannot map: fail the job, never the engine
-            self._log.error("transfer_plan_failed", job_id=job_id, kind=direction, error=repr(exc))
-            job = _Job(job_id, direction, [], tuple(int(r) for r in cpu.block_ids), 0, error=exc)
+    def _submit(self, direction: Direction, job_id: int, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> bool:
+        rows = tuple(int(r) for r in cpu.block_ids)
+        job = _WorkerJob(job_id=job_id, direction=direction, ctx=ReqContext(f"vllm-job-{job_id}"), keys=(),
+                         runs=(), nbytes=0, future=Future(), deadline=None, timeout_s=None, rows=rows,
+                         submitted=time.monotonic())
         with self._cond:
+            closed = self._closed
             self._open.add(job_id)
-        if job.error is not None:
-            self._finish(job)
-        elif self._cuda:
-            self._issue_cuda(job)
+        error: Exception | None = None
+        try:
+            if closed:
+                raise RuntimeError("the kvactors worker is shut down")
+            runs, job.nbytes = self._plan(direction, gpu, rows)
+            job.runs = tuple(runs)
+        except Exception as exc:  # a spec we cannot map: fail the job, never the engine
+            self._log.error("transfer_plan_failed", job_id=job_id, kind=_KIND[direction], error=repr(exc))
+            error = exc
+        if error is None and self.fault_injector is not None:
+            try:
+                self.fault_injector(direction, job.ctx, job.keys)
+            except Exception as exc:
+                error = exc
+        if error is not None:
+            self._copied(job, error)
         else:
-            self._queue.put(job)
+            self._copier.submit(job)
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        if self._cuda:
-            self._poll_cuda(block=False)
         with self._cond:
             out, self._finished = self._finished, []
         return out
 
     def wait(self, job_ids: set[int]) -> None:
         deadline = time.monotonic() + self.transfer_timeout_s
-        if self._cuda:
-            self._poll_cuda(block=True, only=set(job_ids))
         with self._cond:
             while True:
                 left = [j for j in job_ids if j in self._open]
@@ -223,108 +268,51 @@ class KvactorsOffloadingWorker(OffloadingWorker):
                 self._cond.wait(remaining)
 
     def shutdown(self) -> None:
+        """Wait for the jobs in flight (``transfer_timeout_s``), stop the copier (it ends the jobs
+        still in flight first: nothing writes into the pool after), unregister the pool from
+        CUDA, then close the pool if this worker owns it. Safe to call twice."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-        if self._cuda:
-            self._poll_cuda(block=True)
-        else:
-            self._queue.put(None)
-            self._thread.join(self.transfer_timeout_s)
-        WORKERS.discard(self)
-        if self._owns_shared:
-            self.shared.close(unlink=True)
-
-    # ------------------------------------------------------------ the copies
-
-    def _run_copies(self, job: _Job, *, non_blocking: bool = False) -> None:
-        if self.fault_injector is not None:
-            self.fault_injector(job.direction, job.job_id)
-        copy_all([c.dst for c in job.copies], [c.src for c in job.copies], non_blocking=non_blocking)
-
-    def _copy_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
+            open_jobs = set(self._open)
+        try:
+            self.wait(open_jobs)
+            self._copier.shutdown()
+        finally:
+            WORKERS.discard(self)
             try:
-                self._run_copies(job)
-            except Exception as exc:
-                job.error = exc
-            self._finish(job)
+                if self._registration is not None:
+                    self._registration.release()
+            finally:
+                if self._owns_shared:
+                    self.shared.close(unlink=True)
 
-    def _finish(self, job: _Job) -> None:
-        """Record a job's outcome: the status bytes first, then the result vLLM polls."""
-        if job.direction == STORE:
-            self.shared.mark(job.rows, self.rank, STORE_OK if job.error is None else STORE_FAILED)
-        if job.error is not None:
-            if job.direction == STORE:
-                self.store_failures += 1
-            else:
-                self.load_failures += 1
-            self._log.warning("transfer_failed", job_id=job.job_id, kind=job.direction, error=repr(job.error))
-        elif job.direction == STORE:
-            self.bytes_stored += job.nbytes
-        else:
-            self.bytes_loaded += job.nbytes
+    # ------------------------------------------------------------ completions
+
+    def _copied(self, copy_job: CopyJob, error: BaseException | None) -> None:
+        """A job ended (the copier's :data:`~kvactors.transfer.jobs.JobDone`): the status bytes first,
+        then the result vLLM polls. On a copier thread, or vLLM's for a job that never reached
+        the copier; never raises."""
+        job = cast(_WorkerJob, copy_job)
+        try:
+            if job.direction == OFFLOAD:
+                self.shared.mark(job.rows, self.rank, STORE_OK if error is None else STORE_FAILED)
+        except Exception as exc:  # the pool closed under the job: it failed
+            error = error or exc
+        if error is not None:
+            self._log.warning("transfer_failed", job_id=job.job_id, kind=_KIND[job.direction], error=repr(error))
         result = TransferResult(job.job_id, True, job.nbytes, time.monotonic() - job.submitted)
         with self._cond:
+            if error is not None:
+                if job.direction == OFFLOAD:
+                    self.store_failures += 1
+                else:
+                    self.load_failures += 1
+            elif job.direction == OFFLOAD:
+                self.bytes_stored += job.nbytes
+            else:
+                self.bytes_loaded += job.nbytes
             self._open.discard(job.job_id)
             self._finished.append(result)
             self._cond.notify_all()
-
-    # CUDA: streams and events, polled from vLLM's own calls (no extra thread).
-
-    def _register_host_memory(self) -> None:
-        """Pin the shared pool for asynchronous copies (best effort)."""
-        with contextlib.suppress(Exception):
-            cudart = torch.cuda.cudart()
-            cudart.cudaHostRegister(self.pool.data_ptr(), self.pool.numel(), 0)
-
-    def _issue_cuda(self, job: _Job) -> None:
-        stream = self._streams[job.direction]
-        try:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._run_copies(job, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-            job.event = event
-        except Exception as exc:
-            job.error = exc
-            with contextlib.suppress(Exception):
-                stream.synchronize()
-        with self._cond:
-            self._inflight.append(job)
-
-    def _poll_cuda(self, *, block: bool, only: set[int] | None = None) -> None:
-        with self._cond:
-            jobs = list(self._inflight)
-        done: list[_Job] = []
-        for job in jobs:
-            event = job.event
-            if event is not None:
-                try:
-                    if block and (only is None or job.job_id in only):
-                        event.synchronize()
-                    elif not event.query():
-                        continue
-                except Exception as exc:
-                    job.error = job.error or exc
-            done.append(job)
-        if done:
-            with self._cond:
-                self._inflight = [j for j in self._inflight if j not in done]
-            for job in done:
-                self._finish(job)
-
-
-def pages_per_group(kv_caches: CanonicalKVCaches) -> Sequence[int]:
-    """Bytes of one vLLM block of each KV cache group (all its tensors' pages)."""
-    out = []
-    for refs in kv_caches.group_data_refs:
-        idx = dict.fromkeys(ref.tensor_idx for ref in refs)
-        out.append(sum(kv_caches.tensors[i].tensor[0].numel() * kv_caches.tensors[i].tensor.element_size()
-                       for i in idx))
-    return out
