@@ -395,3 +395,131 @@ def test_worker_copier_choice_is_checked(tmp_path):
     with pytest.raises(ValueError, match="copier must be one of"):
         _worker(tmp_path, bpc=1, copier="fast")
 
+
+# ---------------------------------------------------------------- compat
+
+
+@pytest.mark.timeout(60)
+def test_offload_key_positions_are_read_from_vllms_context_and_fail_loudly_elsewhere():
+    from vllm.v1.kv_offload.base import ReqContext as VReqContext
+
+    from kvactors.integrations.vllm import compat
+
+    compat.require_key_positions()
+    rc = VReqContext("r1")
+    rc.set_offload_key_position(b"key-a", 32)
+    assert dict(compat.offload_key_positions(rc)) == {b"key-a": 32}
+    with pytest.raises(compat.VllmCompatError, match=r"vLLM 0\.33.*_offload_key_positions"):
+        compat.offload_key_positions(object())
+    assert not hasattr(compat, "HAS_CONFIG_INFO")
+
+
+# ---------------------------------------------------------------- the manager's lock
+
+
+def _bare_manager():
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from kvactors import TieringManager
+    from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
+
+    tm = TieringManager.start(num_blocks=8, block_bytes=64)
+    return KvactorsOffloadingManager(tm, None, events_enabled=False, tier_kinds={}, hit_source=CacheHitSource.HOST,
+                                     owns_shared=False)
+
+
+def _key(i):
+    return b"key%05d" % i + b"\0\0\0\0"
+
+
+def _blocked(fn, entered, release):
+    """``fn`` whose first call waits for ``release`` (after setting ``entered``); later calls do not."""
+    first = [True]
+
+    def call(*args, **kwargs):
+        if first[0]:
+            first[0] = False
+            entered.set()
+            assert release.wait(30), "never released"
+        return fn(*args, **kwargs)
+    return call
+
+
+@pytest.mark.timeout(120)
+def test_prepare_store_waits_for_the_tiering_manager_without_the_lock(tmp_path):
+    """While prepare_store is in the TieringManager, the lock is free (the lookup thread posts its
+    answers); the store is recorded for its attempt once the call returns."""
+    import threading
+
+    from vllm.v1.kv_offload.base import ReqContext as VReqContext
+
+    mgr = _bare_manager()
+    entered, release = threading.Event(), threading.Event()
+    mgr.tm.prepare_store = _blocked(mgr.tm.prepare_store, entered, release)
+    rc = VReqContext("r1")
+    mgr.on_new_request(rc)
+    out = []
+    caller = threading.Thread(target=lambda: out.append(mgr.prepare_store([_key(1), _key(2)], rc)))
+    caller.start()
+    try:
+        assert entered.wait(30)
+        assert mgr._lock.acquire(timeout=5), "prepare_store holds the manager's lock while it waits"
+        mgr._lock.release()
+    finally:
+        release.set()
+        caller.join(30)
+    assert not caller.is_alive() and out[0] is not None and list(out[0].keys_to_store) == [_key(1), _key(2)]
+    mgr.complete_store([_key(1), _key(2)], rc)
+    mgr.on_request_finished(rc)
+    assert mgr.tm.wait_idle(30)
+    stats = mgr.stats()
+    assert stats["blocks_ready"] == 2 and stats["blocks_pending"] == 0 and stats["vllm_tracked_requests"] == 0
+    mgr.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_prepare_load_outside_the_lock_keeps_a_pin_the_lookup_thread_posts_meanwhile(tmp_path):
+    """prepare_load of a key vLLM found itself pins it in the TieringManager without the lock; a
+    lookup answered for the same key meanwhile posts its own pin. Both pins end: nothing stays
+    pinned once the load completes and the request finishes."""
+    import threading
+
+    from vllm.v1.kv_offload.base import LookupResult as VLookup
+    from vllm.v1.kv_offload.base import ReqContext as VReqContext
+
+    mgr = _bare_manager()
+    writer = VReqContext("writer")
+    mgr.on_new_request(writer)
+    mgr.prepare_store([_key(1)], writer)
+    mgr.complete_store([_key(1)], writer)
+    mgr.on_request_finished(writer)
+    assert mgr.tm.wait_idle(30)
+
+    entered, release = threading.Event(), threading.Event()
+    mgr.tm.prepare_load = _blocked(mgr.tm.prepare_load, entered, release)
+    rc = VReqContext("reader")
+    mgr.on_new_request(rc)
+    rows = []
+    caller = threading.Thread(target=lambda: rows.append(mgr.prepare_load([_key(1)], rc)))
+    caller.start()
+    try:
+        assert entered.wait(30)
+        answers = []
+        asker = threading.Thread(target=lambda: answers.append(mgr.lookup(_key(1), rc)))
+        asker.start()
+        asker.join(10)
+        assert not asker.is_alive(), "lookup waited for the manager's lock held by prepare_load"
+        req = mgr._requests.get("reader")
+        assert req.job is None or req.job.done.wait(10)
+    finally:
+        release.set()
+        caller.join(30)
+    assert not caller.is_alive() and len(rows[0].block_ids) == 1
+    assert answers[0] in (VLookup.HIT, VLookup.RETRY)
+    mgr.complete_load([_key(1)], rc)
+    mgr.on_request_finished(rc)
+    assert mgr.tm.wait_idle(30)
+    stats = mgr.stats()
+    assert stats["blocks_pinned"] == 0 and stats["contract_violations"] == 0, stats
+    assert stats["vllm_tracked_requests"] == 0
+    mgr.shutdown()

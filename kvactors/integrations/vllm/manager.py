@@ -29,7 +29,13 @@ chunk after chunk, every step. The manager
 
 Threading: vLLM calls it from one thread; the helper threads only run
 kvactors calls and post their answers under the manager's own lock, so the
-manager is safe without vLLM's ``lock`` (which it leaves a no-op).
+manager is safe without vLLM's ``lock`` (which it leaves a no-op). The lock is
+never held across a call that waits for the TieringManager (``lookup``,
+``prepare_load``, ``prepare_store``, ``reset_cache``, ``take_events``): a
+``prepare_*`` call takes what it needs from the request under the lock, asks
+the TieringManager without it (the lookup thread may post answers and pins
+meanwhile), and records the outcome under it again; the request is not
+forgotten in between (``Request.calls``).
 
 The pieces, one idea each: :mod:`.requests` (req_ids as attempts, their
 answers, pins and owed completions), :mod:`.lookups` (one batch lookup per
@@ -165,8 +171,7 @@ class KvactorsOffloadingManager(OffloadingManager):
     def _start_lookup(self, req: Request, key: OffloadKey, req_context: VReqContext) -> LookupJob:
         """Ask kvactors, off the scheduler's thread, for ``key`` and the request's keys after it
         (one round trip for the rest of the prefix). The caller holds ``self._lock``."""
-        positions = getattr(req_context, "_offload_key_positions", None)
-        job = LookupJob(lookups.remaining_keys(key, positions), req.ctx)
+        job = LookupJob(lookups.remaining_keys(key, compat.offload_key_positions(req_context)), req.ctx)
         req.job = job
         self._jobs_in_flight += 1
         self.counters["lookup_calls"] += 1
@@ -244,22 +249,50 @@ class KvactorsOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------ loads
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: VReqContext) -> CPULoadStoreSpec:
+        """The pool rows of ``keys``: the pins this manager took when it answered them ``HIT``,
+        and for keys it did not answer so this step (vLLM's own bookkeeping), pins taken now
+        from the TieringManager, outside the lock (see :meth:`_pin_missing`). ``ValueError``
+        if a key is given twice; the TieringManager's ``LifecycleError`` if a key is not ready
+        (nothing is pinned for the call then)."""
         keys = [bytes(k) for k in keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("prepare_load: a key is given twice")
         with self._lock:
             req = self._request(req_context)
-            rows: list[int] = []
-            missing = [k for k in keys if k not in req.pinned]
-            if missing:
-                # Not answered HIT by us this step (vLLM's own bookkeeping): pin now, primary only.
-                spec = self.tm.prepare_load(missing, req.ctx)
-                req.pinned.update(zip(missing, spec.block_ids, strict=True))
+            # Taken from the request now, so that nothing (a step's end) releases them meanwhile.
+            taken = {k: req.pinned.pop(k) for k in keys if k in req.pinned}
+            missing = [k for k in keys if k not in taken]
+            req.calls += 1
+        fresh = self._pin_missing(req, missing, taken)
+        with self._lock:
+            req.calls -= 1
+            rows = [taken[k] if k in taken else fresh[k] for k in keys]
             for k in keys:
-                rows.append(req.pinned.pop(k))
                 req.loads.setdefault(k, []).append(req.ctx)
                 req.answers.pop(k, None)
             self.counters["keys_loaded"] += len(keys)
             req.unsure_since = None
         return CPULoadStoreSpec(rows)
+
+    def _pin_missing(self, req: Request, missing: list[OffloadKey],
+                     taken: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
+        """Pin ``missing`` (primary only) for ``req``, without the lock: the lookup thread may post
+        answers and pins for the request meanwhile (a pin it posts for one of these keys stays
+        the request's, an unused pin released at the step's end). If the TieringManager refuses,
+        the ``taken`` pins go back to the request (or are released) and the error is raised."""
+        if not missing:
+            return {}
+        try:
+            spec = self.tm.prepare_load(missing, req.ctx)
+        except BaseException:
+            with self._lock:
+                req.calls -= 1
+                release = self._requests.restore_pins(req, taken)
+                self._requests.forget_if_done(req)
+            if release:
+                self.tm.complete_load(release, req.ctx)
+            raise
+        return dict(zip(missing, spec.block_ids, strict=True))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: VReqContext) -> None:
         with self._lock:
@@ -290,18 +323,32 @@ class KvactorsOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------ stores
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: VReqContext) -> VPrepareStoreOutput | None:
+        """Rows for the keys not in the pool yet, from the TieringManager, asked outside the lock
+        (the lookup thread goes on meanwhile). The rows are marked pending in the shared status
+        table, and recorded for the attempt that prepared them, before vLLM sees them."""
         keys = [bytes(k) for k in keys]
         with self._lock:
             req = self._request(req_context)
-            out = self.tm.prepare_store(keys, req.ctx)
+            ctx = req.ctx
+            req.calls += 1  # not forgotten while the call runs: its stores are recorded after it
+        try:
+            out = self.tm.prepare_store(keys, ctx)
+        except BaseException:
+            with self._lock:
+                req.calls -= 1
+                self._requests.forget_if_done(req)
+            raise
+        rows = [] if out is None else list(out.store_spec.block_ids)
+        if rows and self.shared is not None:
+            self.shared.mark_pending(rows)  # before vLLM submits the store (one writer: no lock)
+        with self._lock:
+            req.calls -= 1
             if out is None:
                 self.counters["stores_refused"] += 1
+                self._requests.forget_if_done(req)
                 return None
-            rows = list(out.store_spec.block_ids)
-            if self.shared is not None:
-                self.shared.mark_pending(rows)
             for k, row in zip(out.keys_to_store, rows, strict=True):
-                req.stores[k] = (req.ctx, row)
+                req.stores[k] = (ctx, row)
             self.counters["keys_stored"] += len(rows)
         return VPrepareStoreOutput(keys_to_store=list(out.keys_to_store), store_spec=CPULoadStoreSpec(rows),
                                    evicted_keys=list(out.evicted_keys))

@@ -54,6 +54,7 @@ class Request:
     unsure_step: int = 0  # the scheduler step of unsure_since
     stores: dict[OffloadKey, tuple[ReqContext, int]] = field(default_factory=dict)  # key -> (attempt, row)
     loads: dict[OffloadKey, list[ReqContext]] = field(default_factory=dict)
+    calls: int = 0  # prepare_load / prepare_store calls in the TieringManager (outside the lock) for it
 
 
 class Requests:
@@ -110,10 +111,23 @@ class Requests:
         self.tm.on_request_finished(req.ctx)
 
     def forget_if_done(self, req: Request) -> None:
-        """Forget a finished request that owes nothing (its attempt number too)."""
-        if req.finished and not req.stores and not req.loads and self.by_id.get(req.req_id) is req:
+        """Forget a finished request that owes nothing (its attempt number too), unless a
+        ``prepare_*`` call for it is still in the TieringManager (it records what it owes after)."""
+        if (req.finished and not req.stores and not req.loads and not req.calls
+                and self.by_id.get(req.req_id) is req):
             del self.by_id[req.req_id]
             self.attempts.pop(req.req_id, None)
+
+    def restore_pins(self, req: Request, pins: dict[OffloadKey, int]) -> list[OffloadKey]:
+        """Give ``req`` back pins taken from it for a ``prepare_load`` that failed; the keys whose
+        pins to release instead (``req`` finished or replaced meanwhile, or the lookup thread
+        posted a pin of the same key meanwhile)."""
+        live = not req.finished and self.by_id.get(req.req_id) is req
+        release = [k for k in pins if not live or k in req.pinned]
+        if live and len(release) < len(pins):
+            req.pinned.update((k, row) for k, row in pins.items() if k not in req.pinned)
+            self.with_answers.add(req.req_id)  # its pins are looked at again at the step's end
+        return release
 
     def drop_answers(self, req: Request) -> None:
         """Release the request's unused pins and forget its answers."""

@@ -67,6 +67,7 @@ class KvactorsOffloadingSpec(OffloadingSpec):
                           num_writers=self.num_writers, participants=self.participants, slot=slot)
 
     def get_manager(self) -> OffloadingManager:
+        compat.require_key_positions()  # before anything starts: a vLLM without it fails here, loudly
         shared = self._open_pool(0)
         try:
             # Blocks in the tiers carry the model's identity and the layout: see identity.py.
