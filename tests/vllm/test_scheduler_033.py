@@ -223,9 +223,10 @@ def test_a_tier_stuck_in_its_lookup_costs_the_scheduler_at_most_the_step_wait(tm
 # ---------------------------------------------------------------- the worker on its own (CPU copiers)
 
 
-def _worker(tmp_path, *, bpc, copier, groups=((40, 256, 3), (24, 128, 2)), pool_rows=24):
-    """A worker over made-up KV caches: ``groups`` of (blocks, page, tensors); a pool row holds
-    ``bpc`` slots of the larger group. Returns (worker, tensors per group, shared pool)."""
+def _worker(tmp_path, *, bpc, copier, groups=((40, 256, 3), (24, 128, 2)), pool_rows=24, rank=0, ranks=1):
+    """A worker of ``rank`` (of ``ranks``) over made-up KV caches: ``groups`` of (blocks, page,
+    tensors); a rank's part of a pool row holds ``bpc`` slots of the larger group. Returns
+    (worker, tensors per group, shared pool)."""
     import torch
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
@@ -239,8 +240,8 @@ def _worker(tmp_path, *, bpc, copier, groups=((40, 256, 3), (24, 128, 2)), pool_
         tensors += [torch.randint(-128, 127, (blocks, page), dtype=torch.int8, generator=gen) for _ in range(n)]
     kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, t.shape[1]) for t in tensors], refs)
     row = bpc * max(page * n for _, page, n in groups)
-    shared = SharedPool(str(tmp_path / "pool"), num_blocks=pool_rows, block_bytes=row)
-    worker = KvactorsOffloadingWorker(kv, shared, rank=0, per_worker_bytes=row, blocks_per_chunk=bpc,
+    shared = SharedPool(str(tmp_path / "pool"), num_blocks=pool_rows, block_bytes=row * ranks, num_writers=ranks)
+    worker = KvactorsOffloadingWorker(kv, shared, rank=rank, per_worker_bytes=row, blocks_per_chunk=bpc,
                                       transfer_timeout_s=30.0, owns_shared=True, copier=copier)
     per_group, i = [], 0
     for _, _, n in groups:
@@ -305,6 +306,34 @@ def test_worker_stores_and_loads_every_group_byte_exact_where_its_rows_say(tmp_p
             assert all(torch.equal(t[dev[g]], b) for t, b in zip(ts, before[g], strict=True))
         assert worker.bytes_stored == worker.bytes_loaded == stored.transfer_size
         assert worker.store_failures == worker.load_failures == 0
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("copier", WORKER_COPIERS)
+def test_worker_of_rank_one_writes_its_half_of_each_row_and_its_status_column(tmp_path, copier):
+    """Tensor parallelism: rank r's pages of a block lie at ``r * per_worker_bytes`` of its row."""
+    import torch
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from kvactors.integrations.vllm.shm import STORE_OK, STORE_PENDING
+
+    worker, groups, shared = _worker(tmp_path, bpc=2, copier=copier, rank=1, ranks=2)
+    try:
+        before = shared.pool.clone()
+        shared.mark_pending([3, 4])
+        worker.submit_store(1, GPULoadStoreSpec([6, 7, 8], [3], [0]), CPULoadStoreSpec([3, 4]))
+        _finished(worker, [1])
+        half = shared.pool.shape[1] // 2
+        assert torch.equal(shared.pool[:, :half], before[:, :half])  # rank 0's half untouched
+        for j, block in enumerate([6, 7, 8]):
+            row, slot = (3, 4)[j // 2], j % 2
+            for i, t in enumerate(groups[0]):
+                at = half + i * 2 * 256 + slot * 256
+                assert torch.equal(shared.pool[row, at:at + 256].view(torch.int8), t[block])
+        assert shared.status[3].tolist() == [STORE_PENDING, STORE_OK] and not shared.stored_ok(3)
     finally:
         worker.shutdown()
 
