@@ -230,14 +230,15 @@ class KvactorsOffloadingWorker(OffloadingWorker):
             closed = self._closed
             self._open.add(job_id)
         error: Exception | None = None
-        try:
-            if closed:
-                raise RuntimeError("the kvactors worker is shut down")
-            runs, job.nbytes = self._plan(direction, gpu, rows)
-            job.runs = tuple(runs)
-        except Exception as exc:  # a spec we cannot map: fail the job, never the engine
-            self._log.error("transfer_plan_failed", job_id=job_id, kind=_KIND[direction], error=repr(exc))
-            error = exc
+        if closed:  # vLLM's own misuse: the job fails (logged with its result), nothing is copied
+            error = RuntimeError("the kvactors worker is shut down")
+        else:
+            try:
+                runs, job.nbytes = self._plan(direction, gpu, rows)
+                job.runs = tuple(runs)
+            except Exception as exc:  # a spec we cannot map: fail the job, never the engine
+                self._log.error("transfer_plan_failed", job_id=job_id, kind=_KIND[direction], error=repr(exc))
+                error = exc
         if error is None and self.fault_injector is not None:
             try:
                 self.fault_injector(direction, job.ctx, job.keys)
