@@ -221,3 +221,32 @@ def test_the_declared_families_are_what_the_collector_yields():
             for sample in family.samples:
                 assert set(sample.labels) - {"le"} == set(spec.labels), (family.name, sample)
     assert seen == set(declared), set(declared) ^ seen
+
+
+@pytest.mark.timeout(60)
+def test_stats_totals_are_the_sums_of_the_per_tier_counts():
+    """Issue 29 item 4: one set of counters per actor; stats()'s job totals derive from the per-tier counts."""
+    tier = ControlledTier(name="ctl", max_inflight=1)
+    tiers = [tier, MemoryTier(name="mem", capacity_blocks=8)]
+    with TieringManager.start(num_blocks=4, block_bytes=BB, secondary_tiers=tiers, transfer_timeout_s=0.3) as manager:
+        a = ReqContext("a")
+        manager.on_new_request(a)
+        for n in range(3):  # cascades: "mem" succeeds, "ctl" holds one and queues two, all time out
+            out = manager.prepare_store(keys(n), a)
+            manager.complete_store(out.keys_to_store, a)
+        manager.prepare_store(keys(7), a)  # never completed: 1 key past its deadline
+        assert manager.wait_idle(10)
+        tier.release_all()
+        manager.on_request_finished(a)
+        settled(manager)
+        snap = manager.metrics_snapshot()
+        stats = snap.stats
+        outcomes = {outcome: sum(n for (t, _, o), n in snap.jobs.items() if o == outcome and t != "cpu")
+                    for outcome in ("ok", "failed", "timed_out")}
+        assert stats["jobs_submitted"] == sum(snap.jobs_started.values()) == 6
+        assert (stats["jobs_succeeded"], stats["jobs_failed"], stats["jobs_timed_out"]) == (
+            outcomes["ok"], outcomes["failed"], outcomes["timed_out"]) == (3, 0, 3)
+        assert stats["jobs_dropped"] == sum(snap.jobs_dropped.values())
+        assert stats["stores_timed_out"] == 1  # keys
+        assert snap.jobs[("cpu", "store", "timed_out")] == 1  # stores
+        assert stats == manager.stats() | {k: stats[k] for k in stats if k.startswith("tier_silent_s.")}

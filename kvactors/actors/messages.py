@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from kvactors.actors.reply import Reply
+from kvactors.core.counters import MetricsSnapshot, PrimaryFigures
 from kvactors.core.gathers import GatherKind
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
@@ -195,19 +196,13 @@ class SupervisorBarrier(NamedTuple):
 
 
 class SupervisorStats(NamedTuple):
-    stats: tuple[tuple[str, int | float], ...]
+    primary: PrimaryFigures
     reply: Reply[dict[str, int | float]]
 
 
 class SupervisorMetrics(NamedTuple):
-    """The primary's part of a metrics snapshot; ``stats`` is the :class:`SupervisorStats`
-    reply the primary sent just before (the supervisor answers that one first)."""
-
-    counters: Any  # a copy of the primary's PrimaryCounters
-    pool_blocks: dict[str, int]
-    evicted_keys: int
-    stats: Reply[dict[str, int | float]]
-    reply: Reply[Any]
+    primary: PrimaryFigures
+    reply: Reply[MetricsSnapshot]
 
 
 class SupervisorShutdown(NamedTuple):

@@ -31,9 +31,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvactors.actors import messages as m
-from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
-from kvactors.core.counters import PrimaryCounters
+from kvactors.core.counters import PrimaryCounters, PrimaryFigures
 from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
 from kvactors.core.events import EventBuffer, warn_on_overflow
@@ -99,10 +98,7 @@ class PrimaryTier(Actor):
         self.transfer_timeout_s = transfer_timeout_s
         self.work_ids = work_ids
         self.supervisor: ActorRef
-        self.contract_violations = 0
-        self.stores_timed_out = 0
-        self.promotions_refused = 0  # lookups whose promotions the pool could not hold (all or some)
-        self.counters = PrimaryCounters()  # for metrics: plain ints, this actor's state
+        self.counters = PrimaryCounters()  # stats() and metrics derive from these
         self._requests: dict[tuple[str, int], _RequestRecord] = {}
         # One deadline per prepare_store call: its keys that are still pending when it passes expire.
         # (request, keys, store id): a store's keys and the id it was prepared under.
@@ -135,7 +131,7 @@ class PrimaryTier(Actor):
 
     def _violation(self, call: str, ctx: ReqContext, reason: str) -> None:
         """Misuse in a call that cannot raise to its caller: log, count, change nothing."""
-        self.contract_violations += 1
+        self.counters.contract_violations += 1
         self.log.warning(
             "contract_violation", call=call, req_id=ctx.req_id, attempt=ctx.attempt, reason=reason,
             tier=PRIMARY_TIER_NAME
@@ -344,10 +340,10 @@ class PrimaryTier(Actor):
             detached = self.pool.detach_writes(ctx.identity, keys)
             expired[ctx] += detached
             self.counters.store_timed_out += detached > 0
+            self.counters.store_keys_timed_out += detached
         for ctx, count in expired.items():
             if not count:
                 continue  # every key of that store completed in time
-            self.stores_timed_out += count
             self.log.warning(
                 "job_timed_out", kind="store", req_id=ctx.req_id, attempt=ctx.attempt, keys=count,
                 tier=PRIMARY_TIER_NAME
@@ -411,7 +407,7 @@ class PrimaryTier(Actor):
         results = [miss if n >= cut else answer.get(key, result)
                    for n, (key, result) in enumerate(zip(msg.keys, msg.results, strict=True))]
         if cut < len(msg.keys):
-            self.promotions_refused += 1
+            self.counters.promotions_refused += 1
         self.supervisor.tell(m.PromotionsAllocated(msg.lookup_id, ctx, msg.epoch, tuple(jobs)))
         msg.reply.set_result(results)
 
@@ -480,25 +476,20 @@ class PrimaryTier(Actor):
     def _events_dropped(self, buffer: EventBuffer) -> None:
         warn_on_overflow(self.log, pool=True)(buffer)  # self.log is set after __init__
 
+    def _figures(self) -> PrimaryFigures:
+        """This actor's part of stats() and of the metrics, copied now."""
+        pool = self.pool
+        return PrimaryFigures(self.counters.copy(), pool.stats(), pool.state_counts(), pool.evicted_keys,
+                              pool.event_keys_dropped, len(self._requests), len(self._reservations),
+                              self.internal_errors)
+
     @handles(m.QueryStats)
     def _on_query_stats(self, msg: m.QueryStats) -> None:
-        stats: dict[str, int | float] = dict(self.pool.stats())
-        stats["primary_requests"] = len(self._requests)
-        stats["primary_violations"] = self.contract_violations
-        stats["stores_timed_out"] = self.stores_timed_out
-        stats["blocks_reserved"] = len(self._reservations)
-        stats["promotions_refused"] = self.promotions_refused
-        stats["event_keys_dropped"] = self.pool.event_keys_dropped
-        stats["primary_internal_errors"] = self.internal_errors
-        self.supervisor.tell(m.SupervisorStats(tuple(stats.items()), msg.reply))
+        self.supervisor.tell(m.SupervisorStats(self._figures(), msg.reply))
 
     @handles(m.QueryMetrics)
     def _on_query_metrics(self, msg: m.QueryMetrics) -> None:
-        # stats() first, then this actor's counters: the supervisor answers both in order.
-        stats: Reply[dict[str, int | float]] = Reply()
-        self._on_query_stats(m.QueryStats(stats))
-        self.supervisor.tell(m.SupervisorMetrics(self.counters.copy(), self.pool.state_counts(),
-                                                 self.pool.evicted_keys, stats, msg.reply))
+        self.supervisor.tell(m.SupervisorMetrics(self._figures(), msg.reply))
 
     def on_stop(self) -> None:
         # The roll call check-log needs at the stop: every request this actor still holds. Without it a

@@ -116,13 +116,6 @@ SHUTDOWN_GRACE_S = 0.25
 ``shutdown()`` after a ``drain`` that used the whole budget)."""
 
 
-COUNTER_NAMES = (
-    "jobs_submitted", "jobs_succeeded", "jobs_failed", "jobs_timed_out", "jobs_dropped", "late_reports",
-    "unexpected_reports", "invalid_reports", "jobs_partial", "job_keys_failed", "promotion_hits_ignored",
-    "lookups_timed_out", "requests_finalized", "guard_violations", "gathers_incomplete", "inline_calls_demoted",
-)
-
-
 class LifecycleSupervisor(Actor):
     """The supervisor: owns the lifecycle table, the job, lookup and gather books, and routes
     messages between them, the primary and the tiers. Runs on one actor; see the module docstring."""
@@ -148,8 +141,7 @@ class LifecycleSupervisor(Actor):
         self._watch = TierWatch(self.tier_order, transfer_timeout_s)
         self._timer_due: float | None = None
         self._shutdown: _Shutdown | None = None
-        self.metrics = counters.JobCounters(self.tier_order)  # for kvactors.metrics: plain ints
-        self.counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self.counters = counters.SupervisorCounters(self.tier_order)  # stats() and metrics derive from these
 
     def connect(self, primary: ActorRef, tiers: dict[str, TierLink]) -> None:
         self.primary = primary
@@ -159,7 +151,7 @@ class LifecycleSupervisor(Actor):
 
     def _inline_call_blocked(self, tier: str, call: str, seconds: float) -> None:
         """A call the tier declared inline took ``seconds`` on this thread: it is not inline any more."""
-        self.counters["inline_calls_demoted"] += 1
+        self.counters.inline_calls_demoted += 1
         self.log.warning("inline_call_demoted", tier=tier, call=call, seconds=round(seconds, 3))
 
     # ------------------------------------------------------------ the finalize decision
@@ -177,7 +169,7 @@ class LifecycleSupervisor(Actor):
             if self.tracing:
                 self.log.debug("tier_finalized", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier)
             self.tiers[tier].send(m.TierFinished(ctx), "on_request_finished")
-        self.counters["requests_finalized"] += 1
+        self.counters.requests_finalized += 1
         if self.tracing:
             self.log.debug("request_finalized", req_id=ctx.req_id, attempt=ctx.attempt)
         self.primary.tell(m.RequestFinalized(ctx))
@@ -272,7 +264,7 @@ class LifecycleSupervisor(Actor):
             return
         elif step is Step.REFUSED:
             # Unreachable while the counts are right; the guard keeps the contract if they are not.
-            self.counters["guard_violations"] += 1
+            self.counters.guard_violations += 1
             self.log.error("contract_violation", reason="submit_after_finalize", tier=entry.tier,
                            job_id=entry.job_id, req_id=ctx.req_id, attempt=ctx.attempt)
             self._end_unsubmitted(entry, "no_request")
@@ -289,8 +281,7 @@ class LifecycleSupervisor(Actor):
 
     def _send_job(self, entry: BookedJob) -> None:
         ctx = entry.job.req_context
-        self.counters["jobs_submitted"] += 1
-        self.metrics.job_started(entry.tier, entry.kind)
+        self.counters.job_started(entry.tier, entry.kind)
         self._arm_timer(entry.deadline if entry.deadline is not None else entry.submitted_at + self.transfer_timeout_s)
         if self.tracing:
             self.log.debug(JOB_SUBMITTED[entry.kind], job_id=entry.job_id, tier=entry.tier, keys=len(entry.job.keys),
@@ -300,8 +291,7 @@ class LifecycleSupervisor(Actor):
 
     def _end_unsubmitted(self, entry: BookedJob, reason: str) -> None:
         """A job that never reached its tier fails: release its rows at once."""
-        self.counters["jobs_dropped"] += 1
-        self.metrics.job_dropped(entry.tier, entry.kind)
+        self.counters.job_dropped(entry.tier, entry.kind)
         self.log.info("job_dropped", kind=entry.kind, job_id=entry.job_id, tier=entry.tier, reason=reason,
                       req_id=entry.job.req_context.req_id, attempt=entry.job.req_context.attempt)
         self.primary.tell(m.JobEnded(entry.job_id, entry.job.is_promotion, success=False, hold=False))
@@ -328,26 +318,25 @@ class LifecycleSupervisor(Actor):
         report = self.jobs.report(msg.tier, result, now)
         entry, outcomes = report.job, report.outcomes
         if report.route is Route.LATE:
-            self.counters["late_reports"] += 1
+            self.counters.late_reports += 1
             self.log.warning("late_report_ignored", job_id=result.job_id, tier=msg.tier, success=result.success)
             self.primary.tell(m.HoldReleased(result.job_id))
             return
         if entry is None or outcomes is None:
-            self.counters["unexpected_reports"] += 1
+            self.counters.unexpected_reports += 1
             self.log.warning("job_report_unexpected", job_id=result.job_id, tier=msg.tier)
             return
         ctx = entry.job.req_context
         if outcomes.problem is not None:
             # A report that does not fit its job is no one's word for any key: all of them failed.
-            self.counters["invalid_reports"] += 1
+            self.counters.invalid_reports += 1
             self.log.warning("job_report_invalid", job_id=result.job_id, tier=entry.tier, reason=outcomes.problem,
                              req_id=ctx.req_id, attempt=ctx.attempt)
         success = outcomes.all_ok
-        self.counters["jobs_succeeded" if success else "jobs_failed"] += 1
-        self.counters["jobs_partial"] += outcomes.partial
-        self.metrics.job_ended(entry.tier, entry.kind, "ok" if success else "failed", len(outcomes.ok),
+        self.counters.jobs_partial += outcomes.partial
+        self.counters.job_ended(entry.tier, entry.kind, "ok" if success else "failed", len(outcomes.ok),
                                now - entry.submitted_at)
-        self.counters["job_keys_failed"] += len(outcomes.failed)
+        self.counters.job_keys_failed += len(outcomes.failed)
         if not success or self.tracing:
             log = self.log.debug if success else self.log.warning
             log(JOB_COMPLETED[entry.kind], job_id=result.job_id, tier=entry.tier, success=success,
@@ -376,8 +365,7 @@ class LifecycleSupervisor(Actor):
 
     def _time_out(self, entry: BookedJob) -> None:
         """A job past its deadline failed (the book holds it until its late report): its rows stay held."""
-        self.counters["jobs_timed_out"] += 1
-        self.metrics.job_ended(entry.tier, entry.kind, "timed_out", 0, self.runtime.now() - entry.submitted_at)
+        self.counters.job_ended(entry.tier, entry.kind, "timed_out", 0, self.runtime.now() - entry.submitted_at)
         if entry.job.is_promotion:
             self._back_off(entry, entry.job.keys)
         ctx = entry.job.req_context
@@ -403,7 +391,7 @@ class LifecycleSupervisor(Actor):
         for tier in self.tier_order:
             if tier not in pending.waiting:
                 continue
-            self.metrics.asked(tier, len(keys))
+            self.counters.asked(tier, len(keys))
             answered, answer = self.tiers[tier].lookup(msg.lookup_id, keys, msg.ctx)
             if answered:
                 pending.answer(tier, answer)
@@ -426,13 +414,13 @@ class LifecycleSupervisor(Actor):
     def _resolve_lookup(self, pending: PendingLookup[Reply[list[LookupResult]]], *, promote: bool = True) -> None:
         """Combine the tiers' answers (:meth:`~kvactors.core.lookupbook.LookupBook.resolve`);
         ask the primary to allocate promotions, if any, else answer the frontend."""
-        self.metrics.answered(pending.answers)
+        self.counters.answered(pending.answers)
         blocked = None
         if self.quarantine:  # a tier's HIT for a key it failed to promote lately is taken as a MISS
             now = self.runtime.now()
             blocked = functools.partial(self.quarantine.blocked, now=now)
         resolution = self.lookups.resolve(pending, promote=promote, blocked=blocked)
-        self.counters["promotion_hits_ignored"] += resolution.hits_ignored
+        self.counters.promotion_hits_ignored += resolution.hits_ignored
         ctx = pending.ctx
         if resolution.plan:
             self._count(ctx, "unsent_promotions", +1)
@@ -504,7 +492,7 @@ class LifecycleSupervisor(Actor):
             self._check_barriers()
             self._check_shutdown()
         for pending in self.lookups.expire(now):
-            self.counters["lookups_timed_out"] += 1
+            self.counters.lookups_timed_out += 1
             self.log.warning("lookup_timed_out", req_id=pending.ctx.req_id, attempt=pending.ctx.attempt,
                              tiers=",".join(sorted(pending.waiting)))
             self._resolve_lookup(pending)
@@ -611,7 +599,7 @@ class LifecycleSupervisor(Actor):
         if not self.gathers.end(gather):
             return  # ended already, by an earlier one's callback in the same tick (a stop's ends all)
         if gather.missing:
-            self.counters["gathers_incomplete"] += 1
+            self.counters.gathers_incomplete += 1
         gather.on_done(gather.payloads, frozenset(gather.missing))
 
     @handles(m.TierGathered)
@@ -647,13 +635,18 @@ class LifecycleSupervisor(Actor):
         # A patient round misses a tier only when stop() cuts it short: not idle.
         self.primary.tell(m.BarrierFinal(reply, not missing))
 
-    @handles(m.SupervisorStats)
-    def _on_stats(self, msg: m.SupervisorStats) -> None:
-        stats: dict[str, int | float] = dict(msg.stats)
-        stats.update(self.counters)
+    def _stats(self, primary: counters.PrimaryFigures) -> dict[str, int | float]:
+        """``stats()``: the primary's figures and this actor's, by their names there."""
+        stats: dict[str, int | float] = dict(primary.pool)
+        mine = self.counters
         # The primary's records: from on_new_request to finalize (the supervisor's
         # table holds a request only from its first fact that needs it).
-        stats["active_requests"] = int(stats.get("primary_requests", 0))
+        stats["primary_requests"] = stats["active_requests"] = primary.requests
+        stats["stores_timed_out"] = primary.counters.store_keys_timed_out  # keys, as it always counted
+        stats["blocks_reserved"] = primary.blocks_reserved
+        stats["promotions_refused"] = primary.counters.promotions_refused
+        stats["event_keys_dropped"] = primary.event_keys_dropped
+        stats.update(mine.totals())
         stats["supervisor_requests"] = len(self.table)
         stats["requests_finished_pending"] = sum(1 for s in self.table.states() if s.is_finished)
         stats["jobs_in_flight"] = self.jobs.in_flight()
@@ -661,7 +654,7 @@ class LifecycleSupervisor(Actor):
         stats["jobs_awaiting_late_report"] = len(self.jobs.held())
         stats["promotions_quarantined"] = len(self.quarantine)
         stats["lookups_in_flight"] = len(self.lookups)
-        stats["contract_violations"] = int(stats.pop("primary_violations", 0)) + self.counters["guard_violations"]
+        stats["contract_violations"] = primary.counters.contract_violations + mine.guard_violations
         stuck = self._watch.stuck()
         stats["tiers_stuck"] = len(stuck)
         stats["tiers_found_stuck"] = self._watch.found_stuck
@@ -670,23 +663,17 @@ class LifecycleSupervisor(Actor):
         for tier in self.tier_order:
             stats[f"tier_stuck.{tier}"] = int(tier in stuck)
             stats[f"tier_silent_s.{tier}"] = round(self._watch.silent_for(tier, now), 6)
-        stats["internal_errors"] = int(stats.pop("primary_internal_errors", 0)) + self.internal_errors
-        msg.reply.set_result(stats)
+        stats["internal_errors"] = primary.internal_errors + self.internal_errors
+        return stats
+
+    @handles(m.SupervisorStats)
+    def _on_stats(self, msg: m.SupervisorStats) -> None:
+        msg.reply.set_result(self._stats(msg.primary))
 
     @handles(m.SupervisorMetrics)
     def _on_metrics(self, msg: m.SupervisorMetrics) -> None:
-        def done(stats: Reply[dict[str, int | float]]) -> None:
-            error = stats.exception()
-            if error is not None:
-                msg.reply.set_exception(error)
-            else:
-                msg.reply.set_result(counters.snapshot(msg.counters, msg.pool_blocks, msg.evicted_keys, self.metrics,
-                                                       stats.result(), queued, in_flight))
-
-        queued = self.jobs.queued_by_tier()
-        in_flight = self.jobs.in_flight_by_tier()
-        # Answered already (stats is synchronous here); a callback keeps it right if it ever is not.
-        msg.stats.add_done_callback(done)
+        msg.reply.set_result(counters.snapshot(msg.primary, self.counters, self._stats(msg.primary),
+                                               self.jobs.queued_by_tier(), self.jobs.in_flight_by_tier()))
 
     @handles(m.SupervisorShutdown)
     def _on_shutdown(self, msg: m.SupervisorShutdown) -> None:

@@ -1,11 +1,14 @@
-"""Counters for metrics, kept where the work happens: plain ints on one actor's state.
+"""Counters, kept where the work happens: plain ints on one actor's state.
 
-No locks and no threads: each counter object belongs to one actor (the
-supervisor's :class:`JobCounters`, the primary's :class:`PrimaryCounters`),
-which updates it inside its handlers and copies it into a
-:class:`MetricsSnapshot` when asked (:mod:`kvactors.metrics` reads that,
-one round trip per scrape). An update is a few dict or attribute increments:
-no logging, no allocation beyond a tuple key.
+No locks and no threads: each actor has one counter object (the primary's
+:class:`PrimaryCounters`, the supervisor's :class:`SupervisorCounters`),
+which it updates inside its handlers; ``stats()`` and a
+:class:`MetricsSnapshot` (:mod:`kvactors.metrics`, one round trip per
+scrape) are both derived from those two, copied on the actors' thread
+(:class:`PrimaryFigures` carries the primary's part to the supervisor). Each
+event is counted once: a total that is the sum of finer counts is derived
+from them when asked. An update is a few attribute or dict increments: no
+logging, no allocation beyond a tuple key.
 """
 
 from __future__ import annotations
@@ -30,13 +33,16 @@ class PrimaryCounters:
 
     ``store_*``: ``prepare_store`` calls whose keys were completed (``ok``:
     ``complete_store(success=True)``, ``failed``: ``success=False``) or
-    passed their deadline (``timed_out``); ``load_ok``: ``complete_load``
-    calls; ``*_blocks``: blocks stored (made ready) and loaded (unpinned
-    after a load).
+    passed their deadline (``timed_out``, a store with at least one key
+    still pending then); ``store_keys_timed_out``: those keys;
+    ``load_ok``: ``complete_load`` calls; ``*_blocks``: blocks stored (made
+    ready) and loaded (unpinned after a load); ``contract_violations``:
+    misuse found in its non-blocking calls; ``promotions_refused``: lookups
+    whose promotions the pool could not hold (all or some).
     """
 
-    __slots__ = ("hit_keys", "load_ok", "loaded_blocks", "lookup_keys", "store_failed", "store_ok",
-                 "store_timed_out", "stored_blocks")
+    __slots__ = ("contract_violations", "hit_keys", "load_ok", "loaded_blocks", "lookup_keys", "promotions_refused",
+                 "store_failed", "store_keys_timed_out", "store_ok", "store_timed_out", "stored_blocks")
 
     def __init__(self) -> None:
         self.lookup_keys = 0
@@ -44,9 +50,12 @@ class PrimaryCounters:
         self.store_ok = 0
         self.store_failed = 0
         self.store_timed_out = 0
+        self.store_keys_timed_out = 0
         self.stored_blocks = 0
         self.load_ok = 0
         self.loaded_blocks = 0
+        self.contract_violations = 0
+        self.promotions_refused = 0
 
     def copy(self) -> PrimaryCounters:
         out = PrimaryCounters()
@@ -59,9 +68,35 @@ class PrimaryCounters:
         self.hit_keys += results.count(LookupResult.HIT)
 
 
-class JobCounters:
-    """The supervisor's counters of the secondary tiers' lookups and jobs, by tier and kind
-    (``cascade``, ``promotion``), owned by its actor."""
+@dataclass(frozen=True, slots=True)
+class PrimaryFigures:
+    """The primary's part of ``stats()`` and of a metrics snapshot, copied on its thread.
+
+    ``pool``: :meth:`~kvactors.core.pool.BlockPool.stats`; ``pool_blocks``: its
+    rows by state (:meth:`~kvactors.core.pool.BlockPool.state_counts`)."""
+
+    counters: PrimaryCounters
+    pool: dict[str, int]
+    pool_blocks: dict[str, int]
+    evicted_keys: int
+    event_keys_dropped: int
+    requests: int
+    blocks_reserved: int
+    internal_errors: int
+
+
+class SupervisorCounters:
+    """The supervisor's counters, owned by its actor: the secondary tiers' lookups and jobs,
+    by tier and kind (``cascade``, ``promotion``), and the events of its own books.
+
+    The totals ``stats()`` shows for jobs (``jobs_submitted``, ``jobs_succeeded``,
+    ``jobs_failed``, ``jobs_timed_out``, ``jobs_dropped``) are sums of the per-tier
+    counts (:meth:`totals`), never counted twice."""
+
+    EVENTS = ("late_reports", "unexpected_reports", "invalid_reports", "jobs_partial", "job_keys_failed",
+              "promotion_hits_ignored", "lookups_timed_out", "requests_finalized", "guard_violations",
+              "gathers_incomplete", "inline_calls_demoted")
+    """The counts of single events, each an int attribute of its name."""
 
     def __init__(self, tiers: Iterable[str]) -> None:
         tiers = tuple(tiers)
@@ -73,6 +108,28 @@ class JobCounters:
         self.blocks: Counter[tuple[str, str]] = Counter()  # blocks of successful jobs
         self.buckets: dict[tuple[str, str], list[int]] = {}
         self.duration_sum: dict[tuple[str, str], float] = {}
+        self.late_reports = 0
+        self.unexpected_reports = 0
+        self.invalid_reports = 0
+        self.jobs_partial = 0
+        self.job_keys_failed = 0
+        self.promotion_hits_ignored = 0
+        self.lookups_timed_out = 0
+        self.requests_finalized = 0
+        self.guard_violations = 0
+        self.gathers_incomplete = 0
+        self.inline_calls_demoted = 0
+
+    def totals(self) -> dict[str, int]:
+        """Every count ``stats()`` shows, by its name there."""
+        ended: Counter[str] = Counter()
+        for (_, _, outcome), count in self.ended.items():
+            ended[outcome] += count
+        out = {"jobs_submitted": sum(self.started.values()), "jobs_succeeded": ended["ok"],
+               "jobs_failed": ended["failed"], "jobs_timed_out": ended["timed_out"],
+               "jobs_dropped": sum(self.dropped.values())}
+        out.update((name, getattr(self, name)) for name in self.EVENTS)
+        return out
 
     def asked(self, tier: str, keys: int) -> None:
         self.lookup_keys[tier] += keys
@@ -143,9 +200,10 @@ class MetricsSnapshot:
     jobs_in_flight: dict[str, int]
 
 
-def snapshot(primary: PrimaryCounters, pool_blocks: dict[str, int], evicted_keys: int, jobs: JobCounters,
-             stats: dict[str, int | float], queued: Mapping[str, int], in_flight: Mapping[str, int]) -> MetricsSnapshot:
-    """Combine the primary's part (a copy of its counters, its pool's states) with the supervisor's."""
+def snapshot(figures: PrimaryFigures, jobs: SupervisorCounters, stats: dict[str, int | float],
+             queued: Mapping[str, int], in_flight: Mapping[str, int]) -> MetricsSnapshot:
+    """Combine the primary's part with the supervisor's."""
+    primary = figures.counters
     cpu = PRIMARY_TIER_NAME
     tiers = tuple(jobs.lookup_keys)
     stored = {cpu: primary.stored_blocks, **dict.fromkeys(tiers, 0)}
@@ -165,12 +223,12 @@ def snapshot(primary: PrimaryCounters, pool_blocks: dict[str, int], evicted_keys
     empty = [0] * (len(DURATION_BUCKETS) + 1)
     return MetricsSnapshot(
         stats=stats,
-        pool_blocks=pool_blocks,
+        pool_blocks=figures.pool_blocks,
         lookup_keys={cpu: primary.lookup_keys, **jobs.lookup_keys},
         hit_keys={cpu: primary.hit_keys, **jobs.hit_keys},
         stored_blocks=stored,
         loaded_blocks=loaded,
-        evicted_keys={cpu: evicted_keys},
+        evicted_keys={cpu: figures.evicted_keys},
         jobs=ended,
         jobs_started={key: jobs.started[key] for key in keys},
         jobs_dropped={key: jobs.dropped[key] for key in keys},
