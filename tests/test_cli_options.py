@@ -408,7 +408,7 @@ def test_a_crash_of_the_workload_is_not_reported_as_violations(monkeypatch: pyte
             raise ZeroDivisionError("a bug of the workload")
         return (workload.key_of(len(calls)),)
 
-    monkeypatch.setattr(workload._Client, "some_keys", broken)
+    monkeypatch.setattr(workload.WorkloadClient, "some_keys", broken)
     summary = stress.run_stress(_stress_args(threads=2, requests=50, seed=1))
     assert summary["workload_errors"] >= 1 and "ZeroDivisionError" in summary["workload_error_list"][0]
     assert summary["violations"] == 0 and summary["violation_list"] == []

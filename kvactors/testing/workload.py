@@ -143,7 +143,7 @@ def key_of(n: int) -> OffloadKey:
     return b"k%05d" % n
 
 
-class _Client:
+class WorkloadClient:
     """One frontend thread's behaviour; :meth:`run` is its loop.
 
     Thread-safe as far as :func:`drive` needs: ``beats`` (the calls made so
@@ -375,16 +375,16 @@ class _Client:
             self.env.pause()  # let others run between requests
 
 
-def make_clients(env: Env) -> list[_Client]:
+def make_clients(env: Env) -> list[WorkloadClient]:
     """One client per ``env.config.clients``; run each with :func:`drive` or ``spawn_client(name, c.run)``."""
-    return [_Client(env, index) for index in range(env.config.clients)]
+    return [WorkloadClient(env, index) for index in range(env.config.clients)]
 
 
 class Hang(Exception):
     """A client made no call within the bound: the call it is in hangs."""
 
 
-def drive(client: _Client, bound_s: float) -> None:
+def drive(client: WorkloadClient, bound_s: float) -> None:
     """Run ``client`` on a thread of its own, watched from the calling one.
 
     ``Hang`` if it makes no call for ``bound_s`` (it is stuck in one: the
