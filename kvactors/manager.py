@@ -168,18 +168,21 @@ class TieringManager:
         log, sink = make_event_logger(event_log, manager=manager_id, pid=os.getpid())
         work_ids = itertools.count(1)
 
-        tier_actors = [SecondaryTierActor(tier) for tier in tiers]
+        # Each actor is built whole (its settings, its logger) but for its peers' refs, which
+        # exist only once the peers are spawned (the actors refer to each other: primary and
+        # supervisor, supervisor and tiers); connect() gives each its peers once, before any
+        # message can reach it (the manager is returned last).
+        tier_actors = [SecondaryTierActor(tier, log=log) for tier in tiers]
         primary = PrimaryTier(num_blocks=num_blocks, eviction=eviction, tier_names=names[1:],
                               transfer_timeout_s=float(transfer_timeout_s), work_ids=work_ids,
                               reserve_s=float(lookup_timeout_s),
-                              announce_starts=any(actor.wants_new_request for actor in tier_actors))
+                              announce_starts=any(actor.wants_new_request for actor in tier_actors), log=log)
         supervisor = LifecycleSupervisor(
             tier_limits=[(tier.name, tier.max_inflight_jobs) for tier in tiers],
             transfer_timeout_s=float(transfer_timeout_s),
             lookup_timeout_s=float(lookup_timeout_s),
+            log=log,
         )
-        for actor in (primary, supervisor, *tier_actors):
-            actor.log = log
         # Threads start only now, once everything that could fail to allocate has been built.
         if runtime is None:
             from kvactors.actors.threads import ThreadRuntime  # pykka only where threads run

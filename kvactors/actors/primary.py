@@ -39,6 +39,7 @@ from kvactors.core.events import EventBuffer, warn_on_overflow
 from kvactors.core.policies import make_policy
 from kvactors.core.pool import BlockPool, PoolError
 from kvactors.core.reservations import Reservations, reservation_owner
+from kvactors.logs import EventLogger
 from kvactors.types import (
     PRIMARY_TIER_NAME,
     LoadStoreSpec,
@@ -91,7 +92,10 @@ class PrimaryTier(Actor):
         work_ids: itertools.count[int],
         announce_starts: bool = True,
         reserve_s: float = 5.0,
+        log: EventLogger | None = None,
     ) -> None:
+        if log is not None:
+            self.log = log
         self.pool = BlockPool(num_blocks, make_policy(eviction, num_blocks), on_events_dropped=self._events_dropped)
         self.tier_names = tuple(tier_names)
         self.announce_starts = announce_starts

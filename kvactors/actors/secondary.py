@@ -48,6 +48,7 @@ from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, handles
 from kvactors.core.gathers import GatherKind
+from kvactors.logs import EventLogger
 from kvactors.tiers.base import InlineCall, SecondaryTier, inline_calls_of, overrides
 from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext
 
@@ -162,7 +163,9 @@ class TierLink:
 class SecondaryTierActor(Actor):
     """Runs one tier plugin; see the module docstring."""
 
-    def __init__(self, tier: SecondaryTier) -> None:
+    def __init__(self, tier: SecondaryTier, *, log: EventLogger | None = None) -> None:
+        if log is not None:
+            self.log = log
         self.tier = tier
         self.name = f"tier-{tier.name}"
         self.supervisor: ActorRef

@@ -88,6 +88,7 @@ from kvactors.core.lookupbook import LookupBook, PendingLookup
 from kvactors.core.quarantine import PromotionQuarantine
 from kvactors.core.tierwatch import TierWatch
 from kvactors.log_schema import JOB_COMPLETED, JOB_SUBMITTED
+from kvactors.logs import EventLogger
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 GatherDone = Callable[[dict[str, tuple[Any, ...]], frozenset[str]], None]
@@ -123,7 +124,9 @@ class LifecycleSupervisor(Actor):
     name = "supervisor"
 
     def __init__(self, *, tier_limits: Sequence[tuple[str, int]], transfer_timeout_s: float,
-                 lookup_timeout_s: float) -> None:
+                 lookup_timeout_s: float, log: EventLogger | None = None) -> None:
+        if log is not None:
+            self.log = log
         self.table = LifecycleTable()
         self.transfer_timeout_s = transfer_timeout_s
         self.lookup_timeout_s = lookup_timeout_s
