@@ -196,12 +196,13 @@ class ThreadRuntime:
         self.colocation = colocation
         self._timer = _TimerThread(f"{self.name}-timer")
         self._refs: list[ThreadActorRef] = []
+        self._shells: dict[Mailbox, pykka.ActorRef[Any]] = {}  # each mailbox's pykka thread
 
     def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> ThreadActorRef:
         if colocate_with is not None and self.colocation:
             assert isinstance(colocate_with, ThreadActorRef)
-            mailbox = colocate_with._mailbox
-            pykka_ref = colocate_with._pykka_ref
+            mailbox = colocate_with.mailbox
+            pykka_ref = self._shells[mailbox]
             mailbox.actors.append(actor)
         else:
             mailbox = Mailbox(actor)
@@ -209,6 +210,7 @@ class ThreadRuntime:
             mailbox.wake = functools.partial(pykka_ref.tell, _DRAIN)
             # Out of the process-global registry: another library's stop_all() must not stop us.
             pykka.ActorRegistry.unregister(pykka_ref)
+            self._shells[mailbox] = pykka_ref
         ref = ThreadActorRef(name, mailbox, actor, pykka_ref, claims=self.claims)
         actor.bind(self, ref)
         self._refs.append(ref)
