@@ -122,7 +122,7 @@ class TierLink:
         self.tier = tier
         self.on_blocked: Callable[[str, str, float], None] | None = None
 
-    def _run_inline(self, message: object, call: str) -> None:
+    def _run_inline(self, message: object, call: InlineCall) -> None:
         started = time.perf_counter()
         self.ref.run_claimed(message)
         took = time.perf_counter() - started
@@ -131,7 +131,7 @@ class TierLink:
             if self.on_blocked is not None:
                 self.on_blocked(self.tier, call, took)
 
-    def send(self, message: object, call: str) -> None:
+    def send(self, message: object, call: InlineCall) -> None:
         """Send a hook or a submit (the plugin's method ``call``); if that method is
         inline and the actor idle, run it here (a claim: alone, after everything
         sent to the tier before)."""

@@ -89,6 +89,7 @@ from kvactors.core.quarantine import PromotionQuarantine
 from kvactors.core.tierwatch import TierWatch
 from kvactors.log_schema import JOB_COMPLETED, JOB_SUBMITTED
 from kvactors.logs import EventLogger
+from kvactors.tiers.base import InlineCall
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 GatherDone = Callable[[dict[str, tuple[Any, ...]], frozenset[str]], None]
@@ -289,7 +290,7 @@ class LifecycleSupervisor(Actor):
         if self.tracing:
             self.log.debug(JOB_SUBMITTED[entry.kind], job_id=entry.job_id, tier=entry.tier, keys=len(entry.job.keys),
                            req_id=ctx.req_id, attempt=ctx.attempt)
-        call = "submit_load" if entry.job.is_promotion else "submit_store"
+        call: InlineCall = "submit_load" if entry.job.is_promotion else "submit_store"
         self.tiers[entry.tier].send(m.TierSubmit(entry.job), call)
 
     def _end_unsubmitted(self, entry: BookedJob, reason: str) -> None:

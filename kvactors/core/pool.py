@@ -38,7 +38,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from kvactors.core import pool_check
 from kvactors.core.events import EventBuffer
 from kvactors.core.load_pins import LoadPinBook, LoadPins
 from kvactors.core.policies.base import EvictionPolicy
@@ -673,16 +672,6 @@ class BlockPool:
             self._keys[row] = None
             self._detached.discard(row)
             self._free.append(row)
-
-    # ------------------------------------------------------------------ tests
-
-    def snapshot(self) -> tuple[object, ...]:
-        """A comparable copy of the whole state (tests check that errors change nothing)."""
-        return pool_check.snapshot(self)
-
-    def check_invariants(self) -> None:
-        """Assert that every piece of state agrees with every other. O(rows); for tests."""
-        pool_check.check_invariants(self)
 
     # ------------------------------------------------------------------ internals
 
