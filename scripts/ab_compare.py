@@ -12,8 +12,9 @@ named below are read from it. Printed per figure: every run, the medians, and
 B/A of the medians (for a latency, above 1 is worse; for a rate, below 1).
 
 Benchmarks: ``bench_lifecycle.py --quick`` (``throughput_ratio``,
-``slow_throughput_ratio``, ``slow_tier_p99_ratio``, ``finalize_p99_ms``, each
-against the lock measured in the same run) and ``bench_explore.py`` (the seed
+``single_thread_ratio``, ``lookup_p50_us_single``, ``prepare_store_p50_us``,
+``finalize_p99_ms``, ``slow_throughput_ratio``, ``slow_tier_p99_ratio``; the
+ratios against the lock measured in the same run) and ``bench_explore.py`` (the seed
 explorer's ``seeds_per_s``, ``operations_per_s``).
 """
 
@@ -33,7 +34,8 @@ ROOT = os.path.dirname(HERE)
 
 BENCHMARKS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "lifecycle": (["bench_lifecycle.py", "--quick", "--json"],
-                  ("throughput_ratio", "slow_throughput_ratio", "slow_tier_p99_ratio", "finalize_p99_ms")),
+                  ("throughput_ratio", "single_thread_ratio", "lookup_p50_us_single", "prepare_store_p50_us",
+                   "finalize_p99_ms", "slow_throughput_ratio", "slow_tier_p99_ratio")),
     "explore": (["bench_explore.py", "--seeds", "400", "--json"], ("seeds_per_s", "operations_per_s")),
 }
 
