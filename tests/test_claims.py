@@ -345,6 +345,36 @@ def test_a_ctrl_c_in_a_claimed_frontend_call_reaches_the_caller_and_the_manager_
         assert manager.stats()["internal_errors"] == 0
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+def test_a_tier_plugins_ctrl_c_is_not_its_failure_it_reaches_the_caller(error):
+    """Issue 29 item 9: one exception policy. A plugin's ``Exception`` is its failure (logged,
+    counted); ``KeyboardInterrupt`` and ``SystemExit`` are no one's failure: the tier actor let
+    them through (it caught ``BaseException``), so an inline call raises them to the caller."""
+    from kvactors.tiers.memory import MemoryTier
+
+    class Interrupting(MemoryTier):
+        raised: list[BaseException] = []
+
+        def touch(self, keys_, ctx_):
+            if not self.raised:
+                self.raised.append(error())
+                raise self.raised[-1]
+            raise ValueError("a plain failure")
+
+    tier = Interrupting(name="m", capacity_blocks=4)
+    ctx = ReqContext("r")
+    with TieringManager.start(num_blocks=8, block_bytes=8, secondary_tiers=[tier]) as manager:
+        manager.on_new_request(ctx)
+        assert manager.wait_idle(10)
+        with pytest.raises(error):
+            manager.touch(keys(1), ctx)  # claimed (the primary was idle); the tier's touch is inline
+        manager.touch(keys(1), ctx)  # a ValueError: the tier's own failure, contained
+        assert manager.wait_idle(10)
+        assert manager.stats()["internal_errors"] == 0
+        manager.on_request_finished(ctx)
+        assert manager.wait_idle(10) and manager.stats()["active_requests"] == 0
+
+
 def test_both_runtimes_drive_the_one_mailbox():
     from kvactors.actors.mailbox import Mailbox
 
