@@ -9,9 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import profile_calls  # noqa: E402
+import profile_calls
 
-import kvactors  # noqa: E402
+import kvactors
 
 
 @pytest.mark.timeout(120)
