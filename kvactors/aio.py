@@ -237,7 +237,7 @@ class AsyncTieringManager:
 
     async def on_new_request(self, ctx: ReqContext) -> None:
         """As :meth:`TieringManager.on_new_request` (never suspends: it returns once queued)."""
-        self.manager.door.register(check_ctx(ctx), claim=self._claims)
+        self.manager.door.register(check_ctx(ctx), claim=self._claims, until=_at_once)
 
     async def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """As :meth:`TieringManager.lookup`."""

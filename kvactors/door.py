@@ -58,9 +58,9 @@ class PrimaryDoor:
         if claimed:
             self._primary.run_claimed(message, until)
 
-    def register(self, ctx: ReqContext, *, claim: bool = True) -> None:
-        """Send ``on_new_request`` for ``ctx`` (checked already): ``LifecycleError`` if the
-        attempt is live (or finishing), and nothing is sent."""
+    def register(self, ctx: ReqContext, *, claim: bool = True, until: Callable[[], bool] | None = None) -> None:
+        """Send ``on_new_request`` for ``ctx`` (checked already), as :meth:`send` does:
+        ``LifecycleError`` if the attempt is live (or finishing), and nothing is sent."""
         identity = ctx.identity
         message = m.NewRequest(ctx)
         with self._gate:
@@ -69,7 +69,7 @@ class PrimaryDoor:
             claimed = self._put(message, claim)
             self._live.add(identity)
         if claimed:
-            self._primary.run_claimed(message)
+            self._primary.run_claimed(message, until)
 
     def forget(self, identity: tuple[str, int]) -> None:
         """The primary's record of ``identity`` is gone: a new lifetime may be registered.

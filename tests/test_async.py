@@ -535,3 +535,34 @@ def test_metrics_snapshot_on_the_loop_equals_the_blocking_one():
         on_loop = run(go())
         assert on_loop == manager.metrics_snapshot()
         assert on_loop.stats["blocks_ready"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_the_loops_thread_runs_no_tier_call_even_when_it_claims():
+    """A claim on the loop runs the primary's handler only: what it causes (the supervisor's part,
+    the tiers' inline calls, here lookup and on_new_request) goes to the primary's thread."""
+    ran_on: list[str] = []
+
+    class Recording(MemoryTier):
+        def lookup(self, keys_, ctx_):
+            ran_on.append(threading.current_thread().name)
+            return super().lookup(keys_, ctx_)
+
+        def on_new_request(self, ctx_):
+            ran_on.append(threading.current_thread().name)
+
+    with TieringManager.start(num_blocks=8, block_bytes=8,
+                              secondary_tiers=[Recording(name="m", capacity_blocks=4)]) as manager:
+        wrapper = AsyncTieringManager(manager)
+        ctx = ReqContext("r")
+
+        async def go():
+            assert await wrapper.wait_idle(10)  # the primary idle: the next calls claim it
+            await wrapper.on_new_request(ctx)
+            assert await wrapper.wait_idle(10)
+            results = await wrapper.lookup(keys(1, 2), ctx)
+            return threading.current_thread().name, results
+
+        loop_thread, results = run(go())
+        assert results == [LookupResult.MISS] * 2
+    assert len(ran_on) == 2 and loop_thread not in ran_on, ran_on
