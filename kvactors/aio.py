@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from kvactors import calls
 from kvactors.actors.reply import Reply
+from kvactors.actors.runtime import alone
 from kvactors.core.arguments import check_ctx, check_flag, check_timeout
 from kvactors.core.counters import MetricsSnapshot
 from kvactors.core.errors import ManagerStoppedError
@@ -44,10 +45,6 @@ __all__ = ["AsyncTieringManager"]
 
 
 _Undo = Callable[[Any], None] | None
-
-
-def _at_once() -> bool:
-    return True
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
@@ -182,7 +179,7 @@ class AsyncTieringManager:
         ``claims=False``), but a claim runs this message's handler only: what it causes
         (the supervisor's part, the tiers' calls) goes to the primary's thread, never
         to the loop's."""
-        self.manager.door.send(message, claim=self._claims, until=_at_once)
+        self.manager.door.send(message, claim=self._claims, until=alone)
 
     async def _call(self, ask: calls.Ask[T]) -> T:
         """Send ``ask`` and await its answer; a cancelled caller's answer is undone (``ask.undo``)."""
@@ -237,7 +234,7 @@ class AsyncTieringManager:
 
     async def on_new_request(self, ctx: ReqContext) -> None:
         """As :meth:`TieringManager.on_new_request` (never suspends: it returns once queued)."""
-        self.manager.door.register(check_ctx(ctx), claim=self._claims, until=_at_once)
+        self.manager.door.register(check_ctx(ctx), claim=self._claims, until=alone)
 
     async def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         """As :meth:`TieringManager.lookup`."""

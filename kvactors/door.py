@@ -50,7 +50,11 @@ class PrimaryDoor:
 
     def send(self, message: object, *, claim: bool = True, until: Callable[[], bool] | None = None) -> None:
         """Run ``message`` here if the primary is idle (and ``claim``), else queue it to the
-        primary's thread. ``ManagerStoppedError`` once closed (nothing sent)."""
+        primary's thread. ``ManagerStoppedError`` once closed (nothing sent).
+
+        Claimed, the caller then handles what was told to the primary's mailbox meanwhile
+        (:meth:`~kvactors.actors.mailbox.Mailbox.run_claimed`): ``until`` ``None``, up to 16
+        messages; else until ``until()`` is true (a blocking call's reply is in)."""
         with self._gate:
             claimed = self._put(message, claim)
         # A claimed message runs after the gate: the claim already orders it before anything

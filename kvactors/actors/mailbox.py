@@ -108,12 +108,14 @@ class Mailbox:
         """Handle ``message`` on the calling thread (which holds the claim), then what was
         told meanwhile, in order, then end the claim.
 
-        The claimer goes on with what its handler caused (a colocated actor's part of the
-        call, the releases it sent) rather than waking the thread for it: that costs no
+        What was told meanwhile is mostly what the handler caused (a colocated actor's
+        part of the call, the releases it sent), and also other senders' messages: the
+        claimer handles them rather than waking the thread for them, which costs no
         thread hand-off, and the next call from the same caller finds the mailbox idle.
         It stops once ``until()`` is true (the caller's reply is in: it returns at once),
         nothing is pending, or it handled :data:`CLAIM_FOLLOW_LIMIT` more messages (what
-        others tell meanwhile must not keep a caller for ever); the rest goes to the thread."""
+        others tell meanwhile must not keep a caller for ever); the rest goes to the thread.
+        ``until`` returning True at once: the claimed message alone."""
         try:
             self.deliver(actor, message)
             for _ in range(CLAIM_FOLLOW_LIMIT):

@@ -25,14 +25,23 @@ logic, state and ref, but shares the other's thread and mailbox, so the two
 handle their messages one at a time, in the order they were told, across
 both.
 
-Failures, one policy for every actor and every plugin call: an ``Exception``
-is a failure of that handler or call, contained where it happened.
-:meth:`Actor.deliver` catches it: a failed ask gets the exception; a failed
-tell is logged and counted, and the actor lives on. A tier actor catches its
-plugin's (:mod:`kvactors.actors.secondary`): logged, counted, and a job it
-was running fails. ``KeyboardInterrupt`` and ``SystemExit`` are never caught:
-they reach the thread that ran the handler (the caller's, in a claimed call,
-after the claim is given back).
+Failures, one policy, stated here: what fails is contained where it
+happened, except an interrupt of the process.
+
+* A handler's ``Exception`` is its failure: :meth:`Actor.deliver` catches
+  it; a failed ask gets the exception; a failed tell is logged and counted,
+  and the actor lives on.
+* A tier plugin's call is foreign code: anything it raises, ``SystemExit``
+  and ``KeyboardInterrupt`` included, is that tier's failure (logged,
+  counted, a job it was running fails), caught by its actor
+  (:mod:`kvactors.actors.secondary`). A plugin that calls ``sys.exit()``
+  must not kill an actor's thread, and no real interrupt can land there: on
+  threads, plugin calls never run on the main thread, the only one Python
+  delivers signals to (a claim made there runs its own message alone,
+  :meth:`~kvactors.actors.threads.ThreadActorRef.run_claimed`).
+* ``KeyboardInterrupt`` and ``SystemExit`` in a handler (a Ctrl-C while the
+  main thread runs a claimed call) are not caught: they reach the thread
+  that ran it, after the claim is given back.
 """
 
 from __future__ import annotations
@@ -79,6 +88,11 @@ class ActorRef(Protocol):
         bounded number: :data:`~kvactors.actors.mailbox.CLAIM_FOLLOW_LIMIT`), then give the
         turn back."""
         ...
+
+
+def alone() -> bool:
+    """An ``until`` for :meth:`ActorRef.run_claimed`: the claimed message alone, nothing told meanwhile."""
+    return True
 
 
 class Runtime(Protocol):

@@ -46,7 +46,7 @@ import torch
 
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, handles
+from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, alone, handles
 from kvactors.core.gathers import GatherKind
 from kvactors.logs import EventLogger
 from kvactors.tiers.base import InlineCall, SecondaryTier, inline_calls_of, overrides
@@ -124,7 +124,7 @@ class TierLink:
 
     def _run_inline(self, message: object, call: InlineCall) -> None:
         started = time.perf_counter()
-        self.ref.run_claimed(message)
+        self.ref.run_claimed(message, alone)  # this call alone: what is told meanwhile is the tier thread's
         took = time.perf_counter() - started
         if took > INLINE_LIMIT_S and call in self.inline:
             self.inline = self.inline - {call}
@@ -202,7 +202,8 @@ class SecondaryTierActor(Actor):
         with contextlib.suppress(ActorStoppedError):
             self.supervisor.tell(message)
 
-    def _failed(self, call: str, exc: Exception, **context: object) -> None:
+    def _failed(self, call: str, exc: BaseException, **context: object) -> None:
+        """Anything a plugin call raises is this tier's failure ("Failures" in :mod:`kvactors.actors.runtime`)."""
         self.tier_errors += 1
         self.log.warning("tier_call_failed", tier=self.tier.name, call=call, error=repr(exc), **context)
 
@@ -211,7 +212,7 @@ class SecondaryTierActor(Actor):
         self._open.add(msg.ctx.identity)
         try:
             self.tier.on_new_request(msg.ctx)
-        except Exception as exc:
+        except BaseException as exc:
             self._failed("on_new_request", exc, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
 
     @handles(m.TierFinished)
@@ -221,14 +222,14 @@ class SecondaryTierActor(Actor):
             self.log.debug("tier_finish_received", tier=self.tier.name, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
         try:
             self.tier.on_request_finished(msg.ctx)
-        except Exception as exc:
+        except BaseException as exc:
             self._failed("on_request_finished", exc, req_id=msg.ctx.req_id, attempt=msg.ctx.attempt)
 
     @handles(m.TierTouch)
     def _on_touch(self, msg: m.TierTouch) -> None:
         try:
             self.tier.touch(msg.keys, msg.ctx)
-        except Exception as exc:
+        except BaseException as exc:
             self._failed("touch", exc)
 
     @handles(m.TierSubmit)
@@ -244,7 +245,7 @@ class SecondaryTierActor(Actor):
                 self.tier.submit_load(job)
             else:
                 self.tier.submit_store(job)
-        except Exception as exc:
+        except BaseException as exc:
             self._failed("submit_load" if job.is_promotion else "submit_store", exc, job_id=job.job_id)
             self._report(JobResult(job.job_id, False, f"{type(exc).__name__}: {exc}"))
 
@@ -269,7 +270,7 @@ class SecondaryTierActor(Actor):
             for result in results:
                 if type(result) is not LookupResult:
                     raise TypeError(f"lookup returned {result!r}, not a LookupResult")
-        except Exception as exc:
+        except BaseException as exc:
             self._failed("lookup", exc)
             results = None
         if msg.reply is not None:
@@ -288,6 +289,6 @@ class SecondaryTierActor(Actor):
                     self.tier.drain(msg.timeout_s)
                 finally:
                     self.tier.shutdown()
-        except Exception as exc:
+        except BaseException as exc:
             self._failed(msg.what, exc)
         self._answer(m.TierGathered(msg.gather_id, self.tier.name, payload))

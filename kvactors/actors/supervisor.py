@@ -528,9 +528,12 @@ class LifecycleSupervisor(Actor):
 
     def _heard_from(self, tier: str, probe: tuple[str, int]) -> None:
         """An answer from ``tier``'s actor: it is moving."""
-        silent = self._watch.answered(tier, probe, self.runtime.now())
+        now = self.runtime.now()
+        silent = self._watch.answered(tier, probe, now)
         if silent is not None:
             self.log.warning("tier_unstuck", tier=tier, silent_s=round(silent, 3))
+        if self._watch.owed(tier):  # its clock restarted: a new deadline to be found stuck by
+            self._arm_timer(now + self.transfer_timeout_s)
 
     # ------------------------------------------------------------ whole-runtime operations
 
@@ -591,6 +594,8 @@ class LifecycleSupervisor(Actor):
             self.tiers[tier].ref.tell(m.TierGather(gather.gather_id, what, drain_timeout_s))
             if tier not in stuck:
                 self._watch.asked(tier, probe, now)
+        if gather.waiting:  # each asked tier may be found stuck by now + transfer_timeout_s
+            self._arm_timer(now + self.transfer_timeout_s)
         if not gather.waiting:
             self._end_gather(gather)
             return

@@ -38,7 +38,7 @@ import pykka
 
 from kvactors.actors.mailbox import Mailbox
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError
+from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, alone
 
 
 class _Drain:
@@ -110,7 +110,12 @@ class ThreadActorRef:
     def run_claimed(self, message: object, until: Callable[[], bool] | None = None) -> None:
         """Handle ``message`` on the calling thread, then what was told meanwhile (a bounded
         number, until ``until()``: :meth:`Mailbox.run_claimed`), then give the turn back. A
-        ``KeyboardInterrupt`` in a handler gives the turn back and reaches the caller."""
+        ``KeyboardInterrupt`` in a handler gives the turn back and reaches the caller.
+
+        On the main thread, ``message`` alone: Python delivers signals there, and a
+        Ctrl-C must not cut another actor's handler (a finalize half sent) short."""
+        if threading.current_thread() is threading.main_thread():
+            until = alone
         self._mailbox.run_claimed(self._actor, message, until)
 
     def close(self) -> pykka.Future[Any] | None:
@@ -196,7 +201,7 @@ class ThreadRuntime:
         self.colocation = colocation
         self._timer = _TimerThread(f"{self.name}-timer")
         self._refs: list[ThreadActorRef] = []
-        self._shells: dict[Mailbox, pykka.ActorRef[Any]] = {}  # each mailbox's pykka thread
+        self._shells: dict[Mailbox, pykka.ActorRef[Any]] = {}  # each mailbox's pykka thread, for the runtime's life
 
     def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> ThreadActorRef:
         if colocate_with is not None and self.colocation:
