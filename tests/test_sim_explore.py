@@ -88,12 +88,22 @@ def test_planted_finalize_ignoring_queued_promotions_reaches_a_tier(monkeypatch:
 def test_planted_pins_that_do_not_protect_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """TRT-LLM #8274: a row pinned by a reader (load or cascade) is evicted and reused mid-read."""
 
-    def pin(pool: BlockPool, row: int) -> None:  # counts the pin, leaves the row evictable
-        if pool._pins[row] == 0:
-            pool._n_pinned += 1
-        pool._pins[row] += 1
+    def left_evictable(pin):  # type: ignore[no-untyped-def]
+        """``pin`` counts the pin, then the rows go back to the eviction policy."""
 
-    monkeypatch.setattr(BlockPool, "_pin", pin)
+        def pinned(pool: BlockPool, *args):  # type: ignore[no-untyped-def]
+            rows = pin(pool, *args)
+            for row in rows:
+                if pool._rows is not None:
+                    pool._rows.add_row(row)
+                else:
+                    pool._policy.add(pool._keys[row])
+            return rows
+
+        return pinned
+
+    monkeypatch.setattr(BlockPool, "pin_for_job", left_evictable(BlockPool.pin_for_job))
+    monkeypatch.setattr(BlockPool, "pin_for_load", left_evictable(BlockPool.pin_for_load))
     monkeypatch.setattr(BlockPool, "_busy", lambda pool, row: pool._writer[row] is not None or pool._holds[row] > 0)
     _hunt(600, 0.01, "changed while the tier read them")
 
@@ -196,7 +206,10 @@ def test_planted_repin_booked_on_the_old_row(monkeypatch: pytest.MonkeyPatch) ->
                 pool._load_pins[(owner, key)] = LoadPins(row)
             else:
                 entry.rows[next(iter(entry.rows))] += 1  # the bug: booked on the row of the first pin
-            pool._pin(row)
+            if pool._pins[row] == 0:  # BlockPool's pin of one row
+                pool._n_pinned += 1
+                pool._policy.discard(key)
+            pool._pins[row] += 1
             pool._policy.access(key)
         return tuple(rows)
 

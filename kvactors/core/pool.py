@@ -61,9 +61,10 @@ class BlockPool:
     """Block states, pins and eviction for ``num_blocks`` rows.
 
     The per-request calls (``prepare_store``, ``complete_store``,
-    ``pin_for_load``, ``unpin_load``, ``lookup``) do their per-key work in
+    ``pin_for_load``, ``unpin_load``, ``lookup``, and a cascade's
+    ``pin_for_job`` and ``end_job``) do their per-key work in
     loops over locals and call the row-bound policy once per call; the helpers
-    (``_pin``, ``_settle``, ...) serve the rarer paths. Both keep the same state.
+    (``_unpin``, ``_settle``, ...) serve the rarer paths. Both keep the same state.
     """
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy, tier: str = PRIMARY_TIER_NAME, *,
@@ -375,7 +376,7 @@ class BlockPool:
                     newly += 1
                 pins[row] += 1
             # A row pinned before was not evictable, so discarding every row is what
-            # _pin does; and access(key) is a no-op for a row no longer linked.
+            # a pin of one row does; and access(key) is a no-op for a row no longer linked.
             rows_policy.discard_rows(rows)
         else:
             policy, keys_of = self._policy, self._keys
@@ -492,7 +493,7 @@ class BlockPool:
         if job_id in self._job_pins or job_id in self._held_jobs:
             raise PoolError(f"job {job_id} already pins rows")
         rows = tuple(self._ready_rows(keys))
-        # _pin, row by row, in one loop (a pin per key of every cascade: a hot path).
+        # A pin per row, in one loop (a pin per key of every cascade: a hot path).
         pins, rows_policy = self._pins, self._rows
         newly = 0
         for row in rows:
@@ -638,17 +639,6 @@ class BlockPool:
 
     def _busy(self, row: int) -> bool:
         return self._writer[row] is not None or self._pins[row] > 0 or self._holds[row] > 0
-
-    def _pin(self, row: int) -> None:
-        if self._pins[row] == 0:
-            self._n_pinned += 1
-            if self._rows is not None:
-                self._rows.discard_row(row)
-            else:
-                key = self._keys[row]
-                if key is not None:
-                    self._policy.discard(key)
-        self._pins[row] += 1
 
     def _unpin(self, row: int) -> None:
         assert self._pins[row] > 0, "every unpin matches one pin"
