@@ -53,11 +53,12 @@ def test_the_primary_names_its_live_requests_and_reports_each_job_end() -> None:
                                    runtime=runtime)
     primary = runtime.ref("primary").actor
     assert isinstance(primary, PrimaryTier)
-    ended: list[tuple[int, bool, tuple[OffloadKey, ...]]] = []
+    ended: list[tuple[int, bool, tuple[tuple[OffloadKey, int], ...]]] = []
 
-    def observer(msg: m.JobEnded, made_ready: tuple[OffloadKey, ...]) -> None:
-        ended.append((msg.job_id, msg.is_promotion, made_ready))
-        assert all(key in primary.pool.holdings().ready for key in made_ready), "called once applied"
+    def observer(msg: m.JobEnded, promoted: tuple[tuple[OffloadKey, int], ...]) -> None:
+        ended.append((msg.job_id, msg.is_promotion, promoted))
+        ready = primary.pool.holdings().ready
+        assert all(ready.get(key) == row for key, row in promoted), "called once applied"
 
     primary.observe_job_ended(observer)
     writer, reader = ReqContext("w"), ReqContext("r")
@@ -75,7 +76,8 @@ def test_the_primary_names_its_live_requests_and_reports_each_job_end() -> None:
     manager.on_new_request(reader)
     manager.lookup(keys, reader)
     assert manager.wait_idle(5.0)
-    assert ended[-1][1:] == (True, tuple(keys))
+    assert ended[-1][1] is True and [key for key, _ in ended[-1][2]] == keys
+    assert primary.pool.promotion_rows(ended[-1][0]) == (), "ended: no longer in flight"
     manager.on_request_finished(reader)
     primary.observe_job_ended(None)
     manager.stop()

@@ -435,16 +435,17 @@ class PrimaryTier(Actor):
 
     @handles(m.JobEnded)
     def _on_job_ended(self, msg: m.JobEnded) -> None:
+        observer = self._job_observer
+        promoted = self.pool.promotion_rows(msg.job_id) if observer is not None and msg.is_promotion else ()
         if msg.is_promotion:
             requester = self._promoting.pop(msg.job_id, None)
             ready = self.pool.end_promotion(msg.job_id, success=msg.success, hold=msg.hold, ok_keys=msg.ok_keys)
             if ready and requester is not None:
                 self._reserve(requester, ready)
         else:
-            ready = ()
             self.pool.end_job(msg.job_id, hold=msg.hold)
-        if self._job_observer is not None:
-            self._job_observer(msg, ready)
+        if observer is not None:
+            observer(msg, promoted)
 
     @handles(m.HoldReleased)
     def _on_hold_released(self, msg: m.HoldReleased) -> None:
@@ -509,7 +510,7 @@ class PrimaryTier(Actor):
 
     # ------------------------------------------------------------ for tests and tools
 
-    _job_observer: Callable[[m.JobEnded, tuple[OffloadKey, ...]], None] | None = None
+    _job_observer: Callable[[m.JobEnded, tuple[tuple[OffloadKey, int], ...]], None] | None = None
 
     def request_identities(self) -> tuple[tuple[str, int], ...]:
         """The ``(req_id, attempt)`` of each request attempt this actor keeps a record of (from its
@@ -517,9 +518,11 @@ class PrimaryTier(Actor):
         while nothing runs (a seeded scheduler between steps)."""
         return tuple(self._requests)
 
-    def observe_job_ended(self, observer: Callable[[m.JobEnded, tuple[OffloadKey, ...]], None] | None) -> None:
-        """Call ``observer(msg, made_ready)`` in the handler, after each job's end is applied
-        (:class:`~kvactors.actors.messages.JobEnded`): ``made_ready``, the keys a promotion made ready
-        (none for a cascade job). ``None``: no observer. For tests and tools; unobserved, a job's end
-        costs one attribute test."""
+    def observe_job_ended(self, observer: Callable[[m.JobEnded, tuple[tuple[OffloadKey, int], ...]], None] | None,
+                          ) -> None:
+        """Call ``observer(msg, promoted)`` in the handler, after each job's end is applied
+        (:class:`~kvactors.actors.messages.JobEnded`): ``promoted``, a promotion's ``(key, row)``
+        pairs as they were before its end (none for a cascade job), so that the observer can see
+        for itself which of them the end made ready. ``None``: no observer. For tests and tools;
+        unobserved, a job's end costs one attribute test."""
         self._job_observer = observer

@@ -433,6 +433,10 @@ class BlockPool:
 
     # ------------------------------------------------------------------ promotions
 
+    def promotion_rows(self, job_id: int) -> tuple[tuple[OffloadKey, int], ...]:
+        """The ``(key, row)`` pairs promotion ``job_id`` writes (none if it is not in flight)."""
+        return self._promotions.get(job_id, ())
+
     def room(self) -> int:
         """How many rows an allocation could take now: the free ones and the evictable ready ones."""
         return len(self._free) + len(self._policy)

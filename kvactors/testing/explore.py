@@ -200,11 +200,12 @@ def watch_promotions(runtime: SimRuntime, manager: TieringManager, violations: l
     (the fault tiers fill the rows of keys that must not become ready with junk)."""
     primary = _primary(runtime)
 
-    def checked(msg: m.JobEnded, made_ready: tuple[OffloadKey, ...]) -> None:
-        if not made_ready:
+    def checked(msg: m.JobEnded, promoted: tuple[tuple[OffloadKey, int], ...]) -> None:
+        if not promoted:
             return
+        # Which rows the end made ready, as the pool holds them now (not as end_promotion says).
         rows = primary.pool.holdings().ready
-        ready = [(key, rows[key]) for key in made_ready]
+        ready = [(key, row) for key, row in promoted if rows.get(key) == row]
         bad = rows_hold(manager.pool, [key for key, _ in ready], [row for _, row in ready])
         if bad:
             violations.append(f"promotion job {msg.job_id}: rows {[ready[i][1] for i in bad]} made ready "
