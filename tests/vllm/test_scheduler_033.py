@@ -262,6 +262,24 @@ WORKER_COPIERS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
     reason="the native copy loop is not built"))]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("copier", WORKER_COPIERS)
+def test_worker_a_job_with_nothing_to_copy_succeeds_whatever_the_copier(tmp_path, copier):
+    """Every group's block count 0: a success with 0 bytes, as the torch copier always did (the
+    native copier refuses a job of no runs)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    worker, _, _ = _worker(tmp_path, bpc=1, copier=copier)
+    try:
+        worker.submit_store(1, GPULoadStoreSpec([], [0, 0], [0, 0]), CPULoadStoreSpec([]))
+        result = _finished(worker, [1])[1]
+        assert result.success and result.transfer_size == 0
+        assert worker.store_failures == 0  # a failed store would say so here (and in its rows' status)
+    finally:
+        worker.shutdown()  # the worker owns the shared pool: it closes it
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("copier", WORKER_COPIERS)
 @pytest.mark.parametrize("bpc", [1, 2])

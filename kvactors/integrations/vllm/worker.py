@@ -246,6 +246,8 @@ class KvactorsOffloadingWorker(OffloadingWorker):
                 error = exc
         if error is not None:
             self._copied(job, error)
+        elif not job.runs:  # nothing to copy (every group empty): done, whichever copier would run it
+            self._copied(job, None)
         else:
             self._copier.submit(job)
         return True
