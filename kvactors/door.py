@@ -7,7 +7,7 @@ door, which owns what must be decided once per message, whoever calls:
 * the **gate**: "stopped" and "queued" are one step, so no message lands
   behind the shutdown :meth:`close` queued;
 * the **claim**: while the primary is idle, the caller runs the handler (and
-  what it caused, up to ``until``) on its own thread
+  what was told meanwhile, up to ``until``) on its own thread
   (:meth:`~kvactors.actors.runtime.ActorRef.run_claimed`);
 * the **registry** of live request attempts: a duplicate ``on_new_request``
   is refused at its caller, without a round trip; the primary forgets an

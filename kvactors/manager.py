@@ -47,7 +47,10 @@ ANSWER_SLACK_S = 10.0
 """A safety net, not the mechanism: every blocking call is answered by the actors
 within its own deadline; a facade still waiting this long past the longest one
 raises instead of hanging (the primary's thread is wedged: a bug, or a tier's
-inline call that blocks)."""
+inline call that blocks). A caller that runs a tier's inline call itself (a claim)
+is held by it as long as it blocks: a tier's inline calls must return at once
+(:attr:`~kvactors.tiers.base.SecondaryTier.inline_calls`; one that took longer
+than 0.25 s is never run inline again)."""
 
 
 def _check_start(num_blocks: int, block_bytes: int, secondary_tiers: Sequence[SecondaryTier], eviction: str,
@@ -94,10 +97,12 @@ class TieringManager:
     Every call goes to the primary tier's actor first, as one message, whatever
     the number of keys. When the primary is idle (no handler running, nothing
     queued to it), the calling thread claims it and runs the handler itself,
-    then what that handler caused on the primary's thread (the supervisor's
-    part, the tiers' inline calls), up to its own reply or a bounded number of
-    messages: still one handler at a time and in order, but no thread hand-off
-    (a lookup then waits only for the tiers that answer on their own threads).
+    then what was told to the primary's mailbox meanwhile (what its call
+    caused: the supervisor's part, the tiers' inline calls; and other
+    senders' messages), up to its own reply or 16 messages: still one handler
+    at a time and in order, but no thread hand-off (a lookup then waits only
+    for the tiers that answer on their own threads). On the main thread a
+    claim runs the call's own handler alone.
     Otherwise the message is queued to the primary's thread: at most one round
     trip per blocking call.
 

@@ -20,10 +20,11 @@ submits anything, so the contract is unaffected) but never the
 
 A tier's *inline* calls (:attr:`~kvactors.tiers.base.SecondaryTier.inline_calls`:
 the methods that never block) skip the hand-off when its actor is idle: the
-supervisor claims the actor and runs the call on its own thread, still alone
-and after everything sent before it. That is the tier's promise, and the one
-place where a tier can stall the primary: nothing can interrupt a call running
-on the supervisor's thread. A call that breaks it is caught afterwards: one
+supervisor claims the actor and runs the call on its own thread (the
+primary's, or a caller's that claimed the primary), still alone and after
+everything sent before it. That is the tier's promise, and the one place
+where a tier can stall the primary and that thread: nothing can interrupt a
+call running there. A call that breaks it is caught afterwards: one
 that took longer than :data:`INLINE_LIMIT_S` is never run inline again
 (``inline_call_demoted``), so it can stall the primary once, not on every call.
 

@@ -66,11 +66,14 @@ class SecondaryTier(abc.ABC):
     """The methods of this tier that return promptly: no I/O and no waiting
     on the calling thread (work handed to the tier's own threads is fine).
     Any of ``INLINE_CALLS``. While this tier's actor is idle, the runtime
-    may call them on the thread that sends them (the supervisor's) instead
-    of handing them to the actor's thread: still one call at a time with
-    every other method, after every call sent before. A hook the tier does
-    not override counts as inline. Leave out whatever can block (a network
-    round trip, a blocking write): it would stall the primary tier."""
+    may call them on the thread that sends them (the supervisor's, which may
+    be a caller's that claimed it: a serving frontend, vLLM's scheduler)
+    instead of handing them to the actor's thread: still one call at a time
+    with every other method, after every call sent before. A hook the tier
+    does not override counts as inline. Leave out whatever can block (a
+    network round trip, a blocking write): it would stall that thread and the
+    primary tier (once: a call that took longer than 0.25 s is never run
+    inline again)."""
 
     def __init__(self, *, name: str) -> None:
         if not isinstance(name, str) or not name:
