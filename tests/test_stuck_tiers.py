@@ -320,3 +320,23 @@ def test_an_inline_call_that_blocks_is_demoted_after_it_returns(caplog: pytest.L
     finally:
         release.set()
         manager.stop(timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_with_a_long_budget_goes_on_without_a_tier_stuck_in_a_call(
+        release: threading.Event, caplog: pytest.LogCaptureFixture) -> None:
+    """The stop's round through the tiers asks the stuck tier; it owes an answer from then, and is
+    found stuck transfer_timeout_s later, not at the end of the stop's own, longer, budget (a tick
+    is armed for each deadline a round adds: the tier's as well as the round's)."""
+    caplog.set_level(logging.INFO, logger="kvactors")
+    stuck = StuckTier("on_request_finished", release)  # a hook: it owes the supervisor no answer
+    manager = TieringManager.start(num_blocks=32, block_bytes=8, secondary_tiers=[stuck],
+                                   transfer_timeout_s=T, lookup_timeout_s=LOOKUP_T)
+    ctx = ReqContext("r")
+    manager.on_new_request(ctx)
+    manager.on_request_finished(ctx)
+    assert stuck.entered.wait(10)
+    # Nothing in flight: the round asks the tier at once; stuck after T, not at 8 T + grace.
+    _, took = within(8 * T + 1.0 + SLACK, lambda: manager.stop(timeout=8 * T), "stop(timeout=8 T)")
+    assert events_named(caplog, "tier_stuck"), "the tier was never found stuck"
+    assert took < T + 1.0 + SLACK, f"stop took {took:.2f} s: the stuck tier was waited for"
