@@ -41,6 +41,10 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, alone
 
 
+_MAIN_THREAD = threading.main_thread().ident
+"""Where Python delivers signals (asked on every claimed run: an int compare)."""
+
+
 class _Drain:
     """The one message pykka carries: "handle what the mailbox holds"."""
 
@@ -114,7 +118,7 @@ class ThreadActorRef:
 
         On the main thread, ``message`` alone: Python delivers signals there, and a
         Ctrl-C must not cut another actor's handler (a finalize half sent) short."""
-        if threading.current_thread() is threading.main_thread():
+        if until is not alone and threading.get_ident() == _MAIN_THREAD:
             until = alone
         self._mailbox.run_claimed(self._actor, message, until)
 
