@@ -40,7 +40,6 @@ from kvactors.actors.mailbox import Mailbox
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, alone
 
-
 _MAIN_THREAD = threading.main_thread().ident
 """Where Python delivers signals (asked on every claimed run: an int compare)."""
 
