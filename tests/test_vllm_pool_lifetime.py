@@ -113,6 +113,8 @@ def test_a_restarted_engine_with_the_same_engine_id_gets_a_fresh_pool(shm_dir) -
 
 
 def test_stop_hook_chains_and_never_swallows_the_signal() -> None:
+    # raise_signal, not os.kill(getpid()): the process's signal may land on the stop helper's thread,
+    # and then the main thread's handler runs at a later moment, not before the next line.
     code = r'''
 import os, signal, sys
 from kvactors.integrations.vllm import stops
@@ -125,17 +127,17 @@ class M:
         print('stopped', flush=True)
 m = M()
 stops.register(m)
-os.kill(os.getpid(), signal.SIGTERM)          # chained to the handler that was there
+signal.raise_signal(signal.SIGTERM)           # chained to the handler that was there
 assert seen == [signal.SIGTERM] and stops.signalled(), seen
 assert stops.stop_budget(30.0) == stops.SIGNAL_STOP_BUDGET_S
 try:
-    os.kill(os.getpid(), signal.SIGINT)        # Python's own: KeyboardInterrupt, not swallowed
+    signal.raise_signal(signal.SIGINT)         # Python's own: KeyboardInterrupt, not swallowed
 except KeyboardInterrupt:
     print("interrupted", flush=True)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 stops._previous.clear(); stops._hook_signals()  # now nobody handles SIGTERM: stop, then die of it
 print("before", M.stopped, flush=True)
-os.kill(os.getpid(), signal.SIGTERM)
+signal.raise_signal(signal.SIGTERM)
 print("survived", flush=True)
 '''
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
