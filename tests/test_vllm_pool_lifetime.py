@@ -162,7 +162,7 @@ signal.signal(signal.SIGTERM, signal.SIG_DFL)
 m = M()
 stops.register(m)
 assert [t for t in threading.enumerate() if t.name == 'kvactors-vllm-stop'], 'helper started at register'
-os.kill(os.getpid(), signal.SIGTERM)
+signal.raise_signal(signal.SIGTERM)  # to this thread: its handler runs before the next line
 print("survived", flush=True)
 '''
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
