@@ -113,13 +113,15 @@ def test_a_restarted_engine_with_the_same_engine_id_gets_a_fresh_pool(shm_dir) -
 
 
 def test_stop_hook_chains_and_never_swallows_the_signal() -> None:
-    # raise_signal, not os.kill(getpid()): the process's signal may land on the stop helper's thread,
-    # and then the main thread's handler runs at a later moment, not before the next line.
+    # raise_signal: to the main thread itself, so its handler runs before the next line. SIGINT's
+    # handler is set first: a process started from a background job inherits SIGINT ignored, and
+    # Python then keeps it ignored (this test failed so under a CI run started with `&`).
     code = r'''
 import os, signal, sys
 from kvactors.integrations.vllm import stops
 seen = []
 signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, even if started with SIGINT ignored
 class M:
     stopped = 0
     def shutdown(self):
