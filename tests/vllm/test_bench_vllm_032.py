@@ -55,9 +55,18 @@ def assert_run(r: dict, where: str) -> None:
     assert r["max_logprob_diff"] is None or finite(r["max_logprob_diff"]), f"{where}: {r}"
 
 
+def only_vllm_hit_nothing(row: dict) -> bool:
+    """The one ratio that may be undefined: kvactors' hit tokens over vLLM's own, where vLLM's
+    tiering loaded nothing in a short run (timing: its lookups came too late) and kvactors did."""
+    return row["vllm"]["hit_tokens"] == 0 and row["kvactors"]["hit_tokens"] > 0
+
+
 @pytest.mark.timeout(600)
 def test_quick_bench_every_run_completes_with_finite_figures(summary):
     for key in SUMMARY_RATIOS:
+        if key == "hit_tokens_ratio_min" and summary[key] is None:
+            assert any(only_vllm_hit_nothing(row) for row in summary["table"]), summary["table"]
+            continue
         assert finite(summary[key]) and summary[key] >= 0, f"{key}={summary[key]!r}"
     assert isinstance(summary["faults_all_correct"], bool), summary["faults_all_correct"]
     assert isinstance(summary["vllm_faults_all_correct"], bool), summary["vllm_faults_all_correct"]
@@ -69,6 +78,8 @@ def test_quick_bench_every_run_completes_with_finite_figures(summary):
             assert_run(row[backend], f"pool {row['pool_blocks']} {backend}")
             assert row[backend]["bytes_stored"] > 0, row[backend]  # the backend was there: it stored blocks
         for key, value in row["ratios"].items():
+            if key == "hit_tokens" and value is None and only_vllm_hit_nothing(row):
+                continue
             assert finite(value), f"pool {row['pool_blocks']}: ratio {key}={value!r}"
 
 
