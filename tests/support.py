@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
 
 from kvactors import JobResult, LookupResult, MemoryTier, OffloadKey, ReqContext, TieringManager, TransferJob
 
@@ -205,3 +208,25 @@ class FlakyTier(RecordingTier):
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+def within(bound_s: float, call: Callable[[], Any], what: str) -> tuple[Any, float]:
+    """Run ``call`` on a helper thread; fail unless it answers within ``bound_s``. Returns (result, seconds)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = call()
+        except BaseException as exc:  # handed to the test thread
+            box["error"] = exc
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, name=f"test-{what}", daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    took = time.monotonic() - started
+    if thread.is_alive():
+        pytest.fail(f"{what} did not answer within {bound_s:.1f} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result"), took

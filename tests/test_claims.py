@@ -13,7 +13,7 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, handles
 from kvactors.actors.threads import ThreadActorRef, ThreadRuntime
 from kvactors.testing import SimRuntime
-from tests.support import keys
+from tests.support import keys, within
 
 
 class Blocker(Actor):
@@ -211,13 +211,8 @@ class Chain(Actor):
 
 
 def off_main(fn):
-    """Run ``fn()`` on a thread of its own (a frontend's: not the main thread) and return its result."""
-    out: list[object] = []
-    thread = threading.Thread(target=lambda: out.append(fn()), name="frontend")
-    thread.start()
-    thread.join(30)
-    assert out, "the frontend thread failed or hung"
-    return out[0]
+    """``fn()`` on a thread of its own, named ``test-frontend`` (a frontend's: not the main thread)."""
+    return within(30, fn, "frontend")[0]
 
 
 def test_a_claimer_follows_what_its_handler_told_up_to_the_limit_the_thread_the_rest(runtime):
@@ -286,7 +281,7 @@ def test_a_lookup_through_inline_tiers_runs_whole_on_the_caller(tmp_path):
         manager.on_new_request(ctx)
         assert manager.wait_idle(10)
         assert off_main(lambda: manager.lookup(keys(2), ctx)) == [LookupResult.MISS] * len(keys(2))
-    assert seen == ["frontend"] * 2
+    assert seen == ["test-frontend"] * 2
 
 
 def test_frontend_calls_queue_when_claims_are_off(tmp_path):

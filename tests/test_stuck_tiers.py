@@ -13,8 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -29,7 +28,7 @@ from kvactors import (
     TieringManager,
     TransferJob,
 )
-from tests.support import RecordingTier, keys, wait_for
+from tests.support import RecordingTier, keys, wait_for, within
 
 T = 1.0  # transfer_timeout_s: the deadline of gathers, and how long a tier may owe an answer
 LOOKUP_T = 0.5
@@ -97,28 +96,6 @@ class StuckTier(MemoryTier):
 
     def shutdown(self) -> None:
         self._maybe_block("shutdown")
-
-
-def within(bound_s: float, call: Callable[[], Any], what: str) -> tuple[Any, float]:
-    """Run ``call`` on a helper thread; fail unless it answers within ``bound_s``. Returns (result, seconds)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = call()
-        except BaseException as exc:  # handed to the test thread
-            box["error"] = exc
-
-    started = time.monotonic()
-    thread = threading.Thread(target=run, name=f"test-{what}", daemon=True)
-    thread.start()
-    thread.join(bound_s)
-    took = time.monotonic() - started
-    if thread.is_alive():
-        pytest.fail(f"{what} did not answer within {bound_s:.1f} s (a tier is stuck in a call)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("result"), took
 
 
 def events_named(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
