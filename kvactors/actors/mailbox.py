@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvactors.actors.runtime import Actor, ActorStoppedError
+from kvactors.actors.runtime import Actor, ActorStoppedError, alone
 
 T = TypeVar("T")
 
@@ -99,7 +99,7 @@ class Mailbox:
         if self.owner != IDLE:
             return False  # busy, as seen without the lock: a sure "no" (checked again under it otherwise)
         with self.lock:
-            if self.owner != IDLE or self.closed or not self.turn.acquire(blocking=False):
+            if self.owner != IDLE or self.closed or not self.turn.acquire(False):
                 return False
             self.owner = CLAIMER
             return True
@@ -118,6 +118,8 @@ class Mailbox:
         ``until`` returning True at once: the claimed message alone."""
         try:
             self.deliver(actor, message)
+            if until is alone:  # an inline tier call, the main thread's: nothing to follow
+                return
             for _ in range(CLAIM_FOLLOW_LIMIT):
                 if until is not None and until():
                     break

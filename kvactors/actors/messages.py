@@ -278,13 +278,14 @@ class TierSubmit(NamedTuple):
 
 
 class TierLookup(NamedTuple):
-    """``reply`` is set only for a lookup run by a claim (an inline call):
-    the answer comes back through it instead of a :class:`TierLookupAnswered`."""
+    """``inline_answer`` is given only for a lookup run by a claim (an inline call,
+    on the caller's thread): the answer is appended to it instead of coming back as
+    a :class:`TierLookupAnswered` (a list, not a :class:`Reply`: nobody waits on it)."""
 
     lookup_id: int
     keys: Keys
     ctx: ReqContext
-    reply: Reply[tuple[LookupResult, ...] | None] | None = None
+    inline_answer: list[tuple[LookupResult, ...] | None] | None = None
 
 
 class TierGather(NamedTuple):

@@ -46,7 +46,6 @@ from collections.abc import Callable
 import torch
 
 from kvactors.actors import messages as m
-from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, alone, handles
 from kvactors.core.gathers import GatherKind
 from kvactors.logs import EventLogger
@@ -152,9 +151,9 @@ class TierLink:
         answer comes back as a :class:`~kvactors.actors.messages.TierLookupAnswered`.
         """
         if "lookup" in self.inline and self.ref.claim():
-            reply: Reply[tuple[LookupResult, ...] | None] = Reply()
-            self._run_inline(m.TierLookup(lookup_id, keys, ctx, reply), "lookup")
-            return True, reply.result() if reply.done() and reply.exception() is None else None
+            answer: list[tuple[LookupResult, ...] | None] = []
+            self._run_inline(m.TierLookup(lookup_id, keys, ctx, answer), "lookup")
+            return True, answer[0] if answer else None  # none: the handler itself failed
         message = m.TierLookup(lookup_id, keys, ctx)
         self.lane.push(message)
         self.ref.tell(message)
@@ -258,7 +257,7 @@ class SecondaryTierActor(Actor):
 
     @handles(m.TierLookup)
     def _on_lookup(self, msg: m.TierLookup) -> None:
-        if msg.reply is not None or self._lane.take(msg):  # else answered from the lane already
+        if msg.inline_answer is not None or self._lane.take(msg):  # else answered from the lane already
             self._lookup(msg)
 
     def _lookup(self, msg: m.TierLookup) -> None:
@@ -274,8 +273,8 @@ class SecondaryTierActor(Actor):
         except BaseException as exc:
             self._failed("lookup", exc)
             results = None
-        if msg.reply is not None:
-            msg.reply.set_result(results)
+        if msg.inline_answer is not None:
+            msg.inline_answer.append(results)
         else:
             self._answer(m.TierLookupAnswered(msg.lookup_id, self.tier.name, results))
 
