@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 from kvactors.actors import messages as m
 from kvactors.actors.runtime import Actor, ActorRef, handles
@@ -50,6 +51,9 @@ from kvactors.types import (
     TransferJob,
 )
 
+StoreDeadline: TypeAlias = tuple[ReqContext, tuple[OffloadKey, ...], int]
+"""A store's entry in the deadline queue: its request, its keys, its store id."""
+
 
 class _RequestRecord:
     """What the primary keeps per request attempt, until the supervisor finalizes it.
@@ -58,15 +62,19 @@ class _RequestRecord:
     (not completed, not past its deadline, not voided by a reset).
     ``store_of``: for each of those keys, the id of the store that prepared it,
     so that a store's deadline only ever times out that store's own writes.
+    ``store_deadlines``: the deadline entries of this request's stores, by store
+    id, withdrawn once no write of the request is pending (they would time out
+    nothing, and held they would keep every store's keys for the whole timeout).
     """
 
-    __slots__ = ("announced", "ctx", "finished", "pending_stores", "store_of")
+    __slots__ = ("announced", "ctx", "finished", "pending_stores", "store_deadlines", "store_of")
 
     def __init__(self, ctx: ReqContext) -> None:
         self.ctx = ctx
         self.finished = False
         self.pending_stores = 0
         self.store_of: dict[OffloadKey, int] = {}
+        self.store_deadlines: dict[int, StoreDeadline] = {}
         self.announced = False  # the supervisor has heard of this request
 
     def opens(self) -> bool:
@@ -106,7 +114,7 @@ class PrimaryTier(Actor):
         self._requests: dict[tuple[str, int], _RequestRecord] = {}
         # One deadline per prepare_store call: its keys that are still pending when it passes expire.
         # (request, keys, store id): a store's keys and the id it was prepared under.
-        self._store_deadlines: DeadlineQueue[tuple[ReqContext, tuple[OffloadKey, ...], int]] = DeadlineQueue()
+        self._store_deadlines: DeadlineQueue[StoreDeadline] = DeadlineQueue()
         self._store_ids = itertools.count(1)
         # Blocks kept for the request that waits for them (kvactors.core.reservations), for reserve_s
         # (the lookup deadline) at most; and the request each promotion in flight was started for.
@@ -273,7 +281,8 @@ class PrimaryTier(Actor):
             store_id = next(self._store_ids)
             record.store_of.update(dict.fromkeys(plan.keys, store_id))
             deadline = self.runtime.now() + self.transfer_timeout_s
-            self._store_deadlines.add((ctx, plan.keys, store_id), deadline)
+            entry = record.store_deadlines[store_id] = (ctx, plan.keys, store_id)
+            self._store_deadlines.add(entry, deadline)
             self._arm_timer(deadline)
         msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
 
@@ -317,6 +326,8 @@ class PrimaryTier(Actor):
                 for key in msg.keys:
                     if not writing(identity, key):
                         pop(key, None)
+            if not record.store_of and record.store_deadlines:
+                self._withdraw_store_deadlines(record)
         cascades = []
         for tier in self.tier_names if outcome.stored else ():
             job_id = next(self.work_ids)
@@ -325,6 +336,13 @@ class PrimaryTier(Actor):
         if cascades or (record is not None and record.finished):
             opens = record is not None and record.opens()
             self.supervisor.tell(m.StoresCompleted(ctx, outcome.live, tuple(cascades), opens))
+
+    def _withdraw_store_deadlines(self, record: _RequestRecord) -> None:
+        """No write of ``record``'s request is pending: its stores' deadlines would time out nothing."""
+        discard = self._store_deadlines.discard
+        for entry in record.store_deadlines.values():
+            discard(entry)
+        record.store_deadlines.clear()
 
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
@@ -335,6 +353,7 @@ class PrimaryTier(Actor):
         for ctx, keys, store_id in self._store_deadlines.pop_expired(self.runtime.now()):
             live = self._requests.get(ctx.identity)
             if live is not None:
+                live.store_deadlines.pop(store_id, None)
                 # Only this store's own writes still pending: a key it failed or completed may
                 # be written again by a later store of the request, under that store's deadline.
                 of = live.store_of
@@ -463,6 +482,7 @@ class PrimaryTier(Actor):
         for record in self._requests.values():
             record.pending_stores = 0
             record.store_of.clear()
+            record.store_deadlines.clear()
         self.log.info("cache_reset", tier=PRIMARY_TIER_NAME, keys=removed)
         self.supervisor.tell(m.SupervisorReset(msg.reply))
 

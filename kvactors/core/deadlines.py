@@ -1,4 +1,11 @@
-"""A deadline queue: items that expire at a time, with O(log n) add and lazy removal."""
+"""A deadline queue: items that expire at a time, with O(log n) add and lazy removal.
+
+Most deadlines never fire (a job reports, a lookup is answered, long before its
+timeout), so removal only forgets the item and leaves its heap entry for later;
+the heap is rebuilt from the live entries once the dead ones outnumber them
+(amortized O(1) a removal), so it holds at most ``2 * live + COMPACT_SLACK``
+entries instead of every deadline of the last timeout's worth of traffic.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +16,16 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 
+COMPACT_SLACK = 64
+"""Dead heap entries a queue may hold beyond its live count before it is rebuilt."""
+
 
 class DeadlineQueue(Generic[T]):
     """Items with deadlines; :meth:`pop_expired` returns those whose time has come.
 
-    Removal is lazy (the heap entry is skipped later), so :meth:`discard` is
-    O(1). Not thread-safe; times are whatever clock the owner uses.
+    Removal is lazy (the heap entry is skipped later, or dropped when the heap is
+    rebuilt), so :meth:`discard` is O(1) amortized. Not thread-safe; times are
+    whatever clock the owner uses.
     """
 
     __slots__ = ("_deadlines", "_heap", "_seq")
@@ -30,12 +41,34 @@ class DeadlineQueue(Generic[T]):
     def __contains__(self, item: object) -> bool:
         return item in self._deadlines
 
+    @property
+    def held(self) -> int:
+        """Entries in the heap, live or removed and not dropped yet (at most ``2 * len(self) + COMPACT_SLACK``)."""
+        return len(self._heap)
+
     def add(self, item: T, deadline: float) -> None:
         self._deadlines[item] = deadline
         heapq.heappush(self._heap, (deadline, next(self._seq), item))
+        self._maybe_compact()  # an item added again leaves its old entry dead too
 
     def discard(self, item: T) -> None:
-        self._deadlines.pop(item, None)
+        if self._deadlines.pop(item, None) is not None:
+            self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        live = self._deadlines
+        if len(self._heap) <= 2 * len(live) + COMPACT_SLACK:
+            return
+        first: dict[T, tuple[float, int, T]] = {}
+        for entry in self._heap:
+            item = entry[2]
+            if live.get(item) == entry[0]:
+                # An item added twice at one time has two such entries: the older one is the one that fires.
+                kept = first.get(item)
+                if kept is None or entry[1] < kept[1]:
+                    first[item] = entry
+        self._heap = list(first.values())
+        heapq.heapify(self._heap)
 
     def next_deadline(self) -> float | None:
         """The earliest live deadline, or ``None``."""

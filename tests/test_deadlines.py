@@ -1,0 +1,95 @@
+"""Deadlines that never fire are not kept: the deadline queue against a model, and a manager
+that holds nothing per request once its requests are done."""
+
+from __future__ import annotations
+
+import collections
+import gc
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvactors import MemoryTier, ReqContext, TieringManager
+from kvactors.core.deadlines import COMPACT_SLACK, DeadlineQueue
+
+ITEMS = st.integers(0, 12)
+TIMES = st.integers(0, 40).map(float)
+OPS = st.lists(st.one_of(st.tuples(st.just("add"), ITEMS, TIMES), st.tuples(st.just("discard"), ITEMS),
+                         st.tuples(st.just("pop"), TIMES), st.just(("next",))), max_size=400)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_the_queue_agrees_with_a_dict_and_stays_small(ops: list[tuple]) -> None:
+    queue: DeadlineQueue[int] = DeadlineQueue()
+    model: dict[int, float] = {}
+    for op in ops:
+        if op[0] == "add":
+            queue.add(op[1], op[2])
+            model[op[1]] = op[2]
+        elif op[0] == "discard":
+            queue.discard(op[1])
+            model.pop(op[1], None)
+        elif op[0] == "pop":
+            now = op[1]
+            expired = queue.pop_expired(now)
+            due = {item for item, deadline in model.items() if deadline <= now}
+            assert set(expired) == due and len(expired) == len(due)
+            assert [model[item] for item in expired] == sorted(model[item] for item in expired), "earliest first"
+            for item in due:
+                del model[item]
+        else:
+            assert queue.next_deadline() == min(model.values(), default=None)
+        assert len(queue) == len(model) and all(item in queue for item in model)
+        assert queue.held <= 2 * len(model) + COMPACT_SLACK + 1
+
+
+def test_many_removals_leave_a_small_heap() -> None:
+    queue: DeadlineQueue[int] = DeadlineQueue()
+    for n in range(10_000):
+        queue.add(n, 30.0 + n)
+        queue.discard(n)
+    queue.add(-1, 99.0)
+    assert queue.held <= COMPACT_SLACK + 3
+    assert queue.pop_expired(100.0) == [-1]
+
+
+def _census() -> collections.Counter[str]:
+    gc.collect()
+    return collections.Counter(type(obj).__name__ for obj in gc.get_objects())
+
+
+@pytest.mark.timeout(180)
+def test_a_manager_keeps_nothing_per_finished_request() -> None:
+    """Requests that looked up, stored, completed and finished leave nothing behind: no deadline
+    entry (of a store, or of a job its tiers answered long ago), no key, no context. Before, each
+    kept its store's deadline entry, its keys and its context for the whole ``transfer_timeout_s``."""
+    manager = TieringManager.start(num_blocks=256, block_bytes=16,
+                                   secondary_tiers=[MemoryTier(capacity_blocks=256, name="m1"),
+                                                    MemoryTier(capacity_blocks=256, name="m2")])
+    serial = iter(range(10**9))
+
+    def serve(requests: int) -> None:
+        for _ in range(requests):
+            n = next(serial)
+            ctx = ReqContext(f"r{n}")
+            keys = [b"key-%d-%d" % (n, j) for j in range(4)]
+            manager.on_new_request(ctx)
+            manager.lookup(keys, ctx)
+            out = manager.prepare_store(keys, ctx)
+            assert out is not None
+            manager.on_request_finished(ctx)
+            manager.complete_store(out.keys_to_store, ctx)
+        assert manager.wait_idle(30)
+        manager.take_events()  # kept for a caller that asks; vLLM asks every step
+
+    try:
+        serve(500)
+        before = _census()
+        serve(2_000)
+        after = _census()
+    finally:
+        manager.stop()
+    grew = {name: after[name] - before[name] for name in after if after[name] - before[name] > 200}
+    assert not grew, grew
