@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvactors import MemoryTier, ReqContext, TieringManager
+from kvactors import LookupResult, MemoryTier, ReqContext, TieringManager
 from kvactors.core.deadlines import COMPACT_SLACK, DeadlineQueue
 
 ITEMS = st.integers(0, 12)
@@ -61,10 +61,12 @@ def _census() -> collections.Counter[str]:
 
 
 @pytest.mark.timeout(180)
-def test_a_manager_keeps_nothing_per_finished_request() -> None:
-    """Requests that looked up, stored, completed and finished leave nothing behind: no deadline
-    entry (of a store, or of a job its tiers answered long ago), no key, no context. Before, each
-    kept its store's deadline entry, its keys and its context for the whole ``transfer_timeout_s``."""
+@pytest.mark.parametrize("workload", ["stores", "mixed"])
+def test_a_manager_keeps_nothing_per_finished_request(workload: str) -> None:
+    """Requests that are done leave nothing behind: no deadline entry (of a store, or of a job
+    its tiers answered long ago), no key, no context. Before, each kept its store's deadline
+    entry, its keys and its context for the whole ``transfer_timeout_s``. ``mixed``: also
+    failed stores, loads of earlier keys, promotions from the tiers after resets."""
     manager = TieringManager.start(num_blocks=256, block_bytes=16,
                                    secondary_tiers=[MemoryTier(capacity_blocks=256, name="m1"),
                                                     MemoryTier(capacity_blocks=256, name="m2")])
@@ -76,11 +78,20 @@ def test_a_manager_keeps_nothing_per_finished_request() -> None:
             ctx = ReqContext(f"r{n}")
             keys = [b"key-%d-%d" % (n, j) for j in range(4)]
             manager.on_new_request(ctx)
+            if workload == "mixed":
+                earlier = [b"key-%d-%d" % (max(n - 7, 0), j) for j in range(4)]
+                hits = [key for key, result in zip(earlier, manager.lookup(earlier, ctx), strict=True)
+                        if result is LookupResult.HIT]
+                if hits:
+                    manager.prepare_load(hits, ctx)
+                    manager.complete_load(hits, ctx)
+                if n % 97 == 0:
+                    manager.reset_cache()  # the next lookups promote from the tiers
             manager.lookup(keys, ctx)
             out = manager.prepare_store(keys, ctx)
             assert out is not None
             manager.on_request_finished(ctx)
-            manager.complete_store(out.keys_to_store, ctx)
+            manager.complete_store(out.keys_to_store, ctx, success=workload == "stores" or n % 5 != 0)
         assert manager.wait_idle(30)
         manager.take_events()  # kept for a caller that asks; vLLM asks every step
 
