@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvactors import LookupResult, MemoryTier, ReqContext, TieringManager
+from kvactors.actors.primary import PrimaryTier
 from kvactors.core.deadlines import COMPACT_SLACK, DeadlineQueue
+from kvactors.testing import SimRuntime
 
 ITEMS = st.integers(0, 12)
 TIMES = st.integers(0, 40).map(float)
@@ -53,6 +55,45 @@ def test_many_removals_leave_a_small_heap() -> None:
     queue.add(-1, 99.0)
     assert queue.held <= COMPACT_SLACK + 3
     assert queue.pop_expired(100.0) == [-1]
+
+
+def test_a_pop_that_empties_the_queue_leaves_a_small_heap() -> None:
+    """Found by review: a pop of many live items left more dead entries than the bound."""
+    queue: DeadlineQueue[int] = DeadlineQueue()
+    for item in range(1, 13):
+        queue.add(item, 0.0)
+    for n in range(78):
+        queue.add(0, 40.0 if n % 2 == 0 else 39.0)
+    assert queue.pop_expired(0.0) == list(range(1, 13))
+    assert queue.held <= 2 * len(queue) + COMPACT_SLACK
+    assert queue.pop_expired(40.0) == [0]
+
+
+@pytest.mark.parametrize("same_tick", [False, True])
+def test_a_request_whose_last_write_times_out_keeps_no_deadline(same_tick: bool) -> None:
+    """Store A's write never completes, store B's does: once A times out (alone, or in the same
+    tick as B's deadline) nothing of the request is pending, and no deadline of it is held
+    (B's would time out nothing)."""
+    runtime = SimRuntime(1)
+    manager = TieringManager.start(num_blocks=8, block_bytes=16, transfer_timeout_s=1.0, runtime=runtime)
+    primary = runtime.ref("primary").actor
+    assert isinstance(primary, PrimaryTier)
+    ctx = ReqContext("r")
+    manager.on_new_request(ctx)
+    assert manager.prepare_store([b"a" * 8], ctx) is not None
+    runtime.advance(0.0 if same_tick else 0.5)
+    out = manager.prepare_store([b"b" * 8], ctx)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, ctx)
+    runtime.advance(0.1)
+    assert primary.store_deadlines_held() == 2, "A's write is pending: both deadlines stay"
+    runtime.advance(1.2 - runtime.now())  # past A's deadline (1.0), before B's unless it is A's too
+    assert manager.stats()["stores_timed_out"] == 1
+    assert primary.store_deadlines_held() == 0
+    manager.on_request_finished(ctx)
+    assert manager.wait_idle(5.0)
+    assert manager.stats()["primary_requests"] == 0
+    manager.stop()
 
 
 def _census() -> collections.Counter[str]:

@@ -353,13 +353,15 @@ class PrimaryTier(Actor):
         for ctx, keys, store_id in self._store_deadlines.pop_expired(self.runtime.now()):
             live = self._requests.get(ctx.identity)
             if live is not None:
-                live.store_deadlines.pop(store_id, None)
+                live.store_deadlines.pop(store_id, None)  # withdrawn already if popped with an earlier one
                 # Only this store's own writes still pending: a key it failed or completed may
                 # be written again by a later store of the request, under that store's deadline.
                 of = live.store_of
                 keys = tuple(key for key in keys if of.get(key) == store_id)
                 for key in keys:
                     del of[key]
+                if not of and live.store_deadlines:  # its last pending writes timed out here
+                    self._withdraw_store_deadlines(live)
             detached = self.pool.detach_writes(ctx.identity, keys)
             expired[ctx] += detached
             self.counters.store_timed_out += detached > 0
@@ -531,6 +533,12 @@ class PrimaryTier(Actor):
     # ------------------------------------------------------------ for tests and tools
 
     _job_observer: Callable[[m.JobEnded, tuple[tuple[OffloadKey, int], ...]], None] | None = None
+
+    def store_deadlines_held(self) -> int:
+        """How many store deadlines this actor holds: one per store with a write still pending
+        (withdrawn when the request has none left, or popped when it fires). Ask it on the
+        actor's thread, or while nothing runs (a seeded scheduler between steps)."""
+        return self._store_deadlines.held
 
     def request_identities(self) -> tuple[tuple[str, int], ...]:
         """The ``(req_id, attempt)`` of each request attempt this actor keeps a record of (from its

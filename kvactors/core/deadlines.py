@@ -87,6 +87,8 @@ class DeadlineQueue(Generic[T]):
             if self._deadlines.get(item) == deadline:
                 del self._deadlines[item]
                 expired.append(item)
+        if expired:  # fewer live items: the dead entries not yet due may outnumber them now
+            self._maybe_compact()
         return expired
 
     def clear(self) -> None:
