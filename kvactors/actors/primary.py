@@ -535,9 +535,10 @@ class PrimaryTier(Actor):
     _job_observer: Callable[[m.JobEnded, tuple[tuple[OffloadKey, int], ...]], None] | None = None
 
     def store_deadlines_held(self) -> int:
-        """How many store deadlines this actor holds: one per store with a write still pending
-        (withdrawn when the request has none left, or popped when it fires). Ask it on the
-        actor's thread, or while nothing runs (a seeded scheduler between steps)."""
+        """The entries this actor's store deadline queue holds (:attr:`DeadlineQueue.held`): a live one
+        per store with a write still pending (withdrawn when its request has none left, popped when it
+        fires), and withdrawn ones not dropped yet, at most as many again plus ``COMPACT_SLACK``. Ask
+        it on the actor's thread, or while nothing runs (a seeded scheduler between steps)."""
         return self._store_deadlines.held
 
     def request_identities(self) -> tuple[tuple[str, int], ...]:
