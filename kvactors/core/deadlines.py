@@ -47,18 +47,20 @@ class DeadlineQueue(Generic[T]):
         return len(self._heap)
 
     def add(self, item: T, deadline: float) -> None:
-        self._deadlines[item] = deadline
-        heapq.heappush(self._heap, (deadline, next(self._seq), item))
-        self._maybe_compact()  # an item added again leaves its old entry dead too
+        live, heap = self._deadlines, self._heap
+        live[item] = deadline
+        heapq.heappush(heap, (deadline, next(self._seq), item))
+        if len(heap) > 2 * len(live) + COMPACT_SLACK:  # an item added again leaves its old entry dead too
+            self._compact()
 
     def discard(self, item: T) -> None:
-        if self._deadlines.pop(item, None) is not None:
-            self._maybe_compact()
-
-    def _maybe_compact(self) -> None:
         live = self._deadlines
-        if len(self._heap) <= 2 * len(live) + COMPACT_SLACK:
-            return
+        if live.pop(item, None) is not None and len(self._heap) > 2 * len(live) + COMPACT_SLACK:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the live entries (the dead outnumber them)."""
+        live = self._deadlines
         first: dict[T, tuple[float, int, T]] = {}
         for entry in self._heap:
             item = entry[2]
@@ -87,8 +89,8 @@ class DeadlineQueue(Generic[T]):
             if self._deadlines.get(item) == deadline:
                 del self._deadlines[item]
                 expired.append(item)
-        if expired:  # fewer live items: the dead entries not yet due may outnumber them now
-            self._maybe_compact()
+        if expired and len(self._heap) > 2 * len(self._deadlines) + COMPACT_SLACK:
+            self._compact()  # fewer live items: the dead entries not yet due may outnumber them now
         return expired
 
     def clear(self) -> None:
