@@ -7,6 +7,7 @@ and several blocks a chunk, several KV cache groups, and runs that cross rows an
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from concurrent.futures import Future
@@ -68,16 +69,22 @@ class Case:
         self.layout = PageLayout(planes, self.pool, bpc)
 
     def random_job(self, rng: random.Random) -> tuple[list[tuple[int, int, int, int]], list[int], list[int]]:
-        """``(group, block, row, slot)`` of distinct blocks and distinct slots, with their run ids."""
-        picks = []
+        """``(group, block, row, slot)`` of distinct blocks and distinct slots, with their run ids. A
+        row holds a chunk of one group (the groups' slots share its bytes), as the vLLM worker's jobs."""
+        picks: list[tuple[int, int, int, int]] = []
+        row_group = [rng.randrange(2) for _ in range(POOL_ROWS)]
         slots = rng.sample(range(POOL_ROWS * self.bpc), rng.randrange(1, 12))
         for i, flat in enumerate(sorted(slots) if rng.random() < 0.5 else slots):
-            g = rng.randrange(2)
-            picks.append((g, rng.randrange(self.specs[g][0]), *divmod(flat, self.bpc)))
-            if i and rng.random() < 0.6:  # often the next block: runs that cross rows and groups
-                pg, pb = picks[i - 1][0], picks[i - 1][1]
-                if pb + 1 < self.specs[pg][0]:
-                    picks[-1] = (pg, pb + 1, *divmod(flat, self.bpc))
+            row, slot = divmod(flat, self.bpc)
+            g = row_group[row]
+            b = rng.randrange(self.specs[g][0])
+            if i and rng.random() < 0.6:  # often the next device block: runs that cross rows and groups
+                pg, pb = picks[i - 1][:2]
+                nb = pb + 1 if pb + 1 < self.specs[pg][0] else 0
+                ng = pg if nb else pg + 1
+                if ng == g:
+                    b = nb
+            picks.append((g, b, row, slot))
         distinct: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         for pick in picks:  # one copy per device block (a load must not write a block twice)
             distinct.setdefault(pick[:2], pick)
@@ -157,11 +164,15 @@ def test_byte_runs_name_the_bytes_the_torch_copy_moves(bpc: int) -> None:
         for direction in (OFFLOAD, ONBOARD):
             src_base, dst_base, triples = case.layout.byte_runs(direction, runs_of(direction, dev, pool))
             assert len(triples) % 3 == 0 and triples
+            written = []
             for k in range(0, len(triples), 3):
                 s, d, n = src_base + triples[k], dst_base + triples[k + 1], triples[k + 2]
                 assert n > 0
                 assert any(lo <= s and s + n <= hi for lo, hi in spans), "source range outside every tensor"
                 assert any(lo <= d and d + n <= hi for lo, hi in spans), "destination range outside every tensor"
+                written.append((d, d + n))
+            written.sort()  # the native threads copy the ranges in parallel: no byte may be written twice
+            assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(written))
 
 
 @pytest.mark.timeout(60)
@@ -183,6 +194,42 @@ def test_runs_outside_the_layout_are_refused_before_any_byte_moves() -> None:
         case.layout.slot_id(POOL_ROWS, 0)
     with pytest.raises(ValueError, match="out of range"):
         case.layout.slot_id(0, 2)
+
+
+ALIASED = [
+    # (direction, runs, the error): device ids 0-9 are group 0's blocks, 10-15 group 1's; bpc 2
+    (OFFLOAD, [(0, 0, 1), (10, 1, 1)], "pool row 0 for KV cache groups 0 and 1"),  # one row, two groups
+    (OFFLOAD, [(0, 4, 2), (5, 5, 1)], "pool slot 5 twice"),  # a slot twice, in one row
+    (OFFLOAD, [(0, 3, 3), (7, 4, 1)], "pool slot 4 twice"),  # a run across rows, then one of its slots
+    (ONBOARD, [(0, 2, 2), (6, 3, 1)], "device block 3 twice"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("copier", COPIERS)
+@pytest.mark.parametrize(("direction", "runs", "error"), ALIASED)
+def test_a_job_that_writes_a_place_twice_is_refused_before_any_byte_moves(
+        copier: str, direction: Direction, runs: list[Run], error: str) -> None:
+    """The groups' slots share a row's bytes, and the native threads copy a job's pieces in
+    parallel: a job that writes a place twice would leave bytes no order of its copies gives."""
+    case = Case(2)
+    before = case.pool.clone(), [[t.clone() for t in ts] for ts in case.groups]
+    if copier == "layout":
+        with pytest.raises(ValueError, match=error):
+            case.layout.copy(direction, runs)
+        with pytest.raises(ValueError, match=error):
+            case.layout.byte_runs(direction, runs)
+    else:
+        reports = Reports()
+        running: Any = (CpuCopier(layout=case.layout, workers=1, done=reports, fault_injector=None)
+                        if copier == "torch" else NativeCopier(layout=case.layout, threads=2, done=reports))
+        try:
+            running.submit(make_job(1, direction, runs))
+            (_, got), = reports.wait_for(1)
+        finally:
+            running.shutdown()
+        assert isinstance(got, ValueError) and error in str(got), got
+    case.assert_equal(before)
 
 
 @pytest.mark.timeout(60)

@@ -98,6 +98,12 @@ class PageLayout:
     one group after another (:meth:`device_id`). A run may cross a row or a group boundary: the
     layout splits it there.
 
+    The groups' slots share the row's bytes (a row holds a chunk of one group at a time), so a
+    job may write a pool row's slots of one group only, and no destination (slot or device
+    block) twice: ``ValueError`` otherwise, from every copier, before any byte moves. Copies
+    run in parallel (the native copier's threads), so aliased writes would leave bytes that no
+    order of the copies gives.
+
     ``ValueError`` if a group's tensors differ in block count, a tensor is not 2-d ``uint8``,
     or a tensor's slots do not fit in the row.
     """
@@ -188,6 +194,8 @@ class PageLayout:
         out = []
         offload = direction == OFFLOAD
         bpc, firsts, counts = self.bpc, self._first, self._blocks
+        written: list[tuple[int, int]] = []  # the destination id ranges, (start, n)
+        row_group: dict[int, int] = {}  # offload with several slots a row: the group writing each row
         if runs and not self.device_blocks:
             raise ValueError("a run leaves the layout: it has no device blocks")
         for s, d, n in runs:
@@ -204,9 +212,18 @@ class PageLayout:
                     raise ValueError(f"run {(s, d, n)} leaves the layout ({self.device_blocks} device blocks, "
                                      f"{self.pool_rows} pool rows of {bpc} slots)")
                 out.append((g, block, row, slot, take))
+                if offload:
+                    written.append((slot_id, take))
+                    if bpc > 1 and row_group.setdefault(row, g) != g:
+                        raise ValueError(f"the job writes pool row {row} for KV cache groups {row_group[row]} "
+                                         f"and {g}: their slots share the row's bytes")
+                else:
+                    written.append((dev_id, take))
                 dev_id += take
                 slot_id += take
                 n -= take
+        if len(written) > 1:
+            _check_disjoint(written, "pool slot" if offload else "device block")
         return out
 
     def copy(self, direction: Direction, runs: Sequence[Run], *, non_blocking: bool = False) -> None:
@@ -258,6 +275,16 @@ class PageLayout:
             return self._dev_base, self._pool_base, out
         out[0::3], out[1::3], out[2::3] = pools, devs, sizes
         return self._pool_base, self._dev_base, out
+
+def _check_disjoint(ranges: list[tuple[int, int]], what: str) -> None:
+    """``ValueError`` if two of the ``(start, n)`` id ranges share an id."""
+    ranges.sort()
+    end = ranges[0][0]
+    for start, n in ranges:
+        if start < end:
+            raise ValueError(f"the job writes {what} {start} twice")
+        end = start + n
+
 
 def resolve(device_cache: torch.Tensor | None, pool: torch.Tensor | None, layout: Layout | None) -> Layout:
     """A copier's layout: ``layout``, or a :class:`RowLayout` of ``device_cache`` and ``pool``
