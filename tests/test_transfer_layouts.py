@@ -199,6 +199,7 @@ def test_runs_outside_the_layout_are_refused_before_any_byte_moves() -> None:
 ALIASED = [
     # (direction, runs, the error): device ids 0-9 are group 0's blocks, 10-15 group 1's; bpc 2
     (OFFLOAD, [(0, 0, 1), (10, 1, 1)], "pool row 0 for KV cache groups 0 and 1"),  # one row, two groups
+    (ONBOARD, [(6, 0, 1), (7, 10, 1)], "pool row 3 for KV cache groups 0 and 1"),  # a load of it too
     (OFFLOAD, [(0, 4, 2), (5, 5, 1)], "pool slot 5 twice"),  # a slot twice, in one row
     (OFFLOAD, [(0, 3, 3), (7, 4, 1)], "pool slot 4 twice"),  # a run across rows, then one of its slots
     (ONBOARD, [(0, 2, 2), (6, 3, 1)], "device block 3 twice"),
@@ -208,10 +209,11 @@ ALIASED = [
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("copier", COPIERS)
 @pytest.mark.parametrize(("direction", "runs", "error"), ALIASED)
-def test_a_job_that_writes_a_place_twice_is_refused_before_any_byte_moves(
+def test_a_job_that_writes_a_place_twice_or_mixes_groups_in_a_row_is_refused_before_any_byte_moves(
         copier: str, direction: Direction, runs: list[Run], error: str) -> None:
     """The groups' slots share a row's bytes, and the native threads copy a job's pieces in
-    parallel: a job that writes a place twice would leave bytes no order of its copies gives."""
+    parallel: a job that writes a place twice would leave bytes no order of its copies gives, and
+    one that names a row for two groups would move one group's bytes as the other's."""
     case = Case(2)
     before = case.pool.clone(), [[t.clone() for t in ts] for ts in case.groups]
     if copier == "layout":

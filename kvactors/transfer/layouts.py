@@ -99,10 +99,11 @@ class PageLayout:
     layout splits it there.
 
     The groups' slots share the row's bytes (a row holds a chunk of one group at a time), so a
-    job may write a pool row's slots of one group only, and no destination (slot or device
-    block) twice: ``ValueError`` otherwise, from every copier, before any byte moves. Copies
-    run in parallel (the native copier's threads), so aliased writes would leave bytes that no
-    order of the copies gives.
+    job may name a pool row's slots of one group only, and write no place (slot or device
+    block) twice: ``ValueError`` otherwise, from every copier, before any byte moves. A job's
+    copies run in parallel (the native copier's threads), so aliased writes would leave bytes
+    that no order of the copies gives; a load of one row for two groups would read one
+    group's bytes as the other's.
 
     ``ValueError`` if a group's tensors differ in block count, a tensor is not 2-d ``uint8``,
     or a tensor's slots do not fit in the row.
@@ -195,7 +196,7 @@ class PageLayout:
         offload = direction == OFFLOAD
         bpc, firsts, counts = self.bpc, self._first, self._blocks
         written: list[tuple[int, int]] = []  # the destination id ranges, (start, n)
-        row_group: dict[int, int] = {}  # offload with several slots a row: the group writing each row
+        row_group: dict[int, int] = {}  # several slots a row: the group each row holds
         if runs and not self.device_blocks:
             raise ValueError("a run leaves the layout: it has no device blocks")
         for s, d, n in runs:
@@ -212,13 +213,10 @@ class PageLayout:
                     raise ValueError(f"run {(s, d, n)} leaves the layout ({self.device_blocks} device blocks, "
                                      f"{self.pool_rows} pool rows of {bpc} slots)")
                 out.append((g, block, row, slot, take))
-                if offload:
-                    written.append((slot_id, take))
-                    if bpc > 1 and row_group.setdefault(row, g) != g:
-                        raise ValueError(f"the job writes pool row {row} for KV cache groups {row_group[row]} "
-                                         f"and {g}: their slots share the row's bytes")
-                else:
-                    written.append((dev_id, take))
+                if bpc > 1 and row_group.setdefault(row, g) != g:
+                    raise ValueError(f"the job names pool row {row} for KV cache groups {row_group[row]} and {g}: "
+                                     "their slots share the row's bytes")
+                written.append((slot_id, take) if offload else (dev_id, take))
                 dev_id += take
                 slot_id += take
                 n -= take

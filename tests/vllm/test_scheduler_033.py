@@ -420,10 +420,10 @@ def test_worker_spec_outside_the_caches_fails_its_job_not_the_engine(tmp_path, c
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("copier", WORKER_COPIERS)
-def test_worker_spec_that_writes_a_place_twice_fails_its_job_and_moves_no_byte(tmp_path, copier):
+def test_worker_spec_that_aliases_a_row_or_a_block_fails_its_job_and_moves_no_byte(tmp_path, copier):
     """The groups' slots share a pool row's bytes and the copies run in parallel: a store that
-    puts two groups (or one slot twice) in a row, or a load that writes a device block twice,
-    fails that job instead of leaving bytes no order of its copies gives."""
+    puts two groups (or one slot twice) in a row, a load that writes a device block twice, or
+    one that reads a row for two groups, fails that job and moves no byte."""
     import torch
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
@@ -434,9 +434,9 @@ def test_worker_spec_that_writes_a_place_twice_fails_its_job_and_moves_no_byte(t
         worker.submit_store(1, GPULoadStoreSpec([3, 4, 7], [2, 1], [0, 0]), CPULoadStoreSpec([5, 5]))
         worker.submit_store(2, GPULoadStoreSpec([3, 4, 5], [3], [0]), CPULoadStoreSpec([5, 5]))
         worker.submit_load(3, CPULoadStoreSpec([5]), GPULoadStoreSpec([6, 6], [2], [0]))
-        results = _finished(worker, [1, 2, 3])
-        assert len(results) == 3
-        assert worker.store_failures == 2 and worker.load_failures == 1
+        worker.submit_load(4, CPULoadStoreSpec([5, 5]), GPULoadStoreSpec([3, 7], [1, 1], [0, 0]))
+        _finished(worker, [1, 2, 3, 4])
+        assert worker.store_failures == 2 and worker.load_failures == 2
         assert torch.equal(shared.pool, before[0])
         assert all(torch.equal(a, b) for a, b in zip([t for ts in groups for t in ts], before[1], strict=True))
     finally:
