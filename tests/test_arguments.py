@@ -150,12 +150,20 @@ def test_req_context_refuses_hostile_fields(kwargs):
         ReqContext(**kwargs)
 
 
+def _closing(engine: TransferEngine, use: Callable[[TransferEngine], object]) -> object:
+    """``use(engine)``, then close the engine (its copy threads would outlive the test)."""
+    try:
+        return use(engine)
+    finally:
+        engine.close()
+
+
 def _engine_hostile() -> list[tuple[str, Callable[[TieringManager, torch.Tensor], object]]]:
     def offload(*args: Any) -> Callable[[TieringManager, torch.Tensor], object]:
-        return lambda m, cache: TransferEngine(m, cache).offload(*args)
+        return lambda m, cache: _closing(TransferEngine(m, cache), lambda e: e.offload(*args))
 
     def onboard(*args: Any) -> Callable[[TieringManager, torch.Tensor], object]:
-        return lambda m, cache: TransferEngine(m, cache).onboard(*args)
+        return lambda m, cache: _closing(TransferEngine(m, cache), lambda e: e.onboard(*args))
 
     cases: list[tuple[str, Callable[[TieringManager, torch.Tensor], object]]] = [
         ("manager not a TieringManager", lambda m, cache: TransferEngine("manager", cache)),  # type: ignore[arg-type]
@@ -257,8 +265,8 @@ def _bool_cases() -> list[tuple[str, Callable[[bool], object]]]:
     for name in _number_parameters(TransferEngine.__init__):
         cases.append((f"TransferEngine({name})", lambda b, n=name: TransferEngine(
             _MANAGER[0], torch.zeros((4, 8), dtype=torch.uint8), **{n: b})))
-    cases.append(("TransferEngine.offload(device_block_ids)", lambda b: TransferEngine(
-        _MANAGER[0], torch.zeros((4, 8), dtype=torch.uint8)).offload(CTX, [READY], [b])))
+    cases.append(("TransferEngine.offload(device_block_ids)", lambda b: _closing(TransferEngine(
+        _MANAGER[0], torch.zeros((4, 8), dtype=torch.uint8)), lambda e: e.offload(CTX, [READY], [b]))))
     cases.append(("ReqContext(attempt)", lambda b: ReqContext("r", b)))
     # The other way round: a flag given an int.
     cases.append(("AsyncTieringManager(claims=int)", lambda b: AsyncTieringManager(_MANAGER[0], claims=int(b))))

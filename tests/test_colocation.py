@@ -46,7 +46,7 @@ def test_colocated_actors_share_a_thread_and_one_order_and_stop_together():
     host = runtime.spawn(host_actor, "host")
     guest = runtime.spawn(guest_actor, "guest", colocate_with=host)
     def mine() -> set[str]:  # this runtime's threads (other tests' daemon threads may end meanwhile)
-        return {t.name for t in threading.enumerate() if t.name.startswith(runtime.name)}
+        return {t.name for t in threading.enumerate() if t.name.startswith(runtime.name + "-")}
 
     assert ask(host) == "host"  # the host's thread has started (and named itself)
     log.clear()

@@ -317,7 +317,7 @@ def test_stalled_tier_job_times_out_and_releases_the_request():
     """vLLM #49829 / Mooncake #974: in-progress work has an owner and a deadline."""
     tier = ControlledTier()
     ctx = ReqContext("r")
-    with start(tier, transfer_timeout_s=0.3) as manager:
+    with start(tier, transfer_timeout_s=1.0) as manager:  # the store completes before it, loaded or not
         manager.on_new_request(ctx)
         store(manager, ctx, [1])
         (job,) = tier.wait_held(1)

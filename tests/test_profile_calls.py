@@ -20,7 +20,8 @@ def test_each_call_is_split_into_its_handlers_and_the_rest():
     lookup, store = result["lookup"], result["prepare_store"]
     # The lookup's misses went to the supervisor and both tiers, all before the answer.
     assert {"handler Lookup", "handler SecondaryLookup", "handler TierLookup"} <= set(lookup)
-    assert set(store) == {"total", "rest", "handler PrepareStore"}
+    # A timer's Tick told meanwhile may run in the call's claim too (a slow machine, past a timeout).
+    assert set(store) - {"handler Tick"} == {"total", "rest", "handler PrepareStore"}
     for figures in (lookup, store):
         handlers = sum(v for k, v in figures.items() if k.startswith("handler "))
         assert 0 < handlers < figures["total"]

@@ -220,8 +220,9 @@ def test_timeout_answers_retry(redis_server: RedisServer, make_tier: Callable[..
     keys = keys_("t", 2)
     h.store_ok(keys, range(2))
     admin = redis.Redis.from_url(redis_server.url)
-    # Pauses every client (CLIENT UNPAUSE included) for 0.8 s.
-    admin.execute_command("CLIENT", "PAUSE", 800, "ALL")
+    # Pauses every client (CLIENT UNPAUSE included) for 2 s: both lookups below must see it on a
+    # loaded machine too (each gives up after timeout_s).
+    admin.execute_command("CLIENT", "PAUSE", 2000, "ALL")
     admin.close()
     assert h.tier.lookup(keys, CTX) == [RETRY, RETRY]
     assert h.tier.lookup(keys, CTX) == [RETRY, RETRY]  # backing off: no round trip

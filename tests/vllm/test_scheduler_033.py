@@ -214,7 +214,9 @@ def test_a_tier_stuck_in_its_lookup_costs_the_scheduler_at_most_the_step_wait(tm
         per_step.append(spent[0])
         time.sleep(0.005)
         assert run.steps < 2000, "the run does not end"
-    assert max(per_step) <= mgr.step_wait_s + 0.05, sorted(per_step)[-5:]
+    # The slack covers a loaded machine (a collection or a descheduled thread inside a step); a
+    # step that waited for the tier would spend lookup_timeout_s, four times the bound.
+    assert max(per_step) <= mgr.step_wait_s + 0.25 < cfg["lookup_timeout_s"], sorted(per_step)[-5:]
     assert mgr.counters["lookups_given_up"] > 0
     h.connector.shutdown() if hasattr(h.connector, "shutdown") else mgr.shutdown()
     h.worker.shutdown()
