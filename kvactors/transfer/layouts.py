@@ -274,6 +274,7 @@ class PageLayout:
         out[0::3], out[1::3], out[2::3] = pools, devs, sizes
         return self._pool_base, self._dev_base, out
 
+
 def _check_disjoint(ranges: list[tuple[int, int]], what: str) -> None:
     """``ValueError`` if two of the ``(start, n)`` id ranges share an id."""
     ranges.sort()
