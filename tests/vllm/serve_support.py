@@ -157,6 +157,13 @@ def shm_files(engine_id: str) -> list[str]:
     return [p for p in glob.glob("/dev/shm/*") if engine_id in os.path.basename(p)]
 
 
+# The server starts with SIGINT's default disposition, as from a terminal: a test run started in
+# the background (a non-interactive shell's `cmd &`, as CI scripts do) inherits SIGINT ignored, and
+# a Ctrl-C test would then say nothing about Ctrl-C. Python then execs the command.
+AS_FROM_A_TERMINAL = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execv(sys.argv[1], sys.argv[1:])"]
+
+
 class Server:
     """One ``api_server`` process group. Not thread-safe: drive it from the test's thread."""
 
@@ -184,8 +191,9 @@ class Server:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> Server:
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.dir)
+            self.proc = subprocess.Popen([*AS_FROM_A_TERMINAL, *self.cmd], env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, cwd=self.dir)
 
         def ready() -> bool:
             assert self.proc is not None
