@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -46,11 +47,11 @@ class Reports:
             return list(self.items)
 
 
-def make_job(job_id: int, direction: Direction, runs: list[Run]) -> CopyJob:
+def make_job(job_id: int, direction: Direction, runs: list[Run], deadline: float | None = None) -> CopyJob:
     future: Future[Any] = Future()
     future.set_running_or_notify_cancel()
     return CopyJob(job_id=job_id, direction=direction, ctx=ReqContext(f"r{job_id}"), keys=(), runs=tuple(runs),
-                   nbytes=0, future=future, deadline=None, timeout_s=None)
+                   nbytes=0, future=future, deadline=deadline, timeout_s=None if deadline is None else 60.0)
 
 
 class Case:
@@ -197,41 +198,105 @@ def test_runs_outside_the_layout_are_refused_before_any_byte_moves() -> None:
 
 
 ALIASED = [
-    # (direction, runs, the error): device ids 0-9 are group 0's blocks, 10-15 group 1's; bpc 2
-    (OFFLOAD, [(0, 0, 1), (10, 1, 1)], "pool row 0 for KV cache groups 0 and 1"),  # one row, two groups
-    (ONBOARD, [(6, 0, 1), (7, 10, 1)], "pool row 3 for KV cache groups 0 and 1"),  # a load of it too
-    (OFFLOAD, [(0, 4, 2), (5, 5, 1)], "pool slot 5 twice"),  # a slot twice, in one row
-    (OFFLOAD, [(0, 3, 3), (7, 4, 1)], "pool slot 4 twice"),  # a run across rows, then one of its slots
-    (ONBOARD, [(0, 2, 2), (6, 3, 1)], "device block 3 twice"),
+    # (slots a row, direction, runs, the error): device ids 0-9 are group 0's blocks 0-9, 10-15 group 1's 0-5
+    (2, OFFLOAD, [(0, 0, 1), (10, 1, 1)], "pool row 0 for KV cache groups 0 and 1"),  # one row, two groups
+    (2, ONBOARD, [(6, 0, 1), (7, 10, 1)], "pool row 3 for KV cache groups 0 and 1"),  # a load of it too
+    (2, OFFLOAD, [(0, 4, 2), (5, 5, 1)], "writes pool row 2 slot 1 twice"),  # a slot twice, in one row
+    (2, OFFLOAD, [(0, 3, 3), (7, 4, 1)], "writes pool row 2 slot 0 twice"),  # across rows, then one of its slots
+    (2, ONBOARD, [(0, 2, 2), (6, 3, 1)], "writes device block 3 of KV cache group 0 twice"),
+    (2, ONBOARD, [(0, 11, 1), (1, 11, 1)], "writes device block 1 of KV cache group 1 twice"),
+    (1, OFFLOAD, [(0, 3, 2), (10, 4, 1)], "names pool row 4 twice"),  # one slot a row: a row twice
+    (1, ONBOARD, [(3, 0, 1), (3, 10, 1)], "names pool row 3 twice"),  # read for two groups
 ]
+ALIASED_COPIERS = [*COPIERS, "torch, with a deadline"]  # that copier copies such a job a run at a time
+
+
+def start_copier(copier: str, case: Case, reports: Reports, fault_injector: Any = None) -> Any:
+    if copier.startswith("torch"):
+        return CpuCopier(layout=case.layout, workers=1, done=reports, fault_injector=fault_injector)
+    return NativeCopier(layout=case.layout, threads=2, done=reports)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("copier", COPIERS)
-@pytest.mark.parametrize(("direction", "runs", "error"), ALIASED)
+@pytest.mark.parametrize("copier", ALIASED_COPIERS)
+@pytest.mark.parametrize(("bpc", "direction", "runs", "error"), ALIASED)
 def test_a_job_that_writes_a_place_twice_or_mixes_groups_in_a_row_is_refused_before_any_byte_moves(
-        copier: str, direction: Direction, runs: list[Run], error: str) -> None:
+        copier: str, bpc: int, direction: Direction, runs: list[Run], error: str) -> None:
     """The groups' slots share a row's bytes, and the native threads copy a job's pieces in
     parallel: a job that writes a place twice would leave bytes no order of its copies gives, and
     one that names a row for two groups would move one group's bytes as the other's."""
-    case = Case(2)
+    case = Case(bpc)
     before = case.pool.clone(), [[t.clone() for t in ts] for ts in case.groups]
     if copier == "layout":
-        with pytest.raises(ValueError, match=error):
-            case.layout.copy(direction, runs)
-        with pytest.raises(ValueError, match=error):
-            case.layout.byte_runs(direction, runs)
+        for refuse in (case.layout.check, case.layout.copy, case.layout.byte_runs):
+            with pytest.raises(ValueError, match=error):
+                refuse(direction, runs)
     else:
         reports = Reports()
-        running: Any = (CpuCopier(layout=case.layout, workers=1, done=reports, fault_injector=None)
-                        if copier == "torch" else NativeCopier(layout=case.layout, threads=2, done=reports))
+        running = start_copier(copier, case, reports)
         try:
-            running.submit(make_job(1, direction, runs))
+            deadline = time.monotonic() + 60 if copier.endswith("deadline") else None
+            running.submit(make_job(1, direction, runs, deadline))
             (_, got), = reports.wait_for(1)
         finally:
             running.shutdown()
         assert isinstance(got, ValueError) and error in str(got), got
     case.assert_equal(before)
+
+
+def gated_copier(case: Case, reports: Reports) -> tuple[CpuCopier, threading.Event]:
+    """A torch copier whose thread holds job 0 in the fault injector until the gate opens: the
+    jobs submitted meanwhile are taken together, as one batch."""
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold(direction: Direction, ctx: ReqContext, keys: Any) -> None:
+        if ctx.req_id == "r0":
+            holding.set()
+            assert gate.wait(TIMEOUT)
+
+    copier = CpuCopier(layout=case.layout, workers=1, done=reports, fault_injector=hold)
+    copier.submit(make_job(0, OFFLOAD, [(9, 23, 1)]))  # group 0's block 9 to row 11, slot 1
+    assert holding.wait(TIMEOUT)
+    return copier, gate
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_job_fails_alone_in_the_torch_copiers_batch() -> None:
+    """vLLM is told every load succeeded (the worker has no other way): a load the layout refuses
+    must not fail the loads batched with it, which would leave their blocks unwritten."""
+    case = Case(2)
+    reports = Reports()
+    copier, gate = gated_copier(case, reports)
+    try:
+        copier.submit(make_job(1, ONBOARD, [(6, 0, 1), (7, 10, 1)]))  # row 3 for two groups: refused
+        copier.submit(make_job(2, ONBOARD, [(0, 2, 2)]))  # row 0 into group 0's blocks 2 and 3
+        expected = case.expected(ONBOARD, [(0, 2, 0, 0), (0, 3, 0, 1)])
+        gate.set()
+        got = {job.job_id: error for job, error in reports.wait_for(3)}
+    finally:
+        copier.shutdown()
+    assert isinstance(got[1], ValueError) and got[0] is None and got[2] is None, got
+    for got_t, want_t in zip(case.groups[0], expected[1][0], strict=True):
+        assert torch.equal(got_t, want_t)
+
+
+@pytest.mark.timeout(60)
+def test_jobs_that_each_pass_but_write_one_place_are_copied_one_after_another() -> None:
+    """Two jobs in flight that write one slot break the caller's contract, not the layout's: the
+    torch copier's batch then copies them in queue order, and neither fails for the other."""
+    case = Case(2)
+    reports = Reports()
+    copier, gate = gated_copier(case, reports)
+    try:
+        copier.submit(make_job(1, OFFLOAD, [(4, 6, 1)]))
+        copier.submit(make_job(2, OFFLOAD, [(5, 6, 1)]))  # the same slot: the later job's bytes stay
+        expected = case.expected(OFFLOAD, [(0, 9, 11, 1), (0, 5, 3, 0)])
+        gate.set()
+        got = {job.job_id: error for job, error in reports.wait_for(3)}
+    finally:
+        copier.shutdown()
+    assert got == {0: None, 1: None, 2: None}, got
+    assert torch.equal(case.pool, expected[0])
 
 
 @pytest.mark.timeout(60)

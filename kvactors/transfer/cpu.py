@@ -102,21 +102,24 @@ class CpuCopier:
         job.check_deadline()
         if self._inject is not None:
             self._inject(job.direction, job.ctx, job.keys)
+        self._layout.check(job.direction, job.runs)  # as a whole: it is copied a run at a time
         for run in job.runs:
             self._layout.copy(job.direction, (run,))
             job.check_deadline()
 
     def _copy_batch(self, direction: Direction, jobs: list[CopyJob]) -> list[tuple[CopyJob, BaseException | None]]:
-        """Jobs without a deadline, copied together: runs that continue each other across jobs merge."""
+        """Jobs without a deadline, copied together: runs that continue each other across jobs merge.
+        Each job is checked on its own first: one the layout refuses fails alone."""
         outcome: list[tuple[CopyJob, BaseException | None]] = []
         runs: list[list[int]] = []
         for job in jobs:
-            if self._inject is not None:
-                try:
+            try:
+                if self._inject is not None:
                     self._inject(direction, job.ctx, job.keys)
-                except Exception as exc:
-                    outcome.append((job, exc))
-                    continue
+                self._layout.check(direction, job.runs)
+            except Exception as exc:
+                outcome.append((job, exc))
+                continue
             outcome.append((job, None))
             for s, d, n in job.runs:
                 if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
@@ -125,9 +128,21 @@ class CpuCopier:
                     runs.append([s, d, n])
         try:
             self._layout.copy(direction, [(s, d, n) for s, d, n in runs])
+        except ValueError:
+            # Every job passed alone, so two of them name the same place (the caller's contract,
+            # not the job's): copied one after another instead, in queue order, as they came.
+            return [(job, error if error is not None else self._copy_checked(direction, job))
+                    for job, error in outcome]
         except Exception as exc:  # which job's rows failed is unknown: fail them all
             return [(job, error or exc) for job, error in outcome]
         return outcome
+
+    def _copy_checked(self, direction: Direction, job: CopyJob) -> BaseException | None:
+        try:
+            self._layout.copy(direction, job.runs)
+        except Exception as exc:
+            return exc
+        return None
 
     def _take_batch(self, first: CopyJob) -> tuple[list[CopyJob], bool]:
         """``first`` and the jobs queued behind it (up to a bound); whether a stop sentinel was taken."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import array
 import bisect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -40,6 +40,9 @@ class Layout(Protocol):
 
     def copy(self, direction: Direction, runs: Sequence[Run], *, non_blocking: bool = False) -> None:
         """Copy ``runs`` with torch (on the current CUDA stream where the tensors are on one)."""
+
+    def check(self, direction: Direction, runs: Sequence[Run]) -> None:
+        """``ValueError`` if :meth:`copy` or :meth:`byte_runs` would refuse ``runs``; moves nothing."""
 
     def native(self) -> bool:
         """Whether :meth:`byte_runs` can describe the copies: host tensors whose rows are contiguous."""
@@ -68,6 +71,9 @@ class RowLayout:
         src, dst = self._pairs[direction]
         for s, d, n in runs:
             dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)
+
+    def check(self, direction: Direction, runs: Sequence[Run]) -> None:
+        pass  # the engine checks the rows before it makes a job
 
     def native(self) -> bool:
         device_cache, pool = self._tensors
@@ -99,11 +105,14 @@ class PageLayout:
     layout splits it there.
 
     The groups' slots share the row's bytes (a row holds a chunk of one group at a time), so a
-    job may name a pool row's slots of one group only, and write no place (slot or device
-    block) twice: ``ValueError`` otherwise, from every copier, before any byte moves. A job's
-    copies run in parallel (the native copier's threads), so aliased writes would leave bytes
-    that no order of the copies gives; a load of one row for two groups would read one
-    group's bytes as the other's.
+    job may name a pool row's slots of one group only (with one slot a row: a row once), and
+    write no place (slot or device block) twice: ``ValueError`` otherwise (:meth:`check`),
+    from every copier, before any of the job's bytes move. A job's copies run in parallel (the
+    native copier's threads), so aliased writes would leave bytes that no order of the copies
+    gives; a load of one row for two groups would read one group's bytes as the other's.
+    Device blocks are told apart by group and block, not by address: groups that share a
+    tensor are not checked against each other. Jobs in flight together must not alias either;
+    that is the caller's to keep (the pool's pins, vLLM's block tables), not checked here.
 
     ``ValueError`` if a group's tensors differ in block count, a tensor is not 2-d ``uint8``,
     or a tensor's slots do not fit in the row.
@@ -191,11 +200,13 @@ class PageLayout:
         return row * self.bpc + slot
 
     def _pieces(self, direction: Direction, runs: Sequence[Run]) -> list[tuple[int, int, int, int, int]]:
-        """``(group, device block, row, slot, n)``: the runs split where a group or a pool row ends."""
+        """``(group, device block, row, slot, n)``: the runs split where a group or a pool row ends;
+        ``ValueError`` for runs outside the layout or that alias (the class docstring)."""
         out = []
         offload = direction == OFFLOAD
         bpc, firsts, counts = self.bpc, self._first, self._blocks
         written: list[tuple[int, int]] = []  # the destination id ranges, (start, n)
+        pool_side: list[tuple[int, int]] = []  # one slot a row: the pool rows named, (start, n)
         row_group: dict[int, int] = {}  # several slots a row: the group each row holds
         if runs and not self.device_blocks:
             raise ValueError("a run leaves the layout: it has no device blocks")
@@ -213,16 +224,35 @@ class PageLayout:
                     raise ValueError(f"run {(s, d, n)} leaves the layout ({self.device_blocks} device blocks, "
                                      f"{self.pool_rows} pool rows of {bpc} slots)")
                 out.append((g, block, row, slot, take))
-                if bpc > 1 and row_group.setdefault(row, g) != g:
-                    raise ValueError(f"the job names pool row {row} for KV cache groups {row_group[row]} and {g}: "
-                                     "their slots share the row's bytes")
-                written.append((slot_id, take) if offload else (dev_id, take))
+                if bpc > 1:
+                    if row_group.setdefault(row, g) != g:
+                        raise ValueError(f"the job names pool row {row} for KV cache groups {row_group[row]} "
+                                         f"and {g}: their slots share the row's bytes")
+                    if offload:
+                        written.append((slot_id, take))
+                else:
+                    pool_side.append((slot_id, take))
+                if not offload:
+                    written.append((dev_id, take))
                 dev_id += take
                 slot_id += take
                 n -= take
+        if len(pool_side) > 1:  # a row is a slot: naming it twice writes it twice, or reads it for two blocks
+            _check_disjoint(pool_side, self._describe_slot, "names")
         if len(written) > 1:
-            _check_disjoint(written, "pool slot" if offload else "device block")
+            _check_disjoint(written, self._describe_slot if offload else self._describe_device, "writes")
         return out
+
+    def _describe_slot(self, slot_id: int) -> str:
+        row, slot = divmod(slot_id, self.bpc)
+        return f"pool row {row}" if self.bpc == 1 else f"pool row {row} slot {slot}"
+
+    def _describe_device(self, dev_id: int) -> str:
+        g = max(bisect.bisect_right(self._first, dev_id) - 1, 0)
+        return f"device block {dev_id - self._first[g]} of KV cache group {g}"
+
+    def check(self, direction: Direction, runs: Sequence[Run]) -> None:
+        self._pieces(direction, runs)
 
     def copy(self, direction: Direction, runs: Sequence[Run], *, non_blocking: bool = False) -> None:
         """One ``_foreach_copy_`` of every piece of every tensor (:func:`~kvactors.transfer.views.copy_all`)."""
@@ -275,13 +305,13 @@ class PageLayout:
         return self._pool_base, self._dev_base, out
 
 
-def _check_disjoint(ranges: list[tuple[int, int]], what: str) -> None:
-    """``ValueError`` if two of the ``(start, n)`` id ranges share an id."""
+def _check_disjoint(ranges: list[tuple[int, int]], describe: Callable[[int], str], verb: str) -> None:
+    """``ValueError`` naming the first id that two of the ``(start, n)`` id ranges share."""
     ranges.sort()
     end = ranges[0][0]
     for start, n in ranges:
         if start < end:
-            raise ValueError(f"the job writes {what} {start} twice")
+            raise ValueError(f"the job {verb} {describe(start)} twice")
         end = start + n
 
 

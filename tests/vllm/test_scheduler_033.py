@@ -425,7 +425,7 @@ def test_worker_spec_outside_the_caches_fails_its_job_not_the_engine(tmp_path, c
 def test_worker_spec_that_aliases_a_row_or_a_block_fails_its_job_and_moves_no_byte(tmp_path, copier):
     """The groups' slots share a pool row's bytes and the copies run in parallel: a store that
     puts two groups (or one slot twice) in a row, a load that writes a device block twice, or
-    one that reads a row for two groups, fails that job and moves no byte."""
+    one that reads a row for two groups, fails that job alone and moves no byte."""
     import torch
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
@@ -437,10 +437,15 @@ def test_worker_spec_that_aliases_a_row_or_a_block_fails_its_job_and_moves_no_by
         worker.submit_store(2, GPULoadStoreSpec([3, 4, 5], [3], [0]), CPULoadStoreSpec([5, 5]))
         worker.submit_load(3, CPULoadStoreSpec([5]), GPULoadStoreSpec([6, 6], [2], [0]))
         worker.submit_load(4, CPULoadStoreSpec([5, 5]), GPULoadStoreSpec([3, 7], [1, 1], [0, 0]))
-        _finished(worker, [1, 2, 3, 4])
+        # Right behind them (a torch copier batches it with them): a load that is fine succeeds.
+        worker.submit_load(5, CPULoadStoreSpec([9]), GPULoadStoreSpec([20], [1], [0]))
+        _finished(worker, [1, 2, 3, 4, 5])
         assert worker.store_failures == 2 and worker.load_failures == 2
         assert torch.equal(shared.pool, before[0])
-        assert all(torch.equal(a, b) for a, b in zip([t for ts in groups for t in ts], before[1], strict=True))
+        expected = [t.clone() for t in before[1]]
+        for i, t in enumerate(expected[:3]):  # group 0's three tensors: block 20 from row 9, slot 0
+            t[20] = before[0][9, i * 2 * 256:i * 2 * 256 + 256].view(torch.int8)
+        assert all(torch.equal(a, b) for a, b in zip([t for ts in groups for t in ts], expected, strict=True))
     finally:
         worker.shutdown()
 
