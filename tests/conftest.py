@@ -78,11 +78,14 @@ os.environ.setdefault("KVACTORS_STRICT_EVENTS", "1")
 
 
 # ---------------------------------------------------------------------------
-# Hypothesis: no per-example deadline (an example is ~1 ms; a loaded CI machine
-# can stall one past the default 200 ms, which fails a correct test). Every other
-# setting stays the loaded profile's (Hypothesis' "ci" profile under CI).
+# Hypothesis: no per-example deadline and no too_slow health check (an example is
+# ~1 ms; a loaded CI machine can stall one past the default 200 ms, which fails a
+# correct test). Every other setting stays the loaded profile's (Hypothesis' "ci"
+# profile under CI).
 # ---------------------------------------------------------------------------
+from hypothesis import HealthCheck as _HealthCheck  # noqa: E402
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 
-_hypothesis_settings.register_profile("kvactors", parent=_hypothesis_settings(), deadline=None)
+_hypothesis_settings.register_profile("kvactors", parent=_hypothesis_settings(), deadline=None,
+                                      suppress_health_check=[_HealthCheck.too_slow])
 _hypothesis_settings.load_profile("kvactors")

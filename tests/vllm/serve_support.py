@@ -160,8 +160,8 @@ def shm_files(engine_id: str) -> list[str]:
 # The server starts with SIGINT's default disposition, as from a terminal: a test run started in
 # the background (a non-interactive shell's `cmd &`, as CI scripts do) inherits SIGINT ignored, and
 # a Ctrl-C test would then say nothing about Ctrl-C. Python then execs the command.
-AS_FROM_A_TERMINAL = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                      "os.execv(sys.argv[1], sys.argv[1:])"]
+AS_FROM_A_TERMINAL = [sys.executable, "-I", "-S", "-c", "import os, signal, sys; "
+                      "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"]
 
 
 class Server:
