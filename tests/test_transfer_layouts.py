@@ -119,6 +119,12 @@ def runs_of(direction: Direction, dev: list[int], pool: list[int]) -> list[Run]:
     return copy_runs(dev, pool) if direction == OFFLOAD else copy_runs(pool, dev)
 
 
+def start_copier(copier: str, case: Case, reports: Reports, fault_injector: Any = None) -> Any:
+    if copier.startswith("torch"):
+        return CpuCopier(layout=case.layout, workers=1, done=reports, fault_injector=fault_injector)
+    return NativeCopier(layout=case.layout, threads=2, done=reports)
+
+
 COPIERS = ["layout", "torch", pytest.param("native", marks=pytest.mark.skipif(
     not native_copy_available(), reason="the native copy loop is not built"))]
 
@@ -130,11 +136,7 @@ def test_every_copier_moves_the_pages_the_reference_moves(copier: str, bpc: int)
     case = Case(bpc)
     rng = random.Random(bpc)
     reports = Reports()
-    running: Any = None
-    if copier == "torch":
-        running = CpuCopier(layout=case.layout, workers=1, done=reports, fault_injector=None)
-    elif copier == "native":
-        running = NativeCopier(layout=case.layout, threads=2, done=reports)
+    running = None if copier == "layout" else start_copier(copier, case, reports)
     try:
         for i in range(60):
             direction: Direction = OFFLOAD if i % 2 == 0 else ONBOARD
@@ -211,12 +213,6 @@ ALIASED = [
 ALIASED_COPIERS = [*COPIERS, "torch, with a deadline"]  # that copier copies such a job a run at a time
 
 
-def start_copier(copier: str, case: Case, reports: Reports, fault_injector: Any = None) -> Any:
-    if copier.startswith("torch"):
-        return CpuCopier(layout=case.layout, workers=1, done=reports, fault_injector=fault_injector)
-    return NativeCopier(layout=case.layout, threads=2, done=reports)
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("copier", ALIASED_COPIERS)
 @pytest.mark.parametrize(("bpc", "direction", "runs", "error"), ALIASED)
@@ -254,7 +250,7 @@ def gated_copier(case: Case, reports: Reports) -> tuple[CpuCopier, threading.Eve
             holding.set()
             assert gate.wait(TIMEOUT)
 
-    copier = CpuCopier(layout=case.layout, workers=1, done=reports, fault_injector=hold)
+    copier = start_copier("torch", case, reports, fault_injector=hold)
     copier.submit(make_job(0, OFFLOAD, [(9, 23, 1)]))  # group 0's block 9 to row 11, slot 1
     assert holding.wait(TIMEOUT)
     return copier, gate
