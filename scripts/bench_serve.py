@@ -46,6 +46,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,6 +81,9 @@ LMCACHE_CHUNK = 32
 LMCACHE_VENV = os.path.join(ROOT, ".venv-lmcache")
 FULL_SHAPE = ModelShape()
 QUICK_SHAPE = ModelShape(hidden=512, layers=2, heads=8, kv_heads=8, intermediate=1408)
+# kvactors' disk tier under each admission policy (`--admission`): "kvactors" is write_through.
+ADMISSIONS: dict[str, Any] = {"write_through": "write_through", "write_back": "write_back",
+                              "min_seen2": {"min_seen": 2}}
 RATIOS = ("ttft_p50_vs_none", "ttft_p50_vs_engine_cache", "ttft_p50_vs_best_peer_max", "ttft_p99_vs_best_peer_max",
           "rps_vs_best_peer_min", "cpu_per_request_vs_best_peer_max")
 ROW_FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_ms", "requests_per_s", "cpu_ms_per_request",
@@ -180,10 +184,12 @@ class Run:
 
 
 def plan(backends: Sequence[str], pools: Sequence[str], names: Sequence[str], concurrency: int,
-         repeat: int, *, single: bool = True) -> list[Run]:
+         repeat: int, *, single: bool = True, admissions: Sequence[str] = ()) -> list[Run]:
     """Every run, interleaved: each repeat runs every backend once before the next repeat starts.
 
-    ``single``: ``none`` and ``kvactors`` also run with one request at a time."""
+    ``single``: ``none`` and ``kvactors`` also run with one request at a time. ``admissions``: kvactors
+    also runs (at the bench's concurrency) with its disk tier under each of these policies
+    (backend ``kvactors+POLICY``)."""
     runs: list[Run] = []
     for _ in range(repeat):
         for name in names:
@@ -197,6 +203,9 @@ def plan(backends: Sequence[str], pools: Sequence[str], names: Sequence[str], co
                     runs.append(Run(backend, pool, name, concurrency))
                     if backend == "kvactors" and single:
                         runs.append(Run(backend, pool, name, 1))
+                    if backend == "kvactors":
+                        runs.extend(Run(f"kvactors+{a}", pool, name, concurrency) for a in admissions
+                                    if a != "write_through")
     return runs
 
 
@@ -240,8 +249,11 @@ def kv_transfer(run: Run, size: Sizes, work: str, lmcache_port: int | None) -> d
             "spec_name": "VllmTieringCpuWorkerSpec", "spec_module_path": "vllm_tiering_cpu",
             "secondary_tiers": [{"type": "fs", "root_dir": disk, "n_read_threads": 4, "n_write_threads": 4}]}
     else:
+        tier: dict[str, Any] = {"type": "disk", "root": disk, "capacity_bytes": 8 * pool + (1 << 30)}
+        if "+" in run.backend:
+            tier["admission"] = ADMISSIONS[run.backend.split("+", 1)[1]]
         extra = {"spec_name": "KvactorsOffloadingSpec", "spec_module_path": "kvactors.integrations.vllm",
-                 "tiers": [{"type": "disk", "root": disk, "capacity_bytes": 8 * pool + (1 << 30)}],
+                 "tiers": [tier],
                  "event_log": os.path.join(work, "events.jsonl"), "transfer_timeout_s": 30.0,
                  "lookup_timeout_s": 10.0}
     extra["cpu_bytes_to_use"] = pool
@@ -320,7 +332,7 @@ def serve_once(run: Run, workload: Workload, model: str, shape: ModelShape, work
             g.stop(timeout_s=40.0)
     row["disk_bytes"] = tree_bytes(os.path.join(work, "disk"))
     events = os.path.join(work, "events.jsonl")
-    row["check_log_ok"] = check_log(events) if run.backend == "kvactors" and os.path.exists(events) else None
+    row["check_log_ok"] = check_log(events) if run.backend.startswith("kvactors") and os.path.exists(events) else None
     row["outputs"] = outputs
     return row
 
@@ -489,7 +501,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
                ("requests_per_s", "requests/s"))
     fig, axes = plt.subplots(len(names), len(figures), figsize=(4.2 * len(figures), 3.4 * len(names)), squeeze=False)
     colors = {"none": "#999999", "engine_cache": "#cccccc", "vllm": "#1f77b4", "lmcache": "#ff7f0e",
-              "kvactors": "#2ca02c"}
+              "kvactors": "#2ca02c", "kvactors+write_back": "#98df8a", "kvactors+min_seen2": "#17becf"}
     for i, name in enumerate(names):
         rows = [r for r in table if r["workload"] == name]
         labels = [r["backend"] if r["pool"] == "-" else f"{r['backend']}\n{r['pool']}" for r in rows]
@@ -543,6 +555,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    ",".join(BACKENDS))
     p.add_argument("--pools", type=_choices(POOLS), default=None, help="comma-separated subset of full,quarter")
     p.add_argument("--workloads", type=_choices(("chat", "docqa")), default=None, help="chat,docqa")
+    p.add_argument("--admission", type=_choices(tuple(ADMISSIONS)), default=[],
+                   help="kvactors also runs with its disk tier under each of these admission policies: "
+                   + ",".join(ADMISSIONS))
     p.add_argument("--concurrency", type=_positive_int, default=None, help="the load's concurrency (4; quick 2)")
     p.add_argument("--time-limit", type=_positive_int, default=900, help="seconds a load may take (900)")
     p.add_argument("--model-dir", default=None, help="where the model folder is written and kept")
@@ -579,8 +594,15 @@ def from_json(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_on_signal(signum: int, frame: Any) -> None:
+    # SIGTERM (a test's timeout, a CI job cancelled) unwinds like Ctrl-C: every server is stopped on the way.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    signal.signal(signal.SIGHUP, _stop_on_signal)
     if args.from_json:
         return from_json(args)
     try:
@@ -621,7 +643,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows: dict[Run, list[dict[str, Any]]] = {}
         reference: dict[str, list[str]] = {}
         cal: dict[str, float] = {}
-        todo = plan(backends, pools, names, concurrency, args.repeat, single=not args.quick)
+        todo = plan(backends, pools, names, concurrency, args.repeat, single=not args.quick,
+                    admissions=args.admission if "kvactors" in backends else ())
         for i, run in enumerate(todo):
             workload = loads[run.workload]
             row = serve_once(run, workload, model, shape, os.path.join(work, f"{i:03d}-{run.label.replace(' ', '-')}"),

@@ -90,6 +90,18 @@ def test_plan_interleaves_repeats_and_runs_c1_for_none_and_kvactors() -> None:
     assert {r.pool for r in first if r.backend == "vllm"} == {"full", "quarter"}
 
 
+def test_admission_variants_run_kvactors_again_at_the_bench_concurrency_only() -> None:
+    runs = bench.plan(["none", "kvactors"], ["full"], ["chat"], 4, 1, admissions=["write_through", "write_back"])
+    assert [r.backend for r in runs if r.backend.startswith("kvactors")] == ["kvactors", "kvactors",
+                                                                             "kvactors+write_back"]
+    assert bench.Run("kvactors+write_back", "full", "chat", 4) in runs
+    size = bench.sizes(bench.workloads(True, 4096)[0], bench.QUICK_SHAPE, 2)
+    config = bench.kv_transfer(bench.Run("kvactors+min_seen2", "full", "chat", 4), size, "/tmp/x", None)
+    assert config["kv_connector_extra_config"]["tiers"][0]["admission"] == {"min_seen": 2}
+    plain = bench.kv_transfer(bench.Run("kvactors", "full", "chat", 4), size, "/tmp/x", None)
+    assert "admission" not in plain["kv_connector_extra_config"]["tiers"][0]
+
+
 def test_sizes_the_engine_cache_cannot_hold_the_working_set_and_the_pools_are_ordered() -> None:
     for w in bench.workloads(False, 4096):
         s = bench.sizes(w, bench.FULL_SHAPE, 4)
@@ -162,8 +174,8 @@ def test_strict_json_turns_nan_into_null() -> None:
 
 
 @pytest.mark.parametrize("args", [["--repeat", "0"], ["--repeat", "x"], ["--backends", "nope"], ["--backends", ""],
-                                  ["--pools", "half"], ["--workloads", "code"], ["--concurrency", "-1"],
-                                  ["--time-limit", "0"], ["--plot", "out.svg"], ["--bogus"]])
+                                  ["--pools", "half"], ["--workloads", "code"], ["--admission", "lazy"],
+                                  ["--concurrency", "-1"], ["--time-limit", "0"], ["--plot", "out.svg"], ["--bogus"]])
 def test_bad_options_exit_2_with_one_line(args: list[str]) -> None:
     proc = run_cli(*args)
     assert proc.returncode == 2, proc
