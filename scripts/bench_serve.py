@@ -269,6 +269,61 @@ def backend_hits(metrics_text: str) -> float:
     return metric_sum(metrics_text, "vllm:external_prefix_cache_hits_total")
 
 
+def _bench_index(req_id: str) -> int | None:
+    """The dataset position of a request of ``vllm bench serve`` (its ids: ``cmpl-bench-<hex>-<index>-...``)."""
+    parts = req_id.split("-")
+    if len(parts) >= 4 and parts[1] == "bench" and parts[3].isdigit():
+        return int(parts[3])
+    return None
+
+
+def trace(events_path: str, ttfts_ms: Sequence[float], reused: Sequence[bool]) -> dict[str, Any]:
+    """Where a re-used request's first token waited, from kvactors' lifecycle log.
+
+    Per request (its first attempt): ``lookup`` from ``request_started`` (the scheduler saw it) to
+    ``load_prepared`` (its hits pinned; promotions from the disk tier on the way), ``load`` from there
+    to ``load_completed`` (the worker's copy, reported at a later step). The slowest re-used
+    request's timeline is kept whole."""
+    from datetime import datetime
+
+    times: dict[int, dict[str, float]] = {}
+    with open(events_path) as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            index = _bench_index(str(event.get("req_id", "")))
+            if index is None or event.get("attempt", 0) != 0:
+                continue
+            stamp = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+            times.setdefault(index, {}).setdefault(str(event.get("event")), stamp)  # the first of each
+    lookup, load, promote = [], [], []
+    slowest: tuple[float, int] = (-1.0, -1)
+    for index, t in times.items():
+        if index >= len(reused) or not reused[index] or "request_started" not in t:
+            continue
+        start = t["request_started"]
+        if "load_prepared" in t:
+            lookup.append(1000 * (t["load_prepared"] - start))
+            if "load_completed" in t:
+                load.append(1000 * (t["load_completed"] - t["load_prepared"]))
+        if "promotion_submitted" in t and "promotion_completed" in t:
+            promote.append(1000 * (t["promotion_completed"] - t["promotion_submitted"]))
+        if index < len(ttfts_ms) and ttfts_ms[index] > slowest[0]:
+            slowest = (ttfts_ms[index], index)
+    timeline = {}
+    if slowest[1] in times:
+        t = times[slowest[1]]
+        timeline = {"index": slowest[1], "ttft_ms": slowest[0],
+                    **{k: round(1000 * (v - t.get("request_started", v)), 1) for k, v in sorted(t.items(),
+                                                                                             key=lambda kv: kv[1])}}
+    return {"lookup_ms_p50": percentile(lookup, 50), "lookup_ms_p99": percentile(lookup, 99),
+            "load_ms_p50": percentile(load, 50), "load_ms_p99": percentile(load, 99),
+            "promotion_ms_p50": percentile(promote, 50), "promoted_requests": len(promote),
+            "slowest": timeline}
+
+
 def check_log(path: str) -> bool:
     proc = subprocess.run([sys.executable, "-m", "kvactors", "check-log", path], capture_output=True, text=True,
                           timeout=300, check=False)
@@ -319,6 +374,9 @@ def serve_once(run: Run, workload: Workload, model: str, shape: ModelShape, work
         hits1 = backend_hits(server.metrics())
         reused = [t for t, r in zip(res.ttfts_ms, workload.reused, strict=False) if r]
         outputs = res.outputs
+        events = os.path.join(work, "events.jsonl")
+        if run.backend.startswith("kvactors") and os.path.exists(events):
+            row["trace"] = trace(events, res.ttfts_ms, workload.reused)
         row.update(ttft_p50_ms=percentile(reused, 50), ttft_p99_ms=percentile(reused, 99),
                    ttft_all_p50_ms=percentile(res.ttfts_ms, 50), tpot_ms=percentile(res.tpots_ms, 50),
                    requests_per_s=res.requests_per_s, failed=res.failed,
@@ -479,6 +537,15 @@ def print_table(summary: dict[str, Any], out: Any = sys.stdout) -> None:
     print("  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)), file=out)
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)), file=out)
+    for r in summary["table"]:
+        t = r.get("trace") or {}
+        if t:
+            print(f"{r['backend']} {r['pool']} {r['workload']} c{r['concurrency']}: re-used requests wait "
+                  f"{_fmt(t.get('lookup_ms_p50'))} ms (p99 {_fmt(t.get('lookup_ms_p99'))}) from the scheduler to "
+                  f"their pinned hits ({t.get('promoted_requests')} with promotions, "
+                  f"{_fmt(t.get('promotion_ms_p50'))} ms each), then {_fmt(t.get('load_ms_p50'))} ms "
+                  f"(p99 {_fmt(t.get('load_ms_p99'))}) until the load is reported; slowest: {t.get('slowest')}",
+                  file=out)
     cal = summary.get("calibration") or {}
     if cal.get("calibration_ratio"):
         print(f"calibration: prefill of {cal['calibration_tokens']} tokens {cal['prefill_ms']:.0f} ms, a copy of their "

@@ -207,3 +207,26 @@ def test_without_vllm_the_bench_says_which_python_to_use() -> None:
         pytest.skip("vLLM is importable here")
     proc = run_cli("--quick")
     assert proc.returncode == 2 and "vllmcpu032" in proc.stderr, proc
+
+
+def test_trace_splits_a_reused_requests_wait_from_kvactors_log(tmp_path: Any) -> None:
+    def event(req: str, name: str, second: float, attempt: int = 0) -> str:
+        stamp = f"2026-12-05T10:00:{second:09.6f}Z"
+        return json.dumps({"req_id": req, "attempt": attempt, "event": name, "timestamp": stamp})
+
+    lines = [event("cmpl-bench-ab12-0-0-x", "request_started", 1.0),
+             event("cmpl-bench-ab12-0-0-x", "load_prepared", 1.5),
+             event("cmpl-bench-ab12-1-0-y", "request_started", 2.0),
+             event("cmpl-bench-ab12-1-0-y", "promotion_submitted", 2.010),
+             event("cmpl-bench-ab12-1-0-y", "promotion_completed", 2.030),
+             event("cmpl-bench-ab12-1-0-y", "load_prepared", 2.100),
+             event("cmpl-bench-ab12-1-0-y", "load_completed", 2.400),
+             event("cmpl-bench-ab12-1-0-y", "load_prepared", 9.0, attempt=1),  # a later attempt: ignored
+             event("warmup-1", "request_started", 0.5), "not json"]
+    path = tmp_path / "events.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    t = bench.trace(str(path), [900.0, 700.0], [False, True])
+    assert t["lookup_ms_p50"] == pytest.approx(100.0) and t["load_ms_p50"] == pytest.approx(300.0)
+    assert t["promotion_ms_p50"] == pytest.approx(20.0) and t["promoted_requests"] == 1
+    assert t["slowest"]["index"] == 1 and t["slowest"]["load_completed"] == pytest.approx(400.0)
+    assert bench._bench_index("cmpl-bench-ab12-17-0-z") == 17 and bench._bench_index("cmpl-x") is None
