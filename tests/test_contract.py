@@ -371,7 +371,7 @@ def test_failed_promotion_is_never_served():
 
 
 def test_a_key_the_pool_has_no_room_to_promote_is_a_miss_and_so_are_the_keys_after_it():
-    """Under pool pressure the fallback is to compute, never to wait (README "Deadlines, reset, stop"): a
+    """Under pool pressure the fallback is to compute, never to wait (docs/guide.md, "Deadlines, reset, stop"): a
     promotion the pool cannot hold now is not started, and its key and the keys after it are a MISS.
     Once there is room, the same lookup promotes."""
     ctx = ReqContext("r")
