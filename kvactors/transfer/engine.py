@@ -397,42 +397,64 @@ class TransferEngine:
         )
 
     def _job_done(self, job: CopyJob, error: BaseException | None) -> None:
-        """Post the completion, then resolve the future. Runs on an engine thread; never raises."""
+        """Post the completion, then resolve the future.
+
+        Runs on an engine thread and never raises.
+        """
         try:
-            if error is not None:
-                self._log.warning(
-                    "copy_failed", direction=job.direction, req_id=job.ctx.req_id, attempt=job.ctx.attempt,
-                    keys=len(job.keys), job_id=job.job_id, error=f"{type(error).__name__}: {error}",
-                )
-            completion_error: BaseException | None = None
             try:
-                if job.direction == OFFLOAD:
-                    self._manager.complete_store(job.keys, job.ctx, success=error is None)
-                else:
-                    self._manager.complete_load(job.keys, job.ctx)
-            except Exception as exc:  # ManagerStoppedError: the manager was stopped first
-                completion_error = exc
-                self._log.warning(
-                    "completion_failed", direction=job.direction, req_id=job.ctx.req_id, attempt=job.ctx.attempt,
-                    keys=len(job.keys), job_id=job.job_id, error=f"{type(exc).__name__}: {exc}",
-                )
-            if error is not None:
-                failure = TransferError(f"{job.direction} of {len(job.keys)} blocks for request {job.ctx} failed: "
-                                        f"{type(error).__name__}: {error}")
-                failure.__cause__ = error
-                job.future.set_exception(failure)
-            elif completion_error is not None:
-                failure = TransferError(f"{job.direction} of {len(job.keys)} blocks for request {job.ctx}: the "
-                                        f"completion could not be posted: {completion_error}")
-                failure.__cause__ = completion_error
+                failure = self._post_completion(job, error)
+            except Exception as exc:  # the engine's own failure: the future raises it
+                self._log_completion_failed(job, exc)
+                failure = TransferError(f"internal error completing a {job.direction}: {exc}")
+            self._resolve(job, failure)
+        finally:
+            self._end()
+
+    def _post_completion(self, job: CopyJob, error: BaseException | None) -> TransferError | None:
+        """Post ``complete_store`` or ``complete_load``, and return what the future must raise, if anything."""
+        if error is not None:
+            self._log.warning(
+                "copy_failed", direction=job.direction, req_id=job.ctx.req_id, attempt=job.ctx.attempt,
+                keys=len(job.keys), job_id=job.job_id, error=f"{type(error).__name__}: {error}",
+            )
+        completion_error: Exception | None = None
+        try:
+            if job.direction == OFFLOAD:
+                self._manager.complete_store(job.keys, job.ctx, success=error is None)
+            else:
+                self._manager.complete_load(job.keys, job.ctx)
+        except Exception as exc:  # ManagerStoppedError: the manager was stopped first
+            completion_error = exc
+            self._log_completion_failed(job, exc)
+        failure = None
+        if error is not None:
+            failure = TransferError(f"{job.direction} of {len(job.keys)} blocks for request {job.ctx} failed: "
+                                    f"{type(error).__name__}: {error}")
+            failure.__cause__ = error
+        elif completion_error is not None:
+            failure = TransferError(f"{job.direction} of {len(job.keys)} blocks for request {job.ctx}: the "
+                                    f"completion could not be posted: {completion_error}")
+            failure.__cause__ = completion_error
+        return failure
+
+    def _resolve(self, job: CopyJob, failure: TransferError | None) -> None:
+        """Resolve the job's future, which runs its callbacks on this thread.
+
+        A callback is foreign code.
+        Under the failure policy of :mod:`kvactors.actors.runtime`, anything it raises is its own failure.
+        ``concurrent.futures`` logs a callback's ``Exception``.
+        This logs the rest (``SystemExit``, say) as ``completion_failed``, and the engine thread goes on.
+        """
+        try:
+            if failure is not None:
                 job.future.set_exception(failure)
             else:
                 job.future.set_result(list(job.keys) if job.direction == OFFLOAD else None)
-        except BaseException as exc:  # never let a worker die (a future callback may raise even SystemExit)
-            self._log.warning("completion_failed", direction=job.direction, req_id=job.ctx.req_id,
-                              attempt=job.ctx.attempt, keys=len(job.keys), job_id=job.job_id,
-                              error=f"{type(exc).__name__}: {exc}")
-            if not job.future.done():
-                job.future.set_exception(TransferError(f"internal error completing a {job.direction}: {exc}"))
-        finally:
-            self._end()
+        except BaseException as exc:  # a callback's: foreign code, contained here (the policy above)
+            self._log_completion_failed(job, exc)
+
+    def _log_completion_failed(self, job: CopyJob, exc: BaseException) -> None:
+        self._log.warning("completion_failed", direction=job.direction, req_id=job.ctx.req_id,
+                          attempt=job.ctx.attempt, keys=len(job.keys), job_id=job.job_id,
+                          error=f"{type(exc).__name__}: {exc}")
