@@ -9,7 +9,6 @@ multiprocess engine works like the in-process one.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -18,19 +17,13 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvactors.integrations.vllm import compat, stops
-from kvactors.integrations.vllm.config import KvactorsConfig, build_tiers, parse_config
-from kvactors.integrations.vllm.engine_config import VLLM_LOGGER, check_shutdown_timeout, find_vllm_config
+from kvactors.integrations.vllm.config import build_tiers, parse_config
+from kvactors.integrations.vllm.engine_config import check_shutdown_timeout, find_vllm_config
 from kvactors.integrations.vllm.identity import block_identity
 from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
 from kvactors.integrations.vllm.shm import SharedPool, check_pool_fits, pool_file_size, pool_path
-from kvactors.integrations.vllm.weights import (
-    FingerprintError,
-    IdentityBy,
-    fingerprint_model,
-    resolve_model_folder,
-)
+from kvactors.integrations.vllm.weights import model_fingerprint
 from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
-from kvactors.logs import component_logger
 from kvactors.manager import TieringManager
 
 
@@ -83,7 +76,8 @@ class KvactorsOffloadingSpec(OffloadingSpec):
         shared = self._open_pool(0)
         try:
             # Blocks in the tiers carry the model's identity and the layout: see identity.py.
-            weights = model_fingerprint(self.config, self.kv_config, self.vllm_config)
+            weights = model_fingerprint(str(self.config.model.name), self.vllm_config,
+                                        model_id=self.kv_config.model_id, identity_by=self.kv_config.identity_by)
             identity = block_identity(self.config, model_id=self.kv_config.model_id, block_bytes=self.block_bytes,
                                       weights=weights)
             tiers = build_tiers(self.kv_config, identity)
@@ -139,33 +133,3 @@ class KvactorsOffloadingSpec(OffloadingSpec):
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
         return ("kvactors_num_blocks", "kvactors_block_bytes", "kvactors_tiers")
 
-
-def model_fingerprint(config: OffloadingConfig, kv_config: KvactorsConfig, vllm_config: Any | None) -> str | None:
-    """The fingerprint of the engine's weights and model config (hex), for the blocks' identity; None
-    when the model is named otherwise (``model_id``, ``identity_by: name``) or, with a
-    ``weights_fingerprint_failed`` warning, when the weights cannot be read (the identity falls back
-    to vLLM's model name, as before fingerprints). Never raises: a broken checkpoint is vLLM's to
-    report, not a reason for kvactors to stop the engine."""
-    if kv_config.model_id is not None or kv_config.identity_by is IdentityBy.NAME:
-        return None
-    log = component_logger("vllm")
-    name = str(config.model.name)
-    model_config = getattr(vllm_config, "model_config", None)
-    load_config = getattr(vllm_config, "load_config", None)
-    revision = getattr(model_config, "revision", None)
-    download_dir = getattr(load_config, "download_dir", None)
-    try:
-        folder = resolve_model_folder(name, revision=revision if isinstance(revision, str) else None,
-                                      download_dir=download_dir if isinstance(download_dir, str) else None)
-        if folder is None:
-            raise FingerprintError(f"{name!r} is not a local folder, nor a model in the Hugging Face cache")
-        fingerprint = fingerprint_model(folder)
-    except Exception as exc:  # FingerprintError, or anything unforeseen: the documented fallback
-        reason = f"{type(exc).__name__}: {exc}"
-        log.warning("weights_fingerprint_failed", model=name, reason=reason, fallback="model name")
-        logging.getLogger(VLLM_LOGGER).warning(
-            "kvactors: the weights of %s could not be fingerprinted (%s): its blocks are named by the model's "
-            "name (its path) instead; set model_id to name them explicitly", name, reason)
-        return None
-    log.info("weights_fingerprinted", model=name, folder=folder, **fingerprint.describe())
-    return fingerprint.digest

@@ -52,6 +52,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import logging
 import os
 import struct
 import tempfile
@@ -349,3 +350,39 @@ def resolve_model_folder(name: str, *, revision: str | None = None, download_dir
     except Exception:  # not in the cache, not a repo id, an offline hub: no folder
         return None
     return folder if isinstance(folder, str) and os.path.isdir(folder) else None
+
+
+def model_fingerprint(name: str, vllm_config: Any | None, *, model_id: str | None,
+                      identity_by: IdentityBy) -> str | None:
+    """The fingerprint (hex) of the weights and config of vLLM's model ``name``, for the blocks'
+    identity; None when the model is named otherwise (``model_id`` set, ``identity_by`` NAME) or,
+    with a ``weights_fingerprint_failed`` warning (kvactors' log and vLLM's), when the weights
+    cannot be read: the identity then falls back to the model's name, as before fingerprints.
+    ``vllm_config`` (the engine's ``VllmConfig``, or None) gives the hub revision and download
+    folder. Never raises: a broken checkpoint is vLLM's to report, not kvactors' to stop the engine."""
+    if model_id is not None or identity_by is IdentityBy.NAME:
+        return None
+    from kvactors.logs import component_logger
+
+    log = component_logger("vllm")
+    model_config = getattr(vllm_config, "model_config", None)
+    load_config = getattr(vllm_config, "load_config", None)
+    revision = getattr(model_config, "revision", None)
+    download_dir = getattr(load_config, "download_dir", None)
+    try:
+        folder = resolve_model_folder(name, revision=revision if isinstance(revision, str) else None,
+                                      download_dir=download_dir if isinstance(download_dir, str) else None)
+        if folder is None:
+            raise FingerprintError(f"{name!r} is not a local folder, nor a model in the Hugging Face cache")
+        fingerprint = fingerprint_model(folder)
+    except Exception as exc:  # FingerprintError, or anything unforeseen: the documented fallback
+        reason = f"{type(exc).__name__}: {exc}"
+        log.warning("weights_fingerprint_failed", model=name, reason=reason, fallback="model name")
+        logging.getLogger("vllm.kvactors").warning(
+            "kvactors: the weights of %s could not be fingerprinted (%s): its blocks are named by the model's "
+            "name (its path) instead; set model_id to name them explicitly", name, reason)
+        return None
+    log.info("weights_fingerprinted", model=name, folder=folder, **fingerprint.describe())
+    for note in fingerprint.notes:
+        logging.getLogger("vllm.kvactors").warning("kvactors: %s", note)
+    return fingerprint.digest
