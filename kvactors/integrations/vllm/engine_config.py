@@ -82,14 +82,14 @@ def shutdown_timeout_message(timeout: int) -> str:
             f"Run vllm serve with --shutdown-timeout {SHUTDOWN_TIMEOUT_HINT_S} or more.")
 
 
-def check_shutdown_timeout(vllm_config: Any | None, manager_log: Any | None) -> bool:
-    """Warn once, on vLLM's log and in ``manager_log`` (a manager's lifecycle event logger, or None), if
+def check_shutdown_timeout(vllm_config: Any | None, log: Any | None) -> bool:
+    """Warn once, on vLLM's log and in ``log`` (a manager's lifecycle event logger, or None), if
     ``vllm_config`` stops the engine core without waiting (``shutdown_timeout == 0``). True if it warned."""
     timeout = shutdown_timeout(vllm_config)
     if timeout is None or timeout > 0:
         return False
     logging.getLogger(VLLM_LOGGER).warning(shutdown_timeout_message(timeout))
-    if manager_log is not None:
-        manager_log.warning("shutdown_timeout_zero", shutdown_timeout_s=timeout,
+    if log is not None:
+        log.warning("shutdown_timeout_zero", shutdown_timeout_s=timeout,
                               recommended_s=SHUTDOWN_TIMEOUT_HINT_S)
     return True
