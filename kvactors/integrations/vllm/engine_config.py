@@ -91,5 +91,5 @@ def check_shutdown_timeout(vllm_config: Any | None, log: Any | None) -> bool:
     logging.getLogger(VLLM_LOGGER).warning(shutdown_timeout_message(timeout))
     if log is not None:
         log.warning("shutdown_timeout_zero", shutdown_timeout_s=timeout,
-                              recommended_s=SHUTDOWN_TIMEOUT_HINT_S)
+                    recommended_s=SHUTDOWN_TIMEOUT_HINT_S)
     return True
