@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvactors.integrations.vllm.weights import fingerprint_model  # noqa: E402
+from kvactors.integrations.vllm.weights import fingerprint_model
 
 HIDDEN, INTER, VOCAB = 2048, 5632, 32000
 SHARD_BYTES = 1 << 30
