@@ -351,3 +351,21 @@ def test_shutdown_timeout_zero_is_said_on_vllms_log_and_the_lifecycle_log(caplog
     assert "--shutdown-timeout 0" in record.getMessage() and f"--shutdown-timeout {SHUTDOWN_TIMEOUT_HINT_S}" in \
         record.getMessage() and "INCONCLUSIVE" in record.getMessage()
     assert events == [("shutdown_timeout_zero", {"shutdown_timeout_s": 0, "recommended_s": SHUTDOWN_TIMEOUT_HINT_S})]
+
+
+def test_check_log_names_the_shutdown_timeout_as_the_cause_of_an_unproven_stop() -> None:
+    from kvactors.logcheck import Verdict, check_events
+
+    def ev(seq: int, event: str, level: str = "info", **fields: Any) -> dict[str, Any]:
+        return {"event": event, "level": level, "seq": seq, "manager": 1, "pid": 7, "thread": "t",
+                "timestamp": "2026-01-01T00:00:00Z", **fields}
+
+    started = ev(0, "manager_started", tiers="cpu,disk", num_blocks=4, block_bytes=64)
+    warned = ev(1, "shutdown_timeout_zero", "warning", shutdown_timeout_s=0)
+    unproven = check_events([started, warned])
+    assert unproven.verdict is Verdict.INCONCLUSIVE
+    assert any("--shutdown-timeout 0" in note for note in unproven.inconclusive), unproven.inconclusive
+    plain = check_events([started])
+    assert plain.verdict is Verdict.INCONCLUSIVE and not any("--shutdown-timeout" in n for n in plain.inconclusive)
+    stopped = check_events([started, warned, ev(2, "manager_stopped")])
+    assert stopped.verdict is Verdict.OK
