@@ -127,6 +127,8 @@ class DiskTier(SecondaryTier):
 
     # The index is in memory, and submits hand their I/O to the workers.
     inline_calls = frozenset(("lookup", "touch", "submit_store", "submit_load"))
+    medium = "STORAGE"
+    locality = "LOCAL"
 
     def __init__(
         self,

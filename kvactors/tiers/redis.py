@@ -108,6 +108,8 @@ class RedisTier(RedisJobs, SecondaryTier):
     max_inflight_jobs = 16
     # The I/O runs on the I/O threads; a lookup is a network round trip, not inline.
     inline_calls = frozenset(("submit_store", "submit_load", "touch"))
+    medium = "STORAGE"
+    locality = "REMOTE"  # Redis Cluster too (cluster=True)
 
     def __init__(
         self,

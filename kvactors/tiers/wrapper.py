@@ -68,6 +68,8 @@ class DelegatingTier(SecondaryTier):
         self.inner = inner
         self.max_inflight_jobs = max_inflight_jobs or inner.max_inflight_jobs  # type: ignore[misc]
         self.inline_calls = inline_calls_of(inner)  # type: ignore[misc]
+        self.medium = inner.medium  # type: ignore[misc]
+        self.locality = inner.locality  # type: ignore[misc]
         missing = frozenset(hook for hook in SENT_IF_OVERRIDDEN if not overrides(inner, hook))
         self.__class__ = _shaped(type(self), missing)
 
