@@ -20,7 +20,6 @@ from kvactors.core.admission import (
 )
 from kvactors.core.backpressure import MIN_DEFAULT_QUEUED_BYTES, Backpressure, default_max_queued_bytes
 
-
 # --------------------------------------------------------------------- parsing
 
 
