@@ -354,3 +354,37 @@ def test_logs_of_runs_with_controls_pass_check_log(tmp_path: Path) -> None:
     result = check_events(lines)
     assert result.requests > 100
     assert not result.violations, "\n".join(v.format() for v in result.violations[:5])
+
+
+# --------------------------------------------------------------------- the vLLM config's tiers entries
+
+
+def test_tiers_entries_take_admission_and_max_queued_bytes() -> None:
+    from kvactors.integrations.vllm.config import build_tiers, parse_config, tier_controls
+
+    config = parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [
+        {"type": "memory", "capacity_blocks": 8, "admission": "write_back", "max_queued_bytes": 0},
+        {"type": "memory", "name": "m2", "capacity_blocks": 8, "admission": {"min_seen": 2}},
+        {"type": "memory", "name": "m3", "capacity_blocks": 8},
+    ]})
+    tiers = build_tiers(config, None)
+    assert tier_controls(config, tiers) == ({"memory": "write_back", "m2": {"min_seen": 2}}, {"memory": 0})
+
+
+@pytest.mark.parametrize(("entry", "eviction", "match"), [
+    ({"admission": "eventually"}, "lru", r"tiers\[0\]\.admission"),
+    ({"admission": {"min_seen": 0}}, "lru", r"tiers\[0\]\.admission\.min_seen"),
+    ({"admission": {"min_seen": "2"}}, "lru", r"tiers\[0\]\.admission\.min_seen"),
+    ({"admission": 3}, "lru", r"tiers\[0\]\.admission"),
+    ({"admission": "write_back"}, "arc", r"tiers\[0\]\.admission 'write_back' needs eviction_policy 'lru'"),
+    ({"max_queued_bytes": -1}, "lru", r"tiers\[0\]\.max_queued_bytes"),
+    ({"max_queued_bytes": "1G"}, "lru", r"tiers\[0\]\.max_queued_bytes"),
+    ({"max_queued_bytes": True}, "lru", r"tiers\[0\]\.max_queued_bytes"),
+])
+def test_a_bad_control_in_a_tiers_entry_is_a_start_error_naming_it(entry: dict[str, Any], eviction: str,
+                                                                   match: str) -> None:
+    from kvactors.integrations.vllm.config import parse_config
+
+    with pytest.raises(ValueError, match=match):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "eviction_policy": eviction,
+                      "tiers": [{"type": "memory", "capacity_blocks": 8, **entry}]})
