@@ -388,3 +388,18 @@ def test_a_bad_control_in_a_tiers_entry_is_a_start_error_naming_it(entry: dict[s
     with pytest.raises(ValueError, match=match):
         parse_config({"cpu_bytes_to_use": 1 << 20, "eviction_policy": eviction,
                       "tiers": [{"type": "memory", "capacity_blocks": 8, **entry}]})
+
+
+def test_the_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "controls.md").read_text()
+    examples = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    assert examples
+    monkeypatch.chdir(tmp_path)
+    for source in examples:
+        exec(compile(source, "docs/controls.md", "exec"), {"__name__": "__docs__"})
+    for block in re.findall(r"```json\n(.*?)```", text, flags=re.DOTALL):  # the tiers entries parse
+        from kvactors.integrations.vllm.config import parse_config
+
+        parse_config({"cpu_bytes_to_use": 1 << 20, **json.loads("{" + block + "}")})
