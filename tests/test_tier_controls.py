@@ -403,3 +403,16 @@ def test_the_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         from kvactors.integrations.vllm.config import parse_config
 
         parse_config({"cpu_bytes_to_use": 1 << 20, **json.loads("{" + block + "}")})
+
+
+def test_the_vllm_batch_lookup_asks_only_the_keys_a_request_may_load() -> None:
+    from kvactors.integrations.vllm.lookups import remaining_keys
+
+    group = (0).to_bytes(4, "big")
+    keys = [bytes([n]) * 4 + group for n in range(6)]
+    positions = {k: 16 * (n + 1) for n, k in enumerate(keys)}  # each key's end token, 16 tokens a chunk
+    assert remaining_keys(keys[0], positions) == tuple(keys)
+    assert remaining_keys(keys[0], positions, 3 * 16) == tuple(keys[:3])
+    assert remaining_keys(keys[2], positions, 2 * 16) == tuple(keys[2:4])  # from the first key asked
+    assert remaining_keys(keys[2], positions, 16) == (keys[2],)
+    assert remaining_keys(keys[5], positions, 0) == (keys[5],)

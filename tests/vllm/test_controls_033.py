@@ -105,14 +105,14 @@ def test_kv_load_tiers_max_load_and_max_offload_tokens_per_request(tmp_path):
     run = Run(h)
     tm = h.manager.tm
     p = prefix(1, 6)
-    add(run, "A", p + [5, 6, 7], max_tokens=2)
+    add(run, "A", [*p, 5, 6, 7], max_tokens=2)
     finish(run, "A")
     steps_until(run, lambda: tier_stats(h)["blocks_ready"] >= 6 and tier_stats(h)["blocks_pending"] == 0)
 
     # max_load_tokens: from the pool, at most 2 blocks for this request.
     h.scheduler.reset_prefix_cache()  # the engine's own cache: the prefix must come from kvactors
     loaded = h.manager.counters["keys_loaded"]
-    add(run, "B", p + [8, 9], max_tokens=2, params={"max_load_tokens": 2 * BLOCK})
+    add(run, "B", [*p, 8, 9], max_tokens=2, params={"max_load_tokens": 2 * BLOCK})
     finish(run, "B")
     assert h.manager.counters["keys_loaded"] - loaded == 2
 
@@ -131,7 +131,7 @@ def test_kv_load_tiers_max_load_and_max_offload_tokens_per_request(tmp_path):
         settle(h)
         assert tier_stats(h)["blocks_ready"] == 0
         before, loaded = promotions(), h.manager.counters["keys_loaded"]
-        add(run, f"C{n}", p + [10 + n], max_tokens=2, params=params)
+        add(run, f"C{n}", [*p, 10 + n], max_tokens=2, params=params)
         finish(run, f"C{n}")
         settle(h)
         after = promotions()
@@ -145,7 +145,7 @@ def test_kv_load_tiers_max_load_and_max_offload_tokens_per_request(tmp_path):
     snap = tm.metrics_snapshot()
     loaded_blocks = sum(v for (tier, kind), v in snap.jobs_started.items() if kind == "promotion")
     before_keys = sum(snap.loaded_blocks.get(t, 0) for t in tm.tier_names[1:])
-    add(run, "D", p + [30], max_tokens=2, params={"max_load_tokens": 3 * BLOCK})
+    add(run, "D", [*p, 30], max_tokens=2, params={"max_load_tokens": 3 * BLOCK})
     finish(run, "D")
     settle(h)
     snap = tm.metrics_snapshot()
@@ -174,8 +174,8 @@ def test_bad_kv_transfer_params_are_ignored_and_logged_never_an_engine_failure(t
                 num_gpu_blocks=64)
     run = Run(h)
     bad = {"kv_load_tiers": "everywhere", "max_load_tokens": -1, "max_offload_tokens": "lots"}
-    add(run, "bad", prefix(3, 3) + [1], max_tokens=4, params=bad)
-    add(run, "worse", prefix(4, 3) + [1], max_tokens=4, params={"kv_load_tiers": [{"medium": "GPU"}, 7]})
+    add(run, "bad", [*prefix(3, 3), 1], max_tokens=4, params=bad)
+    add(run, "worse", [*prefix(4, 3), 1], max_tokens=4, params={"kv_load_tiers": [{"medium": "GPU"}, 7]})
     finish(run, "bad")
     finish(run, "worse")
     settle(h)
@@ -247,7 +247,7 @@ def test_admission_per_tier_under_pool_pressure(tmp_path):
     assert stats["contract_violations"] == 0 and stats["internal_errors"] == 0
     assert stats["blocks_pinned"] == 0 and stats["jobs_in_flight"] == 0
     assert stats["write_back_jobs"] > 0 and started["wb"] == stats["write_back_jobs"]
-    assert 0 < started["disk"] and 0 < started["wt"]
+    assert started["disk"] > 0 and started["wt"] > 0
     assert stats["seen_keys"] > 0
     assert run.checked_loaded > 0
     shut(h)
@@ -271,7 +271,7 @@ def test_a_tier_100x_slower_than_the_traffic_keeps_memory_and_step_time_bounded(
     started = time.monotonic()
     while added < n_requests or h.scheduler.has_requests():
         while added < n_requests and len(h.scheduler.requests) < 8:
-            add(run, f"r{added}", prefix(1000 + added, rng.choice((1, 2, 3))) + [1, 2], max_tokens=4)
+            add(run, f"r{added}", [*prefix(1000 + added, rng.choice((1, 2, 3))), 1, 2], max_tokens=4)
             added += 1
         t0 = time.perf_counter()
         run.step()
