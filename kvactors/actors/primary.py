@@ -560,6 +560,10 @@ class PrimaryTier(Actor):
             present = [key for key in keys if self.pool.row_of(key) is not None]  # promoted or stored meanwhile
             for key, result in zip(present, self.pool.lookup(present), strict=True):
                 answer[key] = result
+            if self._unwritten and absent:  # what the promotion would evict goes to its write-back tiers first
+                record = self._requests.get(identity)
+                if record is not None:
+                    self._write_back(ctx, record, absent)
             granted = absent[:self.pool.room()]
             if len(granted) < len(absent):
                 cut = min(cut, first[absent[len(granted)]])
