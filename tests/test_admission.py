@@ -177,3 +177,41 @@ def test_zero_drops_every_cascade_and_a_bad_bound_is_refused() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="disk"):
             Backpressure({"disk": bad})  # type: ignore[dict-item]
+
+
+# --------------------------------------------------------------------- the pool's eviction candidates
+
+_pool_ops = st.lists(st.tuples(st.sampled_from(["store", "touch", "pin"]),
+                               st.lists(st.integers(0, 24), min_size=1, max_size=5)), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_pool_ops, st.lists(st.integers(0, 30), min_size=1, max_size=6))
+def test_eviction_candidates_are_what_the_next_store_evicts(ops: list[tuple[str, list[int]]],
+                                                            last: list[int]) -> None:
+    from kvactors.core.policies import make_policy
+    from kvactors.core.pool import BlockPool
+
+    pool = BlockPool(8, make_policy("lru", 8))
+    assert pool.peeks_victims
+    writer = ("w", 0)
+    job = 0
+    for op, numbers in ops:
+        keys = [bytes([n + 1]) for n in numbers]
+        if op == "store":
+            plan = pool.prepare_store(keys, writer)
+            if plan is not None and plan.keys:
+                pool.complete_store(plan.keys, writer, True)
+        elif op == "touch":
+            pool.touch(keys)
+        else:
+            ready = [k for k in dict.fromkeys(keys) if pool.is_ready(k)]
+            if ready:
+                job += 1
+                pool.pin_for_job(job, ready)  # pinned for good: never evictable
+    keys = [bytes([n + 1]) for n in last]
+    candidates = pool.eviction_candidates(keys)
+    plan = pool.prepare_store(keys, writer)
+    if plan is not None:
+        assert list(plan.evicted) == candidates
+    assert make_policy("arc", 8) is not None and BlockPool(8, make_policy("arc", 8)).eviction_candidates(keys) == []
