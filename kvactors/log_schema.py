@@ -86,6 +86,16 @@ _LIFECYCLE = (
           "the pool's events not taken yet passed their bound: the oldest went (once per overflow)"),
     _spec("request_active_at_stop", "debug", _REQ + " finished pending_stores",
           "the roll call at stop: a request the primary still holds (not finalized)"),
+    _spec("request_param_ignored", "warning", _REQ + " param reason",
+          "a request's kv_transfer_params value ignored (or a kv_load_tiers entry skipped), as vLLM does"),
+    _spec("cascades_dropped", "warning", "tier queued_bytes max_queued_bytes",
+          "back-pressure: a tier's queued cascade bytes reached its bound; new cascades to it are dropped "
+          "(once per episode)"),
+    _spec("cascades_resumed", "info", "tier dropped", "back-pressure episode over: a cascade was accepted again"),
+    _spec("cascade_skipped", "debug", _REQ + " tier reason",
+          "a completed store's blocks not sent to a tier now (reason: admission, backpressure)"),
+    _spec("cascade_admitted", "debug", _REQ + " tier reason",
+          "blocks sent to a tier on behalf of a request other than by its store (reason: min_seen, write_back)"),
     # the supervisor
     _spec("request_finish_seen", "debug", _REQ, "the supervisor learned of the finish"),
     _spec("job_queued", "debug", _REQ + " kind job_id tier", "a job waits for a slot at its tier"),

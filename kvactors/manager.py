@@ -6,7 +6,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -18,9 +18,12 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import ActorRef, Runtime
 from kvactors.actors.secondary import SecondaryTierActor
 from kvactors.actors.supervisor import LifecycleSupervisor
+from kvactors.core.admission import Admission, parse_admission
 from kvactors.core.arguments import check_ctx, check_int, check_timeout
+from kvactors.core.backpressure import default_max_queued_bytes
 from kvactors.core.counters import MetricsSnapshot
 from kvactors.core.policies import POLICIES
+from kvactors.core.request_params import LOCALITIES, MEDIA
 from kvactors.door import PrimaryDoor
 from kvactors.logs import make_event_logger
 from kvactors.primary_pool import allocate_pool, check_pool
@@ -53,6 +56,37 @@ is held by it as long as it blocks: a tier's inline calls must return at once
 than 0.25 s is never run inline again)."""
 
 
+def _check_controls(tiers: Sequence[SecondaryTier], admission: Mapping[str, Any] | None,
+                    max_queued_bytes: Mapping[str, int] | None, eviction: str,
+                    pool_bytes: int) -> tuple[dict[str, Admission], dict[str, int]]:
+    """``admission`` and ``max_queued_bytes`` checked (``ValueError``/``TypeError`` naming the
+    tier), and completed with the defaults for every tier."""
+    names = [tier.name for tier in tiers]
+    parsed: dict[str, Admission] = {}
+    limits: dict[str, int] = {}
+    for what, given in (("admission", admission), ("max_queued_bytes", max_queued_bytes)):
+        if given is None:
+            continue
+        if not isinstance(given, Mapping):
+            raise TypeError(f"{what} must be a mapping of tier name to value, got {type(given).__name__}")
+        unknown = [name for name in given if name not in names]
+        if unknown:
+            raise ValueError(f"{what}: no secondary tier named {unknown[0]!r} (tiers: {names})")
+    for name in names:
+        parsed[name] = parse_admission((admission or {}).get(name, "write_through"), f"admission[{name!r}]")
+        if parsed[name].mode == "write_back" and eviction != "lru":
+            raise ValueError(f"admission[{name!r}]: 'write_back' needs eviction='lru', got {eviction!r}")
+        limit = (max_queued_bytes or {}).get(name)
+        if limit is None:
+            limit = default_max_queued_bytes(pool_bytes)
+        elif not isinstance(limit, int) or isinstance(limit, bool):
+            raise TypeError(f"max_queued_bytes[{name!r}] must be an int, got {type(limit).__name__}")
+        elif limit < 0:
+            raise ValueError(f"max_queued_bytes[{name!r}] must be >= 0, got {limit}")
+        limits[name] = limit
+    return parsed, limits
+
+
 def _check_start(num_blocks: int, block_bytes: int, secondary_tiers: Sequence[SecondaryTier], eviction: str,
                  transfer_timeout_s: float, lookup_timeout_s: float, event_log: str | os.PathLike[str] | None,
                  pool: torch.Tensor | None) -> list[SecondaryTier]:
@@ -76,6 +110,9 @@ def _check_start(num_blocks: int, block_bytes: int, secondary_tiers: Sequence[Se
         if tier.name in names:
             raise ValueError(f"tier name {tier.name!r} is used twice (or is the primary's)")
         check_int(tier.max_inflight_jobs, f"tier {tier.name!r}: max_inflight_jobs")
+        if tier.medium not in MEDIA or tier.locality not in LOCALITIES:
+            raise ValueError(f"tier {tier.name!r}: medium must be one of {MEDIA} and locality one of "
+                             f"{LOCALITIES}, got {tier.medium!r}, {tier.locality!r}")
         names.append(tier.name)
     if len(set(map(id, tiers))) != len(tiers):
         raise ValueError("a tier instance is given twice")
@@ -140,6 +177,8 @@ class TieringManager:
         event_log: str | os.PathLike[str] | None = None,
         runtime: Runtime | None = None,
         pool: torch.Tensor | None = None,
+        admission: Mapping[str, Any] | None = None,
+        max_queued_bytes: Mapping[str, int] | None = None,
     ) -> TieringManager:
         """Allocate the primary pool and start the actors.
 
@@ -156,6 +195,11 @@ class TieringManager:
         shape ``(num_blocks, block_bytes)``, used as is (not zeroed, not
         pinned); the caller keeps it alive and releases it after :meth:`stop`.
         Default: a new zeroed tensor.
+        ``admission``: per secondary tier (by name), which ready blocks go to it:
+        ``"write_through"`` (the default), ``{"min_seen": N}`` or ``"write_back"`` (needs
+        ``eviction="lru"``). ``max_queued_bytes``: per tier, the bytes of cascades accepted and not
+        yet reported, past which new cascades to it are dropped (default: half the pool's bytes,
+        at least 256 MiB; ``0`` drops every cascade). See docs/controls.md.
 
         Bad arguments raise ``ValueError`` (sizes are ints ``> 0``, not
         ``True``; timeouts finite numbers ``> 0``); a pool that cannot be
@@ -165,6 +209,7 @@ class TieringManager:
         """
         tiers = _check_start(num_blocks, block_bytes, secondary_tiers, eviction, transfer_timeout_s,
                              lookup_timeout_s, event_log, pool)
+        admissions, limits = _check_controls(tiers, admission, max_queued_bytes, eviction, num_blocks * block_bytes)
         names = [PRIMARY_TIER_NAME, *(tier.name for tier in tiers)]
 
         manager_id = next(_manager_ids)
@@ -181,12 +226,14 @@ class TieringManager:
         primary = PrimaryTier(num_blocks=num_blocks, eviction=eviction, tier_names=names[1:],
                               transfer_timeout_s=float(transfer_timeout_s), work_ids=work_ids,
                               reserve_s=float(lookup_timeout_s),
-                              announce_starts=any(actor.wants_new_request for actor in tier_actors), log=log)
+                              announce_starts=any(actor.wants_new_request for actor in tier_actors), log=log,
+                              block_bytes=block_bytes, admission=admissions, max_queued_bytes=limits)
         supervisor = LifecycleSupervisor(
             tier_limits=[(tier.name, tier.max_inflight_jobs) for tier in tiers],
             transfer_timeout_s=float(transfer_timeout_s),
             lookup_timeout_s=float(lookup_timeout_s),
             log=log,
+            tier_kinds={tier.name: (tier.medium, tier.locality) for tier in tiers},
         )
         # Threads start only now, once everything that could fail to allocate has been built.
         if runtime is None:

@@ -158,6 +158,9 @@ FAMILIES: tuple[FamilyDef, ...] = (
            ("kvactors_internal_errors", "Handler failures inside the runtime (should stay 0).")),
     FamilyDef("kvactors_tiers_stuck", "gauge", "Secondary tiers stuck inside a call."),
     FamilyDef("kvactors_tier_stuck", "gauge", "1 while a tier is stuck inside a call.", ("tier",), Series.TIERS),
+    FamilyDef("kvactors_cascades_dropped", "counter",
+              "Cascades to a tier dropped by back-pressure (max_queued_bytes); the blocks stayed in the pool.",
+              ("tier",), Series.TIERS),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -267,6 +270,9 @@ class KvactorsCollector(Collector):
             yield _family("kvactors_tiers_stuck", value=count)
         if per_tier_stuck:
             yield _labelled("kvactors_tier_stuck", [((tier,), v) for tier, v in per_tier_stuck.items()])
+        prefix = "cascades_dropped."
+        yield _labelled("kvactors_cascades_dropped",
+                        [((stat[len(prefix):],), v) for stat, v in stats.items() if stat.startswith(prefix)])
 
 
 def _with_every_series(family: Any, label_sets: tuple[tuple[str, ...], ...]) -> Metric:

@@ -28,17 +28,20 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeAlias
 
 from kvactors.actors import messages as m
 from kvactors.actors.runtime import Actor, ActorRef, handles
+from kvactors.core.admission import WRITE_THROUGH, Admission, SeenTable, seen_table_size
+from kvactors.core.backpressure import Backpressure
 from kvactors.core.counters import PrimaryCounters, PrimaryFigures
 from kvactors.core.deadlines import DeadlineQueue
 from kvactors.core.errors import LifecycleError
 from kvactors.core.events import EventBuffer, warn_on_overflow
 from kvactors.core.policies import make_policy
 from kvactors.core.pool import BlockPool, PoolError
+from kvactors.core.request_params import parse_request_params
 from kvactors.core.reservations import Reservations, reservation_owner
 from kvactors.logs import EventLogger
 from kvactors.types import (
@@ -101,6 +104,9 @@ class PrimaryTier(Actor):
         announce_starts: bool = True,
         reserve_s: float = 5.0,
         log: EventLogger | None = None,
+        block_bytes: int = 1,
+        admission: Mapping[str, Admission] | None = None,
+        max_queued_bytes: Mapping[str, int] | None = None,
     ) -> None:
         if log is not None:
             self.log = log
@@ -123,6 +129,24 @@ class PrimaryTier(Actor):
         self._promoting: dict[int, tuple[str, int]] = {}
         self._timer_due: float | None = None
         self._forget: Callable[[tuple[str, int]], None] | None = None
+        # Admission and back-pressure (kvactors.core.admission, kvactors.core.backpressure; docs/controls.md).
+        self.block_bytes = block_bytes
+        admission = dict(admission or {})
+        self.admission = {tier: admission.get(tier, WRITE_THROUGH) for tier in self.tier_names}
+        limits = dict(max_queued_bytes or {})
+        self.backpressure = Backpressure({tier: limits.get(tier, 1 << 62) for tier in self.tier_names})
+        cap = max((a.min_seen for a in self.admission.values() if a.mode == "min_seen"), default=0)
+        self._seen = SeenTable(seen_table_size(num_blocks), cap) if cap else None
+        self._min_seen = tuple((tier, a.min_seen) for tier, a in self.admission.items() if a.mode == "min_seen")
+        self._through = tuple(tier for tier, a in self.admission.items() if a.mode == "write_through")
+        # Per write-back tier: ready blocks stored here and not yet sent to it (a subset of the pool's
+        # keys, pruned to them when it grows past twice the pool).
+        self._unwritten: dict[str, set[OffloadKey]] = {
+            tier: set() for tier, a in self.admission.items() if a.mode == "write_back"}
+        self._write_backs = 0
+        self._write_backs_dropped = 0  # blocks evicted unwritten: their write-back was dropped
+        self._write_back_rows: dict[int, int] = {}  # write-back job id -> its blocks, until it ends
+        self._write_back_cap = max(num_blocks // 2, 1)  # blocks pinned by write-backs, at most
 
     def connect(self, supervisor: ActorRef, forget: Callable[[tuple[str, int]], None] | None = None) -> None:
         """``forget(identity)`` is called by a handler (on whatever thread runs it) once a request's record is gone."""
@@ -178,6 +202,10 @@ class PrimaryTier(Actor):
                            error=f"on_new_request for a request already {state}")
             return
         record = self._requests[ctx.identity] = _RequestRecord(ctx)
+        if ctx.params:
+            for param, reason in parse_request_params(ctx.params).ignored:
+                self.log.warning("request_param_ignored", req_id=ctx.req_id, attempt=ctx.attempt, param=param,
+                                 reason=reason)
         if self.tracing:
             self.log.debug("request_started", req_id=ctx.req_id, attempt=ctx.attempt)
         if self.announce_starts:
@@ -215,6 +243,8 @@ class PrimaryTier(Actor):
         record = self._require_active(msg.ctx, "lookup")
         results = self.pool.lookup(msg.keys)
         self.counters.lookup(results)
+        if self._seen is not None:
+            self._admit_seen(msg.ctx, record, msg.keys)
         miss = LookupResult.MISS
         missing = tuple([i for i, result in enumerate(results) if result is miss])
         if missing and self.tier_names:
@@ -265,6 +295,8 @@ class PrimaryTier(Actor):
     def _on_prepare_store(self, msg: m.PrepareStore) -> None:
         ctx = msg.ctx
         record = self._require_active(ctx, "prepare_store")
+        if self._unwritten:
+            self._write_back(ctx, record, msg.keys)
         plan = self.pool.prepare_store(msg.keys, ctx.identity)
         if plan is None:
             if self.tracing:
@@ -328,11 +360,7 @@ class PrimaryTier(Actor):
                         pop(key, None)
             if not record.store_of and record.store_deadlines:
                 self._withdraw_store_deadlines(record)
-        cascades = []
-        for tier in self.tier_names if outcome.stored else ():
-            job_id = next(self.work_ids)
-            rows = self.pool.pin_for_job(job_id, outcome.stored)
-            cascades.append(m.CascadeJob(tier, TransferJob(job_id, outcome.stored, rows, ctx, False)))
+        cascades = self._cascades_on_store(ctx, outcome.stored) if outcome.stored else []
         if cascades or (record is not None and record.finished):
             opens = record is not None and record.opens()
             self.supervisor.tell(m.StoresCompleted(ctx, outcome.live, tuple(cascades), opens))
@@ -343,6 +371,129 @@ class PrimaryTier(Actor):
         for entry in record.store_deadlines.values():
             discard(entry)
         record.store_deadlines.clear()
+
+    # ------------------------------------------------------------ admission and back-pressure
+
+    def _cascade(self, tier: str, keys: tuple[OffloadKey, ...], ctx: ReqContext,
+                 admitted: str | None = None) -> m.CascadeJob | None:
+        """A cascade of the ready ``keys`` to ``tier`` on behalf of ``ctx``, its rows pinned; ``None``
+        when back-pressure drops it (the blocks stay in the pool, nothing pinned). ``admitted``: why a
+        cascade that no store of ``ctx`` owes is sent (``min_seen``, ``write_back``); ``None``: its
+        completed store's (traced: ``cascade_skipped`` when dropped, for ``kvactors check-log``)."""
+        job_id = next(self.work_ids)
+        verdict = self.backpressure.admit(tier, job_id, len(keys) * self.block_bytes, len(keys))
+        if verdict.started:
+            self.log.warning("cascades_dropped", tier=tier, queued_bytes=self.backpressure.queued(tier),
+                             max_queued_bytes=self.backpressure.limits[tier], req_id=ctx.req_id, attempt=ctx.attempt)
+        elif verdict.resumed:
+            self.log.info("cascades_resumed", tier=tier, dropped=verdict.episode_dropped,
+                          queued_bytes=self.backpressure.queued(tier))
+        if not verdict.accepted:
+            if self.tracing and admitted is None:
+                self.log.debug("cascade_skipped", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier,
+                               reason="backpressure")
+            return None
+        if self.tracing and admitted is not None:
+            self.log.debug("cascade_admitted", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier, reason=admitted,
+                           job_id=job_id, keys=len(keys))
+        rows = self.pool.pin_for_job(job_id, keys)
+        return m.CascadeJob(tier, TransferJob(job_id, keys, rows, ctx, False))
+
+    def _cascades_on_store(self, ctx: ReqContext, stored: tuple[OffloadKey, ...]) -> list[m.CascadeJob]:
+        """The cascades a completed store starts, tier by tier, as each tier's admission says."""
+        cascades = []
+        for tier in self._through:
+            job = self._cascade(tier, stored, ctx)
+            if job is not None:
+                cascades.append(job)
+        if self._seen is not None:
+            seen = self._seen
+            for tier, n in self._min_seen:
+                keys = tuple(key for key in stored if seen.count(key) >= n and not seen.sent(key, tier))
+                if not keys and self.tracing:
+                    self.log.debug("cascade_skipped", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier,
+                                   reason="admission")
+                if keys:
+                    for key in keys:
+                        seen.mark(key, tier)
+                    job = self._cascade(tier, keys, ctx)
+                    if job is not None:
+                        cascades.append(job)
+        for tier, unwritten in self._unwritten.items():
+            if self.tracing:
+                self.log.debug("cascade_skipped", req_id=ctx.req_id, attempt=ctx.attempt, tier=tier,
+                               reason="admission")
+            unwritten.update(stored)
+            if len(unwritten) > 2 * self.pool.num_blocks:  # evicted keys linger: keep the pool's only
+                row_of = self.pool.row_of
+                unwritten.intersection_update([key for key in unwritten if row_of(key) is not None])
+        return cascades
+
+    def _admit_seen(self, ctx: ReqContext, record: _RequestRecord, keys: Iterable[OffloadKey]) -> None:
+        """A lookup by ``ctx``: count it, and send the ready blocks it brought to ``min_seen`` to their tiers."""
+        assert self._seen is not None
+        seen = self._seen
+        counts = seen.see(keys, ctx.req_id)
+        cascades = []
+        is_ready = self.pool.is_ready
+        for tier, n in self._min_seen:
+            due = tuple(key for key, count in counts if count >= n and not seen.sent(key, tier) and is_ready(key))
+            if due:
+                for key in due:
+                    seen.mark(key, tier)
+                job = self._cascade(tier, due, ctx, "min_seen")
+                if job is not None:
+                    cascades.append(job)
+        if cascades:
+            # Before the request's finish (a lookup needs it active): the supervisor counts these jobs
+            # for it, so its on_request_finished at each tier comes after them.
+            self.supervisor.tell(m.StoresCompleted(ctx, 0, tuple(cascades), record.opens()))
+
+    def _write_back(self, ctx: ReqContext, record: _RequestRecord, keys: tuple[OffloadKey, ...]) -> None:
+        """Before ``ctx``'s store evicts: the blocks it would evict that a write-back tier has not
+        had yet go to that tier now, on behalf of ``ctx`` (the evicting request). Their rows are
+        pinned by the job, so the store evicts other blocks (which may need writing back too: asked
+        again until none does). A write-back that back-pressure drops, or that would make write-backs
+        pin more than half the pool, is not retried: its block is evicted unwritten (a pool whose
+        unwritten blocks all stayed would cache nothing new while its tier is slow)."""
+        cascades = []
+        pinned = sum(self._write_back_rows.values())
+        while True:
+            candidates = self.pool.eviction_candidates(keys)
+            due = {tier: tuple(key for key in candidates if key in unwritten)
+                   for tier, unwritten in self._unwritten.items()}
+            if not any(due.values()):
+                break
+            for tier, tier_keys in due.items():
+                if not tier_keys:
+                    continue
+                self._unwritten[tier].difference_update(tier_keys)
+                job = None
+                if pinned + len(tier_keys) <= self._write_back_cap:
+                    job = self._cascade(tier, tier_keys, ctx, "write_back")
+                if job is None:
+                    self._write_backs_dropped += len(tier_keys)
+                    continue
+                self._write_backs += 1
+                self._write_back_rows[job.job.job_id] = len(tier_keys)
+                pinned += len(tier_keys)
+                cascades.append(job)
+        if cascades:
+            self.supervisor.tell(m.StoresCompleted(ctx, 0, tuple(cascades), record.opens()))
+
+    def controls_figures(self) -> dict[str, int]:
+        """The ``stats()`` keys of admission and back-pressure (:meth:`Backpressure.figures`, and
+        ``write_back_jobs``, ``blocks_unwritten``, ``seen_keys``, ``cascade_jobs_queued``)."""
+        figures = self.backpressure.figures(self.tier_names)
+        figures["write_back_jobs"] = self._write_backs
+        figures["write_backs_pending"] = len(self._write_back_rows)
+        figures["write_back_blocks_dropped"] = self._write_backs_dropped
+        row_of = self.pool.row_of
+        figures["blocks_unwritten"] = sum(
+            sum(1 for key in unwritten if row_of(key) is not None) for unwritten in self._unwritten.values())
+        figures["seen_keys"] = len(self._seen) if self._seen is not None else 0
+        figures["cascade_jobs_queued"] = self.backpressure.jobs()
+        return figures
 
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
@@ -409,6 +560,10 @@ class PrimaryTier(Actor):
             present = [key for key in keys if self.pool.row_of(key) is not None]  # promoted or stored meanwhile
             for key, result in zip(present, self.pool.lookup(present), strict=True):
                 answer[key] = result
+            if self._unwritten and absent:  # what the promotion would evict goes to its write-back tiers first
+                record = self._requests.get(identity)
+                if record is not None:
+                    self._write_back(ctx, record, absent)
             granted = absent[:self.pool.room()]
             if len(granted) < len(absent):
                 cut = min(cut, first[absent[len(granted)]])
@@ -465,6 +620,8 @@ class PrimaryTier(Actor):
                 self._reserve(requester, ready)
         else:
             self.pool.end_job(msg.job_id, hold=msg.hold)
+            self.backpressure.ended(msg.job_id)
+            self._write_back_rows.pop(msg.job_id, None)
         if observer is not None:
             observer(msg, promoted)
 
@@ -479,6 +636,8 @@ class PrimaryTier(Actor):
         for identity, keys in self._reservations.clear():
             self._end_reservations(identity, keys)
         removed = self.pool.reset()
+        for unwritten in self._unwritten.values():
+            unwritten.clear()  # nothing of the pool is left to write back
         # Detached writes are stale now; their late completions only free rows.
         self._store_deadlines.clear()
         for record in self._requests.values():
@@ -508,7 +667,7 @@ class PrimaryTier(Actor):
         pool = self.pool
         return PrimaryFigures(self.counters.copy(), pool.stats(), pool.state_counts(), pool.evicted_keys,
                               pool.event_keys_dropped, len(self._requests), len(self._reservations),
-                              self.internal_errors)
+                              self.internal_errors, self.controls_figures())
 
     @handles(m.QueryStats)
     def _on_query_stats(self, msg: m.QueryStats) -> None:

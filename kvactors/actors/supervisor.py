@@ -86,6 +86,7 @@ from kvactors.core.jobbook import BookedJob, JobBook, Route, Step
 from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
 from kvactors.core.lookupbook import LookupBook, PendingLookup
 from kvactors.core.quarantine import PromotionQuarantine
+from kvactors.core.request_params import parse_request_params
 from kvactors.core.tierwatch import TierWatch
 from kvactors.log_schema import JOB_COMPLETED, JOB_SUBMITTED
 from kvactors.logs import EventLogger
@@ -125,7 +126,8 @@ class LifecycleSupervisor(Actor):
     name = "supervisor"
 
     def __init__(self, *, tier_limits: Sequence[tuple[str, int]], transfer_timeout_s: float,
-                 lookup_timeout_s: float, log: EventLogger | None = None) -> None:
+                 lookup_timeout_s: float, log: EventLogger | None = None,
+                 tier_kinds: dict[str, tuple[str, str]] | None = None) -> None:
         if log is not None:
             self.log = log
         self.table = LifecycleTable()
@@ -133,6 +135,8 @@ class LifecycleSupervisor(Actor):
         self.lookup_timeout_s = lookup_timeout_s
         self._shortest_timeout = min(transfer_timeout_s, lookup_timeout_s)
         self.tier_order = tuple(name for name, _ in tier_limits)
+        # Each tier's (medium, locality), for the requests' kv_load_tiers; default STORAGE/LOCAL.
+        self.tier_kinds = {name: (tier_kinds or {}).get(name, ("STORAGE", "LOCAL")) for name in self.tier_order}
         self.tiers: dict[str, TierLink] = {}
         self.epoch = 0
         self.stopping = False
@@ -388,8 +392,11 @@ class LifecycleSupervisor(Actor):
             msg.reply.set_result(list(msg.results))
             return
         # A stuck tier is not asked: it counts as failed (its keys are a MISS unless another tier has them).
+        skip = list(self._watch.stuck())
+        if msg.ctx.params:  # kv_load_tiers: a tier the request may not load from is not asked
+            skip.extend(self._excluded_tiers(msg.ctx))
         pending = self.lookups.begin(msg.lookup_id, msg.ctx, msg.keys, msg.missing, msg.results, msg.reply,
-                                     skip=self._watch.stuck())
+                                     skip=skip)
         now = self.runtime.now()
         keys = pending.asked
         for tier in self.tier_order:
@@ -407,6 +414,13 @@ class LifecycleSupervisor(Actor):
         # The other answers are messages to this actor: they come after this handler.
         self.lookups.wait(pending, now)
         self._arm_timer(now + self._shortest_timeout)  # the lookup's deadline, or a tier's stuck one
+
+    def _excluded_tiers(self, ctx: ReqContext) -> tuple[str, ...]:
+        """The tiers ``ctx``'s ``kv_load_tiers`` leaves out (its ignored values were logged at its start)."""
+        controls = parse_request_params(ctx.params)
+        if controls.load_tiers is None:
+            return ()
+        return tuple(tier for tier in self.tier_order if not controls.allows(*self.tier_kinds[tier]))
 
     @handles(m.TierLookupAnswered)
     def _on_tier_lookup_answered(self, msg: m.TierLookupAnswered) -> None:
@@ -673,6 +687,7 @@ class LifecycleSupervisor(Actor):
             stats[f"tier_stuck.{tier}"] = int(tier in stuck)
             stats[f"tier_silent_s.{tier}"] = round(self._watch.silent_for(tier, now), 6)
         stats["internal_errors"] = primary.internal_errors + self.internal_errors
+        stats.update(primary.controls)
         return stats
 
     @handles(m.SupervisorStats)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult
 
@@ -83,6 +83,7 @@ class PrimaryFigures:
     requests: int
     blocks_reserved: int
     internal_errors: int
+    controls: dict[str, int] = field(default_factory=dict)  # admission and back-pressure (stats() keys)
 
 
 class SupervisorCounters:

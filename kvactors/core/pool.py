@@ -240,6 +240,28 @@ class BlockPool:
                 mine.update(zip(new, rows, strict=True))
         return StorePlan(tuple(new), rows, evicted)
 
+    def eviction_candidates(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """The keys a :meth:`prepare_store` of ``keys`` would evict now (oldest first), changing
+        nothing; empty when the free rows suffice. Only with the row-bound LRU policy (an empty
+        list with another): the write-back admission asks it before a store
+        (:mod:`kvactors.core.admission`)."""
+        if self._rows is None:
+            return []
+        index = self._index
+        unique = dict.fromkeys(keys)
+        new = sum(1 for key in unique if key not in index)
+        shortfall = new - len(self._free)
+        if shortfall <= 0:
+            return []
+        present = [key for key in unique if key in index]
+        rows = self._rows.peek_victims(shortfall, self._spared(present))
+        return [self._keys[row] for row in rows]  # type: ignore[misc]  # linked rows hold their keys
+
+    @property
+    def peeks_victims(self) -> bool:
+        """Whether :meth:`eviction_candidates` can answer (the row-bound LRU policy)."""
+        return self._rows is not None
+
     def complete_store(self, keys: Sequence[OffloadKey], writer: Identity, success: bool) -> StoreOutcome:
         """End ``writer``'s writes of ``keys``: ready on success, removed on failure.
 

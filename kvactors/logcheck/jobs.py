@@ -112,6 +112,27 @@ class JobRules(ReplayState):
                 for tier in self.tiers:
                     req.cascades_owed[tier] = req.cascades_owed.get(tier, 0) + 1
 
+    def on_cascade_skipped(self, event: Event) -> None:
+        # Admission or back-pressure kept a completed store's blocks from a tier: no cascade is owed there.
+        req = self.current.get(self.identity(event))
+        if req is not None:
+            req.cascades_owed[event["tier"]] = max(req.cascades_owed.get(event["tier"], 0) - 1, 0)
+
+    def on_cascade_admitted(self, event: Event) -> None:
+        # A cascade on behalf of a request that no store of its owes (min_seen, write_back): one job follows.
+        req = self.current.get(self.identity(event))
+        if req is not None:
+            req.cascades_owed[event["tier"]] = req.cascades_owed.get(event["tier"], 0) + 1
+
+    def on_request_param_ignored(self, event: Event) -> None:
+        pass
+
+    def on_cascades_dropped(self, event: Event) -> None:
+        pass
+
+    def on_cascades_resumed(self, event: Event) -> None:
+        pass
+
     def on_cache_reset(self, event: Event) -> None:
         # Promotions the primary allocated before this reset reach the supervisor before it: not stale.
         # Those it allocates after it for a decision taken before it are (see on_promotion_allocated).

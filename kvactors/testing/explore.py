@@ -79,6 +79,10 @@ class SeedParams:
     sloppy (the runtime must apply the one, reject the other)."""
     poller: bool
     """A scheduler polls between steps (:func:`poller`): drawn with a tier that may get stuck."""
+    admission: tuple[tuple[str, Any], ...] = ()
+    """Per tier (by name), its admission (``controls=True`` only; docs/controls.md)."""
+    max_queued_bytes: tuple[tuple[str, int], ...] = ()
+    """Per tier, its back-pressure bound (``controls=True`` only)."""
 
 
 @dataclass
@@ -220,6 +224,17 @@ def _primary(runtime: SimRuntime) -> PrimaryTier:
     return actor
 
 
+def draw_controls(seed: int, params: SeedParams) -> SeedParams:
+    """``params`` with an admission and a back-pressure bound drawn for each tier (a random stream of
+    their own: the rest of the seed's scenario is unchanged). ``write_back`` comes with ``lru``."""
+    rng = random.Random(f"controls/{seed}")
+    choices: tuple[Any, ...] = ("write_through", "write_back", "write_back", {"min_seen": 2}, {"min_seen": 3})
+    admission = tuple((tier.name, rng.choice(choices)) for tier in params.tiers)
+    bounds = tuple((tier.name, rng.choice((0, 1, 2, 4, 1 << 20)) * params.block_bytes) for tier in params.tiers)
+    eviction = "lru" if any(a == "write_back" for _, a in admission) else params.eviction
+    return dataclasses.replace(params, admission=admission, max_queued_bytes=bounds, eviction=eviction)
+
+
 def draw_params(seed: int, base: WorkloadConfig | None = None) -> SeedParams:
     """The manager, tiers and workload of one seed."""
     rng = random.Random(f"params/{seed}")
@@ -291,9 +306,12 @@ def poller(env: Env, runtime: SimRuntime, seed: int) -> Callable[[], None]:
 
 
 def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = False,
-                event_log: str | None = None, internals: bool = True) -> RunResult:
-    """Run the workload of ``seed`` on a fresh :class:`SimRuntime` and check it."""
+                event_log: str | None = None, internals: bool = True, controls: bool = False) -> RunResult:
+    """Run the workload of ``seed`` on a fresh :class:`SimRuntime` and check it. ``controls``: each
+    tier gets an admission and a back-pressure bound too (:func:`draw_controls`)."""
     params = draw_params(seed, base)
+    if controls:
+        params = draw_controls(seed, params)
     config = params.config
     runtime = SimRuntime(seed, time_jump_chance=params.time_jump_chance, claim_chance=params.claim_chance,
                          trace=trace)
@@ -309,6 +327,7 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
         num_blocks=params.num_blocks, block_bytes=params.block_bytes, secondary_tiers=tiers,
         eviction=params.eviction, transfer_timeout_s=config.transfer_timeout_s,
         lookup_timeout_s=config.transfer_timeout_s, event_log=event_log, runtime=runtime,
+        admission=dict(params.admission) or None, max_queued_bytes=dict(params.max_queued_bytes) or None,
     )
     env = Env(manager=manager, deferrer=deferrer, config=config, seed=seed, spawn=runtime.spawn_client,
               spawn_ordered=True, wait=runtime.wait,
@@ -350,13 +369,13 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
 
 
 def explore(seeds: Iterable[int], *, base: WorkloadConfig | None = None, max_failures: int | None = None,
-            time_budget_s: float | None = None) -> ExploreReport:
+            time_budget_s: float | None = None, controls: bool = False) -> ExploreReport:
     """Run every seed (or until ``max_failures`` failed / the time budget is spent)."""
     started = time.perf_counter()
     failures: list[RunResult] = []
     runs = operations = 0
     for seed in seeds:
-        result = explore_one(seed, base=base)
+        result = explore_one(seed, base=base, controls=controls)
         runs += 1
         operations += result.operations
         if not result.ok:

@@ -64,6 +64,13 @@ class SecondaryTier(abc.ABC):
     reports of jobs submitted before it may still be made.
     """
 
+    medium: ClassVar[str] = "STORAGE"
+    """Where this tier keeps its blocks, in vLLM's words (``"CPU"`` or ``"STORAGE"``): a
+    request's ``kv_load_tiers`` loads only from tiers it matches (:mod:`kvactors.core.request_params`)."""
+
+    locality: ClassVar[str] = "LOCAL"
+    """``"LOCAL"`` (this machine) or ``"REMOTE"`` (shared over the network), as :attr:`medium`."""
+
     max_inflight_jobs: ClassVar[int] = 16
     """Jobs submitted to this tier and not yet reported, at most. Further jobs
     wait in the supervisor's queue (they still hold their request open)."""

@@ -109,6 +109,8 @@ class RedisTier(RedisJobs, SecondaryTier):
     # The I/O runs on the I/O threads; a lookup is a network round trip, not inline.
     inline_calls = frozenset(("submit_store", "submit_load", "touch"))
     hooks = frozenset(("touch",))  # on_new_request and on_request_finished are no-ops here
+    medium = "STORAGE"
+    locality = "REMOTE"  # Redis Cluster too (cluster=True)
 
     def __init__(
         self,

@@ -39,6 +39,8 @@ class DelegatingTier(SecondaryTier):
         self.max_inflight_jobs = max_inflight_jobs or inner.max_inflight_jobs  # type: ignore[misc]
         self.inline_calls = inline_calls_of(inner)  # type: ignore[misc]
         self.hooks = hooks_of(inner)  # type: ignore[misc]
+        self.medium = inner.medium  # type: ignore[misc]
+        self.locality = inner.locality  # type: ignore[misc]
 
     def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
         super().attach(pool, report)

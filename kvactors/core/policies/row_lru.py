@@ -137,6 +137,17 @@ class RowLRUPolicy:
         self._len -= len(taken)
         return taken
 
+    def peek_victims(self, count: int, exclude: Collection[OffloadKey] = ()) -> list[int]:
+        """The rows :meth:`take_victims` would take, oldest first, without taking them."""
+        nxt, tail, key_of = self._next, self._tail, self._key_of
+        rows: list[int] = []
+        row = nxt[tail]
+        while len(rows) < count and row != tail:
+            if not exclude or key_of[row] not in exclude:
+                rows.append(row)
+            row = nxt[row]
+        return rows
+
     def has_row(self, row: int) -> bool:
         return bool(self._linked[row])
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvactors.core.admission import parse_admission
 from kvactors.core.arguments import check_int, check_timeout
 from kvactors.core.policies import POLICIES
 from kvactors.integrations.vllm.identity import BlockIdentity
@@ -34,7 +35,10 @@ MAX_MODEL_ID_CHARS = 1024
 """The longest ``model_id`` accepted: a hub name with a revision is well under it; a
 longer value is a mistake (a file's content pasted in), not a name."""
 
-# Per tier type: (required keys, optional keys) besides "type".
+# Keys every tier entry may carry besides its type's (docs/controls.md): they go to TieringManager.start.
+CONTROL_KEYS = ("admission", "max_queued_bytes")
+
+# Per tier type: (required keys, optional keys) besides "type" and CONTROL_KEYS.
 TIER_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "disk": (("root", "capacity_bytes"), ("name", "io_workers", "fsync")),
     "redis": (("url",), ("name", "namespace", "capacity_bytes", "cluster", "timeout_s", "io_workers",
@@ -80,6 +84,7 @@ def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
     if not isinstance(kind, str) or kind not in TIER_KEYS:
         raise ValueError(f"kvactors: {where}.type must be one of {sorted(TIER_KEYS)}, got {kind!r}")
     required, optional = TIER_KEYS[kind]
+    optional = optional + CONTROL_KEYS
     for key in entry:
         if key != "type" and key not in required and key not in optional:
             raise ValueError(f"kvactors: unknown key {where}.{key} for a {kind} tier "
@@ -96,6 +101,15 @@ def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
     for key in ("root", "url", "name", "namespace", "class"):
         if key in entry and (not isinstance(entry[key], str | os.PathLike) or not str(entry[key])):
             raise ValueError(f"kvactors: {where}.{key} must be a non-empty string, got {entry[key]!r}")
+    if "admission" in entry:
+        try:
+            parse_admission(entry["admission"], f"kvactors: {where}.admission")
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+    if "max_queued_bytes" in entry:
+        limit = entry["max_queued_bytes"]
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"kvactors: {where}.max_queued_bytes must be an int >= 0 (bytes), got {limit!r}")
     if kind == "custom":
         spec = str(entry["class"])
         module_name, _, attr = spec.partition(":")
@@ -122,6 +136,10 @@ def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
     if not isinstance(tiers_raw, Sequence) or isinstance(tiers_raw, str | bytes):
         raise ValueError(f"kvactors: tiers must be a list of tier entries, got {tiers_raw!r}")
     tiers = tuple(_check_tier(i, entry) for i, entry in enumerate(tiers_raw))
+    for i, entry in enumerate(tiers):
+        if "admission" in entry and parse_admission(entry["admission"]).mode == "write_back" and policy != "lru":
+            raise ValueError(f"kvactors: tiers[{i}].admission 'write_back' needs eviction_policy 'lru', "
+                             f"got {policy!r}")
     event_log = extra.get("event_log")
     if event_log is not None:
         _check_event_log(event_log)
@@ -184,6 +202,21 @@ def _load_class(spec: str, where: str) -> type:
     return obj
 
 
+def tier_controls(config: KvactorsConfig, tiers: Sequence[SecondaryTier]
+                  ) -> tuple[dict[str, Any], dict[str, int]]:
+    """The ``admission`` and ``max_queued_bytes`` arguments of ``TieringManager.start`` for the
+    tiers :func:`build_tiers` built from ``config`` (by tier name; a tier without them gets the
+    defaults: write-through, half the pool's bytes and at least 256 MiB)."""
+    admission: dict[str, Any] = {}
+    limits: dict[str, int] = {}
+    for tier, entry in zip(tiers, config.tiers, strict=True):
+        if "admission" in entry:
+            admission[tier.name] = entry["admission"]
+        if "max_queued_bytes" in entry:
+            limits[tier.name] = entry["max_queued_bytes"]
+    return admission, limits
+
+
 def build_tiers(config: KvactorsConfig, identity: BlockIdentity | None) -> list[SecondaryTier]:
     """Construct the configured secondary tiers, in order.
 
@@ -200,7 +233,7 @@ def build_tiers(config: KvactorsConfig, identity: BlockIdentity | None) -> list[
     try:
         for index, entry in enumerate(config.tiers):
             kind = entry["type"]
-            kwargs = {k: v for k, v in entry.items() if k != "type"}
+            kwargs = {k: v for k, v in entry.items() if k != "type" and k not in CONTROL_KEYS}
             where = f"tiers[{index}]"
             try:
                 if kind == "disk":

@@ -21,17 +21,26 @@ from kvactors.manager import TieringManager
 from kvactors.types import LookupResult, OffloadKey
 
 
-def remaining_keys(key: OffloadKey, positions: Mapping[OffloadKey, int] | None) -> tuple[OffloadKey, ...]:
+def remaining_keys(key: OffloadKey, positions: Mapping[OffloadKey, int] | None,
+                   max_tokens: int | None = None) -> tuple[OffloadKey, ...]:
     """``key`` and the request's later keys of the same group, in prefix order.
 
     ``positions``: the request's offload keys and their positions (vLLM's
-    ``ReqContext._offload_key_positions``); a key the request does not list is asked alone."""
+    ``ReqContext._offload_key_positions``: each key's end token); a key the request does not
+    list is asked alone. ``max_tokens``: the request's ``max_load_tokens``: only the keys it may
+    load from the first one asked on (vLLM asks ``key`` as the first chunk past the tokens the
+    engine holds, and loads at most ``max_tokens`` tokens from there), so that kvactors promotes
+    no more than the request may load."""
     positions = positions or {}
     start = positions.get(key)
     if start is None:
         return (key,)
     group = key[-4:]
     later = sorted((pos, k) for k, pos in positions.items() if pos > start and k[-4:] == group)
+    if max_tokens is not None and later:
+        chunk = later[0][0] - start  # one chunk's tokens: the gap between consecutive keys
+        limit = start - chunk + max_tokens
+        later = [(pos, k) for pos, k in later if pos <= limit]
     return (key, *(k for _, k in later))
 
 

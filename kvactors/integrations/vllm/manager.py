@@ -64,6 +64,7 @@ from vllm.v1.kv_offload.base import ReqContext as VReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvactors.core.request_params import parse_request_params
 from kvactors.integrations.vllm import compat, lookups, stops
 from kvactors.integrations.vllm.events import EventPump
 from kvactors.integrations.vllm.requests import LookupJob, Request, Requests
@@ -171,7 +172,8 @@ class KvactorsOffloadingManager(OffloadingManager):
     def _start_lookup(self, req: Request, key: OffloadKey, req_context: VReqContext) -> LookupJob:
         """Ask kvactors, off the scheduler's thread, for ``key`` and the request's keys after it
         (one round trip for the rest of the prefix). The caller holds ``self._lock``."""
-        job = LookupJob(lookups.remaining_keys(key, compat.offload_key_positions(req_context)), req.ctx)
+        max_load = parse_request_params(req.ctx.params).max_load_tokens if req.ctx.params else None
+        job = LookupJob(lookups.remaining_keys(key, compat.offload_key_positions(req_context), max_load), req.ctx)
         req.job = job
         self._jobs_in_flight += 1
         self.counters["lookup_calls"] += 1

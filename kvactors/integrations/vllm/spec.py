@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvactors.integrations.vllm import compat, stops
-from kvactors.integrations.vllm.config import build_tiers, parse_config
+from kvactors.integrations.vllm.config import build_tiers, parse_config, tier_controls
 from kvactors.integrations.vllm.engine_config import check_shutdown_timeout, find_vllm_config
 from kvactors.integrations.vllm.identity import block_identity
 from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
@@ -81,11 +81,12 @@ class KvactorsOffloadingSpec(OffloadingSpec):
             identity = block_identity(self.config, model_id=self.kv_config.model_id, block_bytes=self.block_bytes,
                                       weights=weights)
             tiers = build_tiers(self.kv_config, identity)
+            admission, max_queued_bytes = tier_controls(self.kv_config, tiers)
             tm = TieringManager.start(
                 num_blocks=self.num_blocks, block_bytes=self.block_bytes, secondary_tiers=tiers,
                 eviction=self.kv_config.eviction_policy, transfer_timeout_s=self.kv_config.transfer_timeout_s,
                 lookup_timeout_s=self.kv_config.lookup_timeout_s, event_log=self.kv_config.event_log,
-                pool=shared.pool)
+                pool=shared.pool, admission=admission, max_queued_bytes=max_queued_bytes)
         except ValueError:
             shared.close(unlink=True)
             raise

@@ -1,0 +1,114 @@
+"""Back-pressure: a bound on the bytes of cascades queued for each secondary tier.
+
+A cascade (a block on its way from the pool to a tier, write-back included) is *queued*
+from the moment it is accepted until its tier reports it (or it fails, times out, or is
+dropped unsent). Past a tier's bound, new cascades to it are dropped (the block stays in
+the pool) and counted. Each *episode* (from the first drop to the first cascade accepted
+after it) is reported once, at its start and at its end: the caller logs
+``cascades_dropped`` and ``cascades_resumed``.
+
+Plain class, no threads (it lives in the primary's actor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+MIN_DEFAULT_QUEUED_BYTES = 256 << 20
+
+
+def default_max_queued_bytes(pool_bytes: int) -> int:
+    """Half the pool's bytes, at least 256 MiB."""
+    return max(pool_bytes // 2, MIN_DEFAULT_QUEUED_BYTES)
+
+
+@dataclass(slots=True)
+class _TierQueue:
+    limit: int
+    queued: int = 0
+    dropped: int = 0  # cascades (jobs) dropped, all time
+    dropped_blocks: int = 0
+    dropping: bool = False  # in an episode
+
+
+@dataclass(slots=True)
+class Verdict:
+    """:meth:`Backpressure.admit`'s answer: whether the cascade is accepted, and whether an
+    episode started (``started``) or ended (``resumed``, with the cascades it dropped)."""
+
+    accepted: bool
+    started: bool = False
+    resumed: bool = False
+    episode_dropped: int = 0
+
+
+@dataclass(slots=True)
+class Backpressure:
+    """Queued bytes per tier and their bounds. ``jobs`` maps each accepted cascade's job id to
+    its tier and bytes until :meth:`ended`."""
+
+    limits: Mapping[str, int]
+    _tiers: dict[str, _TierQueue] = field(init=False)
+    _jobs: dict[int, tuple[str, int]] = field(init=False, default_factory=dict)
+    _episode: dict[str, int] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for tier, limit in self.limits.items():
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise ValueError(f"max_queued_bytes of tier {tier!r} must be an int >= 0, got {limit!r}")
+        self._tiers = {tier: _TierQueue(limit) for tier, limit in self.limits.items()}
+
+    def admit(self, tier: str, job_id: int, nbytes: int, blocks: int) -> Verdict:
+        """A cascade of ``nbytes`` (``blocks`` blocks) to ``tier``, job ``job_id``: accepted (and
+        counted as queued) if the tier's queued bytes stay within its bound, else dropped."""
+        queue = self._tiers[tier]
+        if queue.queued + nbytes > queue.limit:
+            queue.dropped += 1
+            queue.dropped_blocks += blocks
+            self._episode[tier] = self._episode.get(tier, 0) + 1
+            started = not queue.dropping
+            queue.dropping = True
+            return Verdict(False, started=started)
+        queue.queued += nbytes
+        self._jobs[job_id] = (tier, nbytes)
+        if queue.dropping:
+            queue.dropping = False
+            return Verdict(True, resumed=True, episode_dropped=self._episode.pop(tier, 0))
+        return Verdict(True)
+
+    def ended(self, job_id: int) -> bool:
+        """A job ended (reported, failed, timed out or dropped unsent): its bytes are no longer
+        queued. ``False`` for a job that is not an accepted cascade (a promotion)."""
+        entry = self._jobs.pop(job_id, None)
+        if entry is None:
+            return False
+        self._tiers[entry[0]].queued -= entry[1]
+        return True
+
+    def would_accept(self, tier: str, nbytes: int) -> bool:
+        queue = self._tiers[tier]
+        return queue.queued + nbytes <= queue.limit
+
+    def queued(self, tier: str) -> int:
+        return self._tiers[tier].queued
+
+    def dropped(self, tier: str) -> int:
+        return self._tiers[tier].dropped
+
+    def dropping(self, tier: str) -> bool:
+        return self._tiers[tier].dropping
+
+    def jobs(self) -> int:
+        return len(self._jobs)
+
+    def figures(self, tiers: Iterable[str]) -> dict[str, int]:
+        """The ``stats()`` keys: ``cascades_dropped`` (all tiers), ``cascades_dropped.<tier>``,
+        ``cascade_bytes_queued.<tier>``, ``cascade_blocks_dropped.<tier>``."""
+        out: dict[str, int] = {"cascades_dropped": sum(q.dropped for q in self._tiers.values())}
+        for tier in tiers:
+            queue = self._tiers[tier]
+            out[f"cascades_dropped.{tier}"] = queue.dropped
+            out[f"cascade_blocks_dropped.{tier}"] = queue.dropped_blocks
+            out[f"cascade_bytes_queued.{tier}"] = queue.queued
+        return out
