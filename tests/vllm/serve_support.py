@@ -53,7 +53,7 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, interval
 
 
 def make_served_model(path: str, *, seed: int | None = None) -> str:
-    """The tiny Llama of :mod:`engine_support` plus a word-level tokenizer (``"tN"`` is token N).
+    """The tiny Llama of :mod:`engine_support` plus :func:`write_tokenizer`'s word-level tokenizer.
 
     ``seed``: other random weights of the same architecture (what a fine-tune is)."""
     sys.path.insert(0, HERE)
@@ -71,20 +71,38 @@ def make_served_model(path: str, *, seed: int | None = None) -> str:
             if "norm" not in name:
                 tensors[name] = (torch.randn(t.shape, generator=g) * t.float().std()).to(t.dtype)
         save_file(tensors, file)
+    write_tokenizer(path)
+    return path
+
+
+SPECIALS = {"<unk>": 0, "<s>": 1, "</s>": 2}
+"""The special tokens, ids 0-2. The fast tokenizer matches special tokens inside words (named
+``t0``-``t2`` they turned ``"t17"`` into ``t1`` + unk), so they are named as no word of :func:`text` is."""
+
+
+def write_tokenizer(path: str) -> str:
+    """A word-level ``tokenizer.json`` + ``tokenizer_config.json`` in ``path``: ``"tN"`` is token N
+    for N >= 3, ids 0-2 are the :data:`SPECIALS`."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    vocab = dict(SPECIALS)
+    vocab.update({f"t{i}": i for i in range(len(SPECIALS), VOCAB)})
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
+    os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 256,
-                   "bos_token": "t1", "eos_token": "t2", "unk_token": "t0"}, f)
+                   "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, f)
     return path
 
 
 def text(tokens: list[int]) -> str:
+    """The prompt of ``tokens`` (each >= 3: ids 0-2 are the specials, not words)."""
+    if any(not len(SPECIALS) <= t < VOCAB for t in tokens):
+        raise ValueError(f"prompt tokens must be in {len(SPECIALS)}..{VOCAB - 1}, got {tokens!r}")
     return " ".join(f"t{t}" for t in tokens)
 
 
