@@ -610,10 +610,15 @@ def run(p: Plan, work: str) -> dict[str, Any]:
         on_cluster = {"type": "redis", "url": cluster.url, "cluster": True, "namespace": "chaos"}
 
         # ---- reference: no kvactors
+        # The reference server and server a start side by side (a then waits, idle, for its turn).
         ref = server_of(ss.Server("reference", work, model, offload=False, dtype="float32", kv_cache_bytes=kv_cache))
-        servers.append(ref)
-        ref.start()
-        log(f"reference server up in {ref.started_s:.0f} s")
+        a = server_of(ss.Server("a", work, model, tiers=[disk(), on_redis, stall], **common))
+        servers += [ref, a]
+        ref.launch()
+        a.launch()
+        ref.wait_ready()
+        a.wait_ready()
+        log(f"reference server up in {ref.started_s:.0f} s, server a in {a.started_s:.0f} s")
         load = Load(workload, model, rate=p.rate, clients=p.clients, max_tokens=p.max_tokens,
                     probe_every=p.probe_every)
         with phase(load, ref, "warmup", p.window_s / 2):
@@ -638,11 +643,7 @@ def run(p: Plan, work: str) -> dict[str, Any]:
             faults.append(fault_figures(name, load.records, reference, limit_ms, stops, extra_wrong.get(name, 0)))
             log(f"  {faults[-1]}")
 
-        # ---- server A: pool + disk (tmpfs) + Redis + the switchable stalling tier
-        a = server_of(ss.Server("a", work, model, tiers=[disk(), on_redis, stall], **common))
-        servers.append(a)
-        a.start()
-        log(f"server a up in {a.started_s:.0f} s")
+        # ---- server a: pool + disk (tmpfs) + Redis + the switchable stalling tier
         with phase(load, a, "baseline", p.window_s):
             pass
         with phase(load, a, "redis_restart", p.window_s):
