@@ -61,6 +61,9 @@ FAULTS = ("redis_restart", "disk_full", "tier_stall", "corrupt_blocks", "sigkill
           "cluster_primary_kill", "sigterm")
 """The faults, in the order they run."""
 
+START_TIMEOUT_S = 600.0
+"""A server's start, at most (30-90 s here; two side by side on a loaded machine took over 240 s)."""
+
 F32_BLOCK_BYTES = 2 * 2 * 32 * 2 * 32 * 4
 """One vLLM block of the tiny Llama in float32: layers * (K, V) * tokens * kv heads * head_dim * 4."""
 
@@ -461,13 +464,35 @@ def corrupt_blocks(root: str) -> int:
     return n
 
 
-def dir_bytes(root: str) -> int:
-    total = 0
+def bytes_by_writer(root: str) -> dict[str, int]:
+    """The bytes of the disk tier's files under ``root`` by the tier instance that wrote them (the tag in
+    a group file's name, ``g-<time>-<tag>-<seq>...``; ``""`` for any other file)."""
+    out: dict[str, int] = {}
     for dirpath, _, files in os.walk(root):
         for name in files:
+            parts = name.split("-")
+            tag = parts[2] if name.startswith("g-") and len(parts) > 3 else ""
             with contextlib.suppress(OSError):
-                total += os.path.getsize(os.path.join(dirpath, name))
-    return total
+                out[tag] = out.get(tag, 0) + os.path.getsize(os.path.join(dirpath, name))
+    return out
+
+
+def newest_writers(root: str, since: float) -> set[str]:
+    """The writers of the group files under ``root`` modified at or after ``since`` (UTC seconds)."""
+    out: set[str] = set()
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            parts = name.split("-")
+            with contextlib.suppress(OSError):
+                if name.startswith("g-") and len(parts) > 3 and os.path.getmtime(os.path.join(dirpath, name)) >= since:
+                    out.add(parts[2])
+    return out
+
+
+def own_disk_bytes(samples: Sequence[dict[str, int]], others: set[str]) -> int:
+    """The most bytes one server's disk tier held (the files of the ``others`` writers left out: a server
+    does not index the files another live server writes on a shared root until it restarts)."""
+    return max((sum(b for tag, b in sample.items() if tag not in others) for sample in samples), default=0)
 
 
 def rss_bytes(pid: int) -> int:
@@ -616,8 +641,8 @@ def run(p: Plan, work: str) -> dict[str, Any]:
         servers += [ref, a]
         ref.launch()
         a.launch()
-        ref.wait_ready()
-        a.wait_ready()
+        ref.wait_ready(START_TIMEOUT_S)
+        a.wait_ready(START_TIMEOUT_S)
         log(f"reference server up in {ref.started_s:.0f} s, server a in {a.started_s:.0f} s")
         load = Load(workload, model, rate=p.rate, clients=p.clients, max_tokens=p.max_tokens,
                     probe_every=p.probe_every)
@@ -676,12 +701,13 @@ def run(p: Plan, work: str) -> dict[str, Any]:
         servers += [a2, c]
         a2.launch()
         c.launch()
-        a2.wait_ready()
+        a2.wait_ready(START_TIMEOUT_S)
+        writers_at_a2_start = set(bytes_by_writer(disk_root))  # a's files: a2 indexed them at its start
         log(f"server a2 up in {a2.started_s:.0f} s")
         with phase(load, a2, "sigkill_restart", p.window_s):
             pass
         judge("sigkill_restart")
-        c.wait_ready()
+        c.wait_ready(START_TIMEOUT_S)
         log(f"server c (another model) up in {c.started_s:.0f} s")
         with phase(load, a2, "second_model", p.window_s):
             extra_wrong["second_model"], c_checks = other_model_checks(c, workload, reference)
@@ -689,6 +715,7 @@ def run(p: Plan, work: str) -> dict[str, Any]:
         judge("second_model")
         faults[-1]["other_model"] = c_checks
         clean.append(clean_stop(c, "SIGTERM (idle)", ss.check_log, ss.shm_files))
+        written_by_a2_and_c = set(bytes_by_writer(disk_root)) - writers_at_a2_start
 
         with phase(load, a2, "cluster_primary_kill", p.window_s):
             time.sleep(p.window_s / 4)
@@ -699,7 +726,7 @@ def run(p: Plan, work: str) -> dict[str, Any]:
         judge("cluster_primary_kill")
 
         # ---- soak
-        soak = run_soak(load, a2, p, disk_root, disk_capacity, cluster, reference, limit_ms)
+        soak = run_soak(load, a2, p, disk_root, disk_capacity, cluster, reference, limit_ms, written_by_a2_and_c)
 
         # ---- SIGTERM under traffic
         load.aim(a2.port, a2.name, "sigterm")
@@ -781,11 +808,15 @@ def other_model_checks(c: Any, workload: Workload, reference: dict[int, str]) ->
 
 
 def run_soak(load: Load, server: Any, p: Plan, disk_root: str, disk_capacity: int, cluster: Any,
-             reference: dict[int, str], limit_ms: float) -> dict[str, Any]:
-    """``p.soak_requests`` requests at ``p.soak_rate``; the engine core's RSS and the tiers' use sampled."""
+             reference: dict[int, str], limit_ms: float, suspects: set[str]) -> dict[str, Any]:
+    """``p.soak_requests`` requests at ``p.soak_rate``; the engine core's RSS and the tiers' use sampled.
+
+    The disk root is shared: the files of the other model's server (``suspects`` holds its writer and
+    ``server``'s own, whichever writes during the soak is ``server``) are not ``server``'s tier's."""
     pid = engine_pid(server)
     samples: list[tuple[float, int]] = []
-    disk_max = 0
+    disk: list[dict[str, int]] = []
+    soak_start = time.time()
     redis_max = 0
     t0 = time.monotonic()
     interval = max(1.0, p.soak_requests / p.soak_rate / 60)
@@ -795,7 +826,7 @@ def run_soak(load: Load, server: Any, p: Plan, disk_root: str, disk_capacity: in
     while load.count("soak") < p.soak_requests and time.monotonic() < bound:
         if pid is not None:
             samples.append((round(time.monotonic() - t0, 1), rss_bytes(pid)))
-        disk_max = max(disk_max, dir_bytes(disk_root))
+        disk.append(bytes_by_writer(disk_root))
         with contextlib.suppress(OSError, RuntimeError):
             redis_max = max(redis_max, *(redis_used(n.port) for n in cluster.running_nodes()))
         time.sleep(interval)
@@ -804,6 +835,10 @@ def run_soak(load: Load, server: Any, p: Plan, disk_root: str, disk_capacity: in
     if pid is not None:
         samples.append((round(time.monotonic() - t0, 1), rss_bytes(pid)))
     figures = fault_figures("soak", load.records, reference, math.inf)
+    disk.append(bytes_by_writer(disk_root))
+    mine = newest_writers(disk_root, soak_start)
+    others = suspects - mine
+    disk_max = own_disk_bytes(disk, others)
     redis_capacity = 64 << 20
     return {
         "requests": figures["requests"], "requests_failed": figures["requests_failed"],
@@ -811,6 +846,8 @@ def run_soak(load: Load, server: Any, p: Plan, disk_root: str, disk_capacity: in
         "seconds": round(time.monotonic() - t0, 1), "engine_pid_found": pid is not None,
         "rss_mib": [(t, round(b / 2**20, 1)) for t, b in samples], "rss_growth": rss_growth(samples),
         "disk_max_bytes": disk_max, "disk_capacity_bytes": disk_capacity,
+        "disk_root_max_bytes": max((sum(d.values()) for d in disk), default=0),
+        "disk_other_server_bytes": max((sum(b for t, b in d.items() if t in others) for d in disk), default=0),
         "redis_max_used_bytes": redis_max, "redis_maxmemory_bytes": redis_capacity,
         "tiers_within_capacity": disk_max <= disk_capacity and redis_max <= redis_capacity,
     }

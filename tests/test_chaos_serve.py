@@ -154,3 +154,14 @@ def test_summary_totals_and_every_check():
     assert not summary(good, soak=grown)["checks"]["soak_rss_flat"]
     assert math.isclose(summary(good)["soak_rss_growth"], 1.01)
     assert "| tier_stall |" in cs.table(s)
+
+
+def test_disk_bytes_by_writer_leave_another_live_servers_files_out(tmp_path):
+    (tmp_path / "g-0000000000000001-aaaa-00000000.kvg").write_bytes(b"x" * 100)
+    (tmp_path / "g-0000000000000002-bbbb-00000000.kvg").write_bytes(b"x" * 30)
+    (tmp_path / ".tmp-aaaa-1").write_bytes(b"x" * 7)
+    by = cs.bytes_by_writer(str(tmp_path))
+    assert by == {"aaaa": 100, "bbbb": 30, "": 7}
+    assert cs.own_disk_bytes([by, {"aaaa": 200, "bbbb": 30}], others={"bbbb"}) == 200
+    assert cs.own_disk_bytes([], others=set()) == 0
+    assert cs.newest_writers(str(tmp_path), since=0.0) == {"aaaa", "bbbb"}
