@@ -81,6 +81,7 @@ def test_each_faults_ttft_p99_is_under_none_p99_plus_lookup_timeout(summary):
 def test_the_faults_happened_and_kvactors_saw_them(summary):
     events = {f["name"]: f["kvactors_events"] for f in summary["faults"]}
     assert any(k.startswith("job_timed_out") for k in events["tier_stall"]), events["tier_stall"]
+    assert events["disk_full"].get("cascade_completed:disk", 0) > 0, events["disk_full"]  # ENOSPC, warned
     assert summary["baseline"]["requests_failed"] == 0
 
 
