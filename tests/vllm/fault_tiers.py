@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 from kvactors import JobResult, LookupResult, SecondaryTier
@@ -44,6 +45,32 @@ class StallingTier(MemoryTier):
         self._stall.set()
 
 
+class SwitchedStallTier(MemoryTier):
+    """A MemoryTier that stalls while the file ``flag`` exists (the chaos run creates and removes it
+    under traffic): its lookups then claim every key, and the loads it gets then never report (the
+    transfer deadline fails them, whatever ``transfer_timeout_s`` is). One ``stat`` per call."""
+
+    def __init__(self, flag: str, name: str = "switched", capacity_blocks: int = 64) -> None:
+        super().__init__(name=name, capacity_blocks=capacity_blocks)
+        self._flag = flag
+
+    def stalled(self) -> bool:
+        return os.path.exists(self._flag)
+
+    def lookup(self, keys, ctx):
+        if self.stalled():
+            return [LookupResult.HIT for _ in keys]
+        return super().lookup(keys, ctx)
+
+    def submit_load(self, job):
+        if self.stalled():
+            return None  # never reported
+        return super().submit_load(job)
+
+    def drain(self, timeout):
+        return None
+
+
 class HangingLookupTier(MemoryTier):
     """Stores like a MemoryTier; its lookups hang until shutdown (a tier stuck inside a call, on its own
     thread: it does not declare them inline, as no tier whose calls can block may)."""
@@ -62,4 +89,4 @@ class HangingLookupTier(MemoryTier):
         self._release.set()
 
 
-__all__ = ["HangingLookupTier", "JobResult", "RaisingTier", "StallingTier"]
+__all__ = ["HangingLookupTier", "JobResult", "RaisingTier", "StallingTier", "SwitchedStallTier"]

@@ -53,7 +53,7 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, interval
 
 
 def make_served_model(path: str, *, seed: int | None = None) -> str:
-    """The tiny Llama of :mod:`engine_support` plus a word-level tokenizer (``"tN"`` is token N).
+    """The tiny Llama of :mod:`engine_support` plus :func:`write_tokenizer`'s word-level tokenizer.
 
     ``seed``: other random weights of the same architecture (what a fine-tune is)."""
     sys.path.insert(0, HERE)
@@ -71,20 +71,38 @@ def make_served_model(path: str, *, seed: int | None = None) -> str:
             if "norm" not in name:
                 tensors[name] = (torch.randn(t.shape, generator=g) * t.float().std()).to(t.dtype)
         save_file(tensors, file)
+    write_tokenizer(path)
+    return path
+
+
+SPECIALS = {"<unk>": 0, "<s>": 1, "</s>": 2}
+"""The special tokens, ids 0-2. The fast tokenizer matches special tokens inside words (named
+``t0``-``t2`` they turned ``"t17"`` into ``t1`` + unk), so they are named as no word of :func:`text` is."""
+
+
+def write_tokenizer(path: str) -> str:
+    """A word-level ``tokenizer.json`` + ``tokenizer_config.json`` in ``path``: ``"tN"`` is token N
+    for N >= 3, ids 0-2 are the :data:`SPECIALS`."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    vocab = dict(SPECIALS)
+    vocab.update({f"t{i}": i for i in range(len(SPECIALS), VOCAB)})
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = WhitespaceSplit()
+    os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 256,
-                   "bos_token": "t1", "eos_token": "t2", "unk_token": "t0"}, f)
+                   "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, f)
     return path
 
 
 def text(tokens: list[int]) -> str:
+    """The prompt of ``tokens`` (each >= 3: ids 0-2 are the specials, not words)."""
+    if any(not len(SPECIALS) <= t < VOCAB for t in tokens):
+        raise ValueError(f"prompt tokens must be in {len(SPECIALS)}..{VOCAB - 1}, got {tokens!r}")
     return " ".join(f"t{t}" for t in tokens)
 
 
@@ -112,15 +130,18 @@ def kv_transfer_config(*, engine_id: str, event_log: str, pool_blocks: int = 64,
     }
 
 
-def server_command(model: str, port: int, kv_config: dict[str, Any], *, tp: int = 1,
-                   events_endpoint: str | None = None, shutdown_timeout_s: int = 10) -> list[str]:
-    """The server's command line (the README's "Use with vLLM" shows it)."""
+def server_command(model: str, port: int, kv_config: dict[str, Any] | None, *, tp: int = 1,
+                   events_endpoint: str | None = None, shutdown_timeout_s: int = 10, dtype: str = "bfloat16",
+                   kv_cache_bytes: int = 32 << 20) -> list[str]:
+    """The server's command line (the README's "Use with vLLM" shows it); ``kv_config`` None: no
+    connector at all (the reference a run with offloading is compared with)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256",
-           "--enforce-eager", "--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(32 << 20),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "256",
+           "--enforce-eager", "--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(kv_cache_bytes),
            "--enable-prefix-caching", "--seed", "0", "--enable-prompt-tokens-details",
-           "--shutdown-timeout", str(shutdown_timeout_s),
-           "--kv-transfer-config", json.dumps(kv_config)]
+           "--shutdown-timeout", str(shutdown_timeout_s)]
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
     if tp > 1:
         cmd += ["--tensor-parallel-size", str(tp)]
     if events_endpoint is not None:
@@ -165,11 +186,15 @@ AS_FROM_A_TERMINAL = [sys.executable, "-I", "-S", "-c", "import os, signal, sys;
 
 
 class Server:
-    """One ``api_server`` process group. Not thread-safe: drive it from the test's thread."""
+    """One ``api_server`` process group. Not thread-safe: drive it from the test's thread.
+
+    ``offload=False``: no kvactors (no ``--kv-transfer-config``); ``dtype``, ``kv_cache_bytes``: the
+    engine's (``pool_blocks`` counts bfloat16 blocks of :data:`BLOCK_BYTES` whatever the dtype)."""
 
     def __init__(self, name: str, tmp: str, model: str, *, tiers: list[dict[str, Any]] | None = None,
                  pool_blocks: int = 64, tp: int = 1, events_endpoint: str | None = None,
-                 engine_id: str | None = None, **extra: Any) -> None:
+                 engine_id: str | None = None, offload: bool = True, dtype: str = "bfloat16",
+                 kv_cache_bytes: int = 32 << 20, **extra: Any) -> None:
         self.name = name
         self.dir = os.path.join(tmp, name)
         os.makedirs(self.dir, exist_ok=True)
@@ -180,20 +205,31 @@ class Server:
         self.event_log = os.path.join(self.dir, "events.kvlog")
         self.kv_config = kv_transfer_config(engine_id=self.engine_id, event_log=self.event_log,
                                             pool_blocks=pool_blocks, tiers=tiers, **extra)
-        self.cmd = server_command(model, self.port, self.kv_config, tp=tp, events_endpoint=events_endpoint)
+        self.cmd = server_command(model, self.port, self.kv_config if offload else None, tp=tp,
+                                  events_endpoint=events_endpoint, dtype=dtype, kv_cache_bytes=kv_cache_bytes)
         self.env = server_env(tp=tp)
         self.log_path = os.path.join(self.dir, "server.log")
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_s = 0.0
+        self._launched = 0.0
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> Server:
-        t0 = time.monotonic()
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> Server:
+        """Start the process and return at once (:meth:`wait_ready` waits for it: two servers can start
+        side by side)."""
+        self._launched = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([*AS_FROM_A_TERMINAL, *self.cmd], env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, cwd=self.dir)
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> Server:
+        """Until the launched server answers ``/health`` (``timeout_s`` at most; AssertionError with its log)."""
 
         def ready() -> bool:
             assert self.proc is not None
@@ -209,7 +245,7 @@ class Server:
             wait_for(ready, timeout_s, f"server {self.name} to answer /health", interval_s=0.5)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.log_tail()}") from None
-        self.started_s = time.monotonic() - t0
+        self.started_s = time.monotonic() - self._launched
         return self
 
     @property
