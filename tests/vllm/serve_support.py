@@ -133,7 +133,7 @@ def kv_transfer_config(*, engine_id: str, event_log: str, pool_blocks: int = 64,
 def server_command(model: str, port: int, kv_config: dict[str, Any] | None, *, tp: int = 1,
                    events_endpoint: str | None = None, shutdown_timeout_s: int = 10, dtype: str = "bfloat16",
                    kv_cache_bytes: int = 32 << 20) -> list[str]:
-    """The server's command line (the README's "Use with vLLM" shows it); ``kv_config`` None: no
+    """The server's command line (docs/vllm.md, "Use", shows it); ``kv_config`` None: no
     connector at all (the reference a run with offloading is compared with)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "256",
