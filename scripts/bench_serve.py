@@ -365,7 +365,7 @@ def serve_once(run: Run, workload: Workload, model: str, shape: ModelShape, work
         server.wait_ready()
         server.complete(text([3] * 8), max_tokens=2)  # warm-up: not in any workload
         if calibrate_tokens:
-            row["calibration"] = calibrate(server, shape, calibrate_tokens)
+            row["prefill_s"] = calibrate_prefill(server, shape, calibrate_tokens)
         cpu0 = sum(g.cpu_seconds() for g in groups)
         hits0 = backend_hits(server.metrics())
         res = run_load(server, dataset, concurrency=run.concurrency, output_len=workload.output_len,
@@ -412,29 +412,34 @@ def _raise_if_dead(group: ProcessGroup) -> bool:
 # ------------------------------------------------------------------ calibration
 
 
-def calibrate(server: VllmServer, shape: ModelShape, tokens: int) -> dict[str, float]:
-    """Prefill of ``tokens`` fresh tokens on the idle ``server`` / a row-by-row copy of their KV, same run."""
-    import torch
-
+def calibrate_prefill(server: VllmServer, shape: ModelShape, tokens: int) -> float:
+    """Seconds of a prefill of ``tokens`` fresh tokens on the idle ``server`` (the median of 3)."""
     rng = random.Random(99)
     prefill = []
     for _ in range(3):
         t0 = time.perf_counter()
         server.complete(text(_tokens(rng, tokens, shape.vocab)), max_tokens=1)
         prefill.append(time.perf_counter() - t0)
+    return statistics.median(prefill)
+
+
+def calibrate_copy(shape: ModelShape, tokens: int) -> float:
+    """Seconds of a row-by-row copy of the KV of ``tokens`` tokens (blocks of ``BLOCK``; the median of 5).
+
+    Measured with no server running: a server's OpenMP threads spin on both cores for a while after
+    each step and would slow the copy several-fold."""
+    import torch
+
     rows = tokens // BLOCK
-    row_bytes = shape.kv_bytes_per_token * BLOCK
-    src = torch.randn(rows, row_bytes // 4)
-    dst = torch.empty_like(src)
+    src = torch.randn(rows, shape.kv_bytes_per_token * BLOCK // 4)
+    dst = torch.randn_like(src)  # written once: no first-touch page faults in the timed copies
     copies = []
     for _ in range(5):
         t0 = time.perf_counter()
         for i in range(rows):
             dst[i].copy_(src[i])
         copies.append(time.perf_counter() - t0)
-    p, c = statistics.median(prefill), statistics.median(copies)
-    return {"calibration_tokens": tokens, "prefill_ms": 1000 * p, "kv_copy_ms": 1000 * c, "calibration_ratio": p / c,
-            "kv_mib": rows * row_bytes / (1 << 20)}
+    return statistics.median(copies)
 
 
 # ------------------------------------------------------------------ summary
@@ -710,15 +715,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows: dict[Run, list[dict[str, Any]]] = {}
         reference: dict[str, list[str]] = {}
         cal: dict[str, float] = {}
+        cal_tokens = 512 if args.quick else 1024
+        copy_s = calibrate_copy(shape, cal_tokens)
         todo = plan(backends, pools, names, concurrency, args.repeat, single=not args.quick,
                     admissions=args.admission if "kvactors" in backends else ())
         for i, run in enumerate(todo):
             workload = loads[run.workload]
             row = serve_once(run, workload, model, shape, os.path.join(work, f"{i:03d}-{run.label.replace(' ', '-')}"),
                              time_limit_s=args.time_limit, log=log,
-                             calibrate_tokens=0 if cal else 512 if args.quick else 1024)
-            if "calibration" in row:
-                cal = row.pop("calibration")
+                             calibrate_tokens=0 if cal else cal_tokens)
+            if "prefill_s" in row:
+                prefill_s = row.pop("prefill_s")
+                cal = {"calibration_tokens": cal_tokens, "prefill_ms": 1000 * prefill_s, "kv_copy_ms": 1000 * copy_s,
+                       "calibration_ratio": prefill_s / copy_s,
+                       "kv_mib": cal_tokens * shape.kv_bytes_per_token / (1 << 20)}
                 log(f"calibration: {cal}")
             if run.backend == "none" and run.workload not in reference and row["outputs"]:
                 reference[run.workload] = row["outputs"]
