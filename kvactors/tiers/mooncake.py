@@ -325,12 +325,15 @@ class MooncakeTier(SecondaryTier):
         return Outcome(events=events)
 
     def _load_chunk(self, conn: Conn, state: RunningJob, lo: int, hi: int) -> Outcome:
-        """On a lane thread: load keys ``lo:hi`` into staging, verify, copy the good ones."""
+        """On a lane thread: load keys ``lo:hi`` (each key once) into staging, verify, copy the good ones."""
         job = state.job
         pool = self._pool_np
         block_bytes = pool.shape[1]
-        n = hi - lo
-        keys = job.keys[lo:hi]
+        rows_of: dict[OffloadKey, list[int]] = {}
+        for i in range(lo, hi):
+            rows_of.setdefault(job.keys[i], []).append(job.block_ids[i])
+        keys = list(rows_of)
+        n = len(keys)
         slot_bytes = _head_slot(keys)
         heads, stage = thread_buffers(conn, n * slot_bytes, n * block_bytes)
         heads_ptr, stage_ptr = heads.ctypes.data, stage.ctypes.data
@@ -350,15 +353,15 @@ class MooncakeTier(SecondaryTier):
                     codec.verify_split(heads[start:start + head_size].data,
                                        stage[j * block_bytes:(j + 1) * block_bytes].data, key, block_bytes)
                 except codec.CorruptRecordError as exc:
-                    bad.setdefault(key, f"corrupt: {exc}")
+                    bad[key] = f"corrupt: {exc}"
                 else:
-                    good.append((j, job.block_ids[lo + j]))
+                    good.extend((j, row) for row in rows_of[key])
             elif code == OBJECT_NOT_FOUND:
-                missing.setdefault(key, "missing")
+                missing[key] = "missing"
             elif code >= 0:
-                bad.setdefault(key, f"foreign object: {code} bytes, expected {head_size + block_bytes}")
+                bad[key] = f"foreign object: {code} bytes, expected {head_size + block_bytes}"
             else:
-                unavailable.setdefault(key, f"get failed: code {code}")
+                unavailable[key] = f"get failed: code {code}"
         with state.lock:
             if state.reported:  # timed out meanwhile: its rows are no longer ours
                 return Outcome()
@@ -382,7 +385,7 @@ class MooncakeTier(SecondaryTier):
         try:
             codes = conn.store.batch_remove([self.object_key(k) for k in keys], True)
         except Exception as exc:
-            self._log.warning("remove_failed", keys=len(keys), error=_describe(exc))
+            self._log.warning("forget_failed", keys=len(keys), error=_describe(exc))
             return []
         return [key for key, code in zip(keys, codes, strict=False) if code == 0]
 
@@ -437,7 +440,7 @@ class MooncakeTier(SecondaryTier):
                 self._conn = conn
                 was_degraded, self._degraded = self._degraded, False
             else:
-                self._degraded = True
+                was_degraded, self._degraded = self._degraded, True
                 self._down_until = time.monotonic() + self.retry_after_s
         attempt.set()
         if conn is not None and self._runner.closed:
@@ -446,8 +449,9 @@ class MooncakeTier(SecondaryTier):
         elif conn is not None:
             self._log.info("tier_recovered" if was_degraded else "tier_connected", master=self.master,
                            generation=conn.generation)
-        else:
-            self._log.warning("connect_failed", master=self.master, error=_describe(error or RuntimeError()))
+        else:  # a warning once, then at debug while the store stays away
+            (self._log.debug if was_degraded else self._log.warning)(
+                "connect_failed", master=self.master, error=_describe(error or RuntimeError()))
 
     def _suspect(self, conn: Conn, why: BaseException | str) -> None:
         """A call failed in a way the master may be behind: check it on the lane (one check at a
