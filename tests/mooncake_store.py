@@ -81,7 +81,7 @@ class MooncakeMaster:
     """A ``mooncake_master`` on 127.0.0.1 (``address`` is ``"127.0.0.1:port"``); a holder that
     stops heartbeating is dropped after ``client_ttl`` seconds."""
 
-    def __init__(self, *, client_ttl: int = 2, lease_ttl_ms: int = 200, port: int | None = None) -> None:
+    def __init__(self, *, client_ttl: int = 2, lease_ttl_ms: int = 1000, port: int | None = None) -> None:
         binary = find_master()
         if binary is None:
             raise RuntimeError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda")

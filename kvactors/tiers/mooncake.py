@@ -39,10 +39,13 @@ _STAGE_BYTES = 8 << 20
 """Bytes a load chunk stages per call (a job larger than this runs as several chunks)."""
 
 
+BUFFER_TOO_SMALL = -600
+"""Mooncake's code (``INVALID_PARAMS``) for an object larger than the buffer it is read into."""
 
-def _head_slot(keys: Sequence[OffloadKey]) -> int:
-    """Bytes of a thread's header area per block: the longest codec header + key, rounded up to 8."""
-    return -(-(codec.HEADER_SIZE + max(len(k) for k in keys)) // 8) * 8
+
+def _slot_bytes(keys: Sequence[OffloadKey], block_bytes: int) -> int:
+    """Bytes of a staging buffer per record: the longest header and key, the payload, rounded up to 64."""
+    return -(-(codec.HEADER_SIZE + max(len(k) for k in keys) + block_bytes) // 64) * 64
 
 LANE_EXTRA_THREADS = 2
 """Lane threads beyond ``io_workers``: for lookups, connecting and health checks."""
@@ -58,11 +61,14 @@ class MooncakeTier(SecondaryTier):
         :mod:`kvactors.tiers.codec` record (header, key, payload, XXH3-64 of key+payload).
         A load verifies the record: a missing, evicted, corrupt, foreign or empty object (an
         object whose holder died reads as empty) fails its key, never serves bytes; a corrupt
-        or foreign one is removed. Stores and loads are zero-copy batch calls
-        (``batch_put_from_multi_buffers`` from the pool's rows, ``batch_get_into_multi_buffers``
-        into a per-thread staging buffer, verified there, then copied into the pool's rows
-        under the job's lock only if the job has not been reported) with per-key codes: jobs
-        end per key. ``put`` of a key the store already holds keeps the old record.
+        or foreign one is removed. Stores and loads are zero-copy batch calls with per-key
+        codes (``batch_put_from``, ``batch_get_into``) from and into a registered staging
+        buffer of the lane thread that makes the call: a store copies each row into its
+        record there (under the job's lock, while the rows are pinned), a load verifies each
+        record there and copies it into its row under the job's lock, only if the job has not
+        been reported. So Mooncake never touches the pool: a call abandoned at its deadline
+        cannot write into rows that were given back. Jobs end per key. ``put`` of a key the
+        store already holds keeps the old record.
 
     Bounds
         No Mooncake call runs on a kvactors thread: each runs on the tier's *call lane*,
@@ -225,14 +231,13 @@ class MooncakeTier(SecondaryTier):
     # ----------------------------------------------------------------- jobs
 
     def submit_store(self, job: TransferJob) -> None:
-        """Store ``pool[job.block_ids]`` under ``job.keys`` (``batch_put_from_multi_buffers``:
-        each record's header from a thread buffer, its payload straight from the pool's row);
-        returns at once. Reports exactly once, per key."""
+        """Store ``pool[job.block_ids]`` under ``job.keys`` (records staged, one ``batch_put_from``
+        per chunk of at most 8 MiB); returns at once. Reports exactly once, per key."""
         self._submit(job, self._store_chunk)
 
     def submit_load(self, job: TransferJob) -> None:
-        """Load ``job.keys`` into ``pool[job.block_ids]`` (``batch_get_into_multi_buffers`` into a
-        staging buffer, each record verified); returns at once. Reports exactly once, per key:
+        """Load ``job.keys`` into ``pool[job.block_ids]`` (``batch_get_into`` into a staging buffer,
+        each record verified); returns at once. Reports exactly once, per key:
         a missing, evicted, unreadable or corrupt block fails its key (its row is not written)."""
         self._submit(job, self._load_chunk)
 
@@ -287,45 +292,48 @@ class MooncakeTier(SecondaryTier):
             return _fail_all(lo, hi, _describe(exc))
 
     def _store_chunk(self, conn: Conn, state: RunningJob, lo: int, hi: int) -> Outcome:
-        """On a lane thread: store keys ``lo:hi`` (each key once)."""
+        """On a lane thread: store keys ``lo:hi`` (each key once): each record assembled in this
+        thread's staging buffer (one copy of the row, while the job's lock says the rows are
+        still pinned), then one ``batch_put_from``."""
         job = state.job
         pool = self._pool_np
         block_bytes = pool.shape[1]
         first: dict[OffloadKey, int] = {}
         for i in range(lo, hi):
             first.setdefault(job.keys[i], i)
-        slot_bytes = _head_slot(list(first))
-        heads, _ = thread_buffers(conn, len(first) * slot_bytes, 0)
-        heads_ptr, pool_ptr = heads.ctypes.data, pool.ctypes.data
+        keys = list(first)
+        slot = _slot_bytes(keys, block_bytes)
+        stage = thread_buffers(conn, len(keys) * slot)
+        base = stage.ctypes.data
         names, ptrs, sizes = [], [], []
         with state.lock:
             if state.reported:
                 return Outcome()
-            for slot, (key, i) in enumerate(first.items()):
-                row = job.block_ids[i]
-                head = codec.encode_header(key, pool[row].data)
-                start = slot * slot_bytes
-                heads[start:start + len(head)] = np.frombuffer(head, dtype=np.uint8)
+            for j, key in enumerate(keys):
+                row = pool[job.block_ids[first[key]]]
+                head = codec.encode_header(key, row.data)
+                start = j * slot
+                stage[start:start + len(head)] = np.frombuffer(head, dtype=np.uint8)
+                stage[start + len(head):start + len(head) + block_bytes] = row
                 names.append(self.object_key(key))
-                ptrs.append([heads_ptr + start, pool_ptr + row * block_bytes])
-                sizes.append([len(head), block_bytes])
-        # The rows stay pinned until the report; if the job is reported first (timed out) and a
-        # row is reused meanwhile, the record stored fails its checksum: a miss, never data.
-        codes = conn.store.batch_put_from_multi_buffers(names, ptrs, sizes)
+                ptrs.append(base + start)
+                sizes.append(len(head) + block_bytes)
+        codes = conn.store.batch_put_from(names, ptrs, sizes)
         failed: dict[OffloadKey, str] = {}
-        for key, code in zip(first, codes, strict=True):
+        for key, code in zip(keys, codes, strict=True):
             if code != 0:
                 failed[key] = f"put failed: code {code}"
-        stored = [key for key in first if key not in failed]
+        stored = [key for key in keys if key not in failed]
         events = [OffloadingEvent(keys=tuple(stored), tier=self.name, removed=False)] if stored else []
         if failed:
             self._suspect(conn, next(iter(failed.values())))
             return Outcome(_positions(job.keys, lo, hi, failed),
-                           f"{len(failed)} of {len(first)} blocks not stored ({next(iter(failed.values()))})", events)
+                           f"{len(failed)} of {len(keys)} blocks not stored ({next(iter(failed.values()))})", events)
         return Outcome(events=events)
 
     def _load_chunk(self, conn: Conn, state: RunningJob, lo: int, hi: int) -> Outcome:
-        """On a lane thread: load keys ``lo:hi`` (each key once) into staging, verify, copy the good ones."""
+        """On a lane thread: load keys ``lo:hi`` (each key once) into this thread's staging buffer
+        (one ``batch_get_into``), verify each record, copy the good ones into their rows."""
         job = state.job
         pool = self._pool_np
         block_bytes = pool.shape[1]
@@ -333,40 +341,39 @@ class MooncakeTier(SecondaryTier):
         for i in range(lo, hi):
             rows_of.setdefault(job.keys[i], []).append(job.block_ids[i])
         keys = list(rows_of)
-        n = len(keys)
-        slot_bytes = _head_slot(keys)
-        heads, stage = thread_buffers(conn, n * slot_bytes, n * block_bytes)
-        heads_ptr, stage_ptr = heads.ctypes.data, stage.ctypes.data
+        slot = _slot_bytes(keys, block_bytes)
+        stage = thread_buffers(conn, len(keys) * slot)
+        base = stage.ctypes.data
         head_sizes = [codec.HEADER_SIZE + len(key) for key in keys]
-        names = [self.object_key(key) for key in keys]
-        ptrs = [[heads_ptr + j * slot_bytes, stage_ptr + j * block_bytes] for j in range(n)]
-        sizes = [[head_size, block_bytes] for head_size in head_sizes]
-        codes = conn.store.batch_get_into_multi_buffers(names, ptrs, sizes)
-        good: list[tuple[int, int]] = []  # (staging slot, pool row)
+        codes = conn.store.batch_get_into([self.object_key(key) for key in keys],
+                                          [base + j * slot for j in range(len(keys))],
+                                          [head_size + block_bytes for head_size in head_sizes])
+        good: list[tuple[int, int]] = []  # (payload offset in stage, pool row)
         missing: dict[OffloadKey, str] = {}
         bad: dict[OffloadKey, str] = {}
         unavailable: dict[OffloadKey, str] = {}
         for j, (key, code, head_size) in enumerate(zip(keys, codes, head_sizes, strict=True)):
+            start = j * slot
             if code == head_size + block_bytes:
-                start = j * slot_bytes
                 try:
-                    codec.verify_split(heads[start:start + head_size].data,
-                                       stage[j * block_bytes:(j + 1) * block_bytes].data, key, block_bytes)
+                    codec.verify_split(stage[start:start + head_size].data,
+                                       stage[start + head_size:start + head_size + block_bytes].data, key,
+                                       block_bytes)
                 except codec.CorruptRecordError as exc:
                     bad[key] = f"corrupt: {exc}"
                 else:
-                    good.extend((j, row) for row in rows_of[key])
+                    good.extend((start + head_size, row) for row in rows_of[key])
             elif code == OBJECT_NOT_FOUND:
                 missing[key] = "missing"
-            elif code >= 0:
-                bad[key] = f"foreign object: {code} bytes, expected {head_size + block_bytes}"
+            elif code >= 0 or code == BUFFER_TOO_SMALL:
+                bad[key] = f"foreign object: code {code}, expected {head_size + block_bytes} bytes"
             else:
                 unavailable[key] = f"get failed: code {code}"
         with state.lock:
             if state.reported:  # timed out meanwhile: its rows are no longer ours
                 return Outcome()
-            for j, row in good:
-                pool[row] = stage[j * block_bytes:(j + 1) * block_bytes]
+            for offset, row in good:
+                pool[row] = stage[offset:offset + block_bytes]
         if not missing and not bad and not unavailable:
             return Outcome()
         removed = self._remove(conn, list(bad)) if bad else []
@@ -416,7 +423,7 @@ class MooncakeTier(SecondaryTier):
             return self._conn
 
     def _connect(self, attempt: threading.Event) -> None:
-        """On a lane thread: probe the master, set a client up, register the pool."""
+        """On a lane thread: probe the master, then set a client up."""
         conn: Conn | None = None
         error: BaseException | None = None
         was_degraded = False
@@ -424,11 +431,6 @@ class MooncakeTier(SecondaryTier):
             local = self.local_host or _local_address(self._host, self._port)
             store = connect(self._host, self._port, segment_bytes=self.segment_bytes,
                             local_buffer_bytes=self.local_buffer_bytes, local_host=local, timeout_s=self.timeout_s)
-            pool = self._pool_np
-            code = store.register_buffer(pool.ctypes.data, pool.nbytes)
-            if code != 0:
-                store.close()
-                raise OSError(f"mooncake register_buffer (the pool) failed: code {code}")
             with self._lock:
                 self._generation += 1
                 conn = Conn(store, self._generation)

@@ -1,8 +1,8 @@
 """One connection of :class:`~kvactors.tiers.mooncake.MooncakeTier` to a Mooncake Store,
-and the per-thread buffers its zero-copy calls use.
+and the per-thread staging buffers its zero-copy calls use.
 
-A :class:`Conn` is a ``MooncakeDistributedStore`` set up against the master, with the
-pool registered. When the tier gives it up (its master restarted, or stopped answering)
+A :class:`Conn` is a ``MooncakeDistributedStore`` set up against the master. When the
+tier gives it up (its master restarted, or stopped answering)
 it is *retired*: closed by the last call that used it, on that call's lane thread, never
 under a call still running on it (Mooncake's ``close`` is not safe against those).
 
@@ -64,37 +64,33 @@ class Conn:
 
 
 class ThreadBuffers(threading.local):
-    """Per thread: a header area and a staging area, registered with one connection."""
+    """Per thread: a staging area, registered with one connection."""
 
     def __init__(self) -> None:
         self.generation = -1
-        self.heads = np.zeros(0, dtype=np.uint8)
         self.stage = np.zeros(0, dtype=np.uint8)
 
 
 _BUFFERS = ThreadBuffers()
 
 
-def thread_buffers(conn: Conn, head_bytes: int, stage_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """This thread's ``(heads, stage)`` arrays, at least the sizes asked, registered with ``conn``.
+def thread_buffers(conn: Conn, stage_bytes: int) -> np.ndarray:
+    """This thread's staging array, at least ``stage_bytes``, registered with ``conn``.
 
-    They grow (never shrink) and are registered again with each new connection. ``OSError``
-    if Mooncake refuses a registration."""
+    It grows (never shrinks) and is registered again with each new connection. ``OSError``
+    if Mooncake refuses the registration."""
     buffers = _BUFFERS
     fresh = buffers.generation != conn.generation
-    store = conn.store
-    for attr, size in (("heads", head_bytes), ("stage", stage_bytes)):
-        array: np.ndarray = getattr(buffers, attr)
-        if size <= array.nbytes and (not fresh or array.nbytes == 0):
-            continue
-        if size > array.nbytes:
-            if not fresh and array.nbytes:
-                store.unregister_buffer(array.ctypes.data)
-            array = np.empty(max(size, 2 * array.nbytes, 4096), dtype=np.uint8)
-            setattr(buffers, attr, array)
-        code = store.register_buffer(array.ctypes.data, array.nbytes)
-        if code != 0:
-            buffers.generation = -1
-            raise OSError(f"mooncake register_buffer failed: code {code}")
+    array = buffers.stage
+    if stage_bytes > array.nbytes:
+        if not fresh and array.nbytes:
+            conn.store.unregister_buffer(array.ctypes.data)
+        array = buffers.stage = np.empty(-(-stage_bytes // (1 << 20)) << 20, dtype=np.uint8)
+    elif not fresh:
+        return array
+    buffers.generation = -1
+    code = conn.store.register_buffer(array.ctypes.data, array.nbytes)
+    if code != 0:
+        raise OSError(f"mooncake register_buffer failed: code {code}")
     buffers.generation = conn.generation
-    return buffers.heads, buffers.stage
+    return array
