@@ -327,3 +327,38 @@ def test_capacity_eviction_is_a_miss_never_data() -> None:
                     assert torch.equal(h.pool[40 + n % 8], h.pool[all_keys.index(key) % 32])
         finally:
             h.close()
+
+
+# ---------------------------------------------------------------- the vLLM tiers entry
+
+def test_vllm_entry_keys_are_checked() -> None:
+    from kvactors.integrations.vllm.config import parse_config
+
+    ok = parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [
+        {"type": "mooncake", "master": "mc:50051", "segment_bytes": 16 << 20}]})
+    assert ok.tiers[0]["master"] == "mc:50051"
+    with pytest.raises(ValueError, match=r"tiers\[0\]\.master is required"):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "mooncake"}]})
+    with pytest.raises(ValueError, match=r"unknown key tiers\[0\]\.url"):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "mooncake", "master": "m:1", "url": "x"}]})
+    with pytest.raises(ValueError, match=r"tiers\[0\]\.master must be a non-empty string"):
+        parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "mooncake", "master": ""}]})
+
+
+@needs_mooncake
+def test_vllm_entry_builds_a_mooncake_tier_and_names_a_bad_value() -> None:
+    from kvactors.integrations.vllm.config import build_tiers, parse_config
+    from kvactors.tiers.mooncake import MooncakeTier
+
+    config = parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [
+        {"type": "mooncake", "master": f"127.0.0.1:{free_port()}", "namespace": "n", "timeout_s": 0.5}]})
+    (tier,) = build_tiers(config, None)
+    try:
+        assert isinstance(tier, MooncakeTier) and tier.namespace == "n" and tier.timeout_s == 0.5
+        assert tier.max_stuck_threads == tier.io_workers + 2
+    finally:
+        tier.shutdown()
+    bad = parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [
+        {"type": "mooncake", "master": "m:1", "segment_bytes": 1 << 20}]})
+    with pytest.raises(ValueError, match=r"tiers\[0\] \(mooncake\): segment_bytes"):
+        build_tiers(bad, None)

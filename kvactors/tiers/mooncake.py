@@ -60,10 +60,10 @@ class MooncakeTier(SecondaryTier):
         A block ``key`` is stored as the object ``namespace + ":" + key.hex()``; its value is a
         :mod:`kvactors.tiers.codec` record (header, key, payload, XXH3-64 of key+payload).
         A load verifies the record: a missing, evicted, corrupt, foreign or empty object (an
-        object whose holder died reads as empty) fails its key, never serves bytes; a corrupt
-        or foreign one is removed. Stores and loads are zero-copy batch calls with per-key
-        codes (``batch_put_from``, ``batch_get_into``) from and into a registered staging
-        buffer of the lane thread that makes the call: a store copies each row into its
+        object whose holder died reads as empty) fails its key, never serves bytes; a record
+        of our size that fails verification is removed (one of another size is left alone).
+        Stores and loads are zero-copy batch calls with per-key codes (``batch_put_from``,
+        ``batch_get_into``) from and into a registered staging buffer of the lane thread that makes the call: a store copies each row into its
         record there (under the job's lock, while the rows are pinned), a load verifies each
         record there and copies it into its row under the job's lock, only if the job has not
         been reported. So Mooncake never touches the pool: a call abandoned at its deadline
@@ -350,7 +350,8 @@ class MooncakeTier(SecondaryTier):
                                           [head_size + block_bytes for head_size in head_sizes])
         good: list[tuple[int, int]] = []  # (payload offset in stage, pool row)
         missing: dict[OffloadKey, str] = {}
-        bad: dict[OffloadKey, str] = {}
+        bad: dict[OffloadKey, str] = {}  # our size, failed verification: removed
+        foreign: dict[OffloadKey, str] = {}
         unavailable: dict[OffloadKey, str] = {}
         for j, (key, code, head_size) in enumerate(zip(keys, codes, head_sizes, strict=True)):
             start = j * slot
@@ -365,8 +366,8 @@ class MooncakeTier(SecondaryTier):
                     good.extend((start + head_size, row) for row in rows_of[key])
             elif code == OBJECT_NOT_FOUND:
                 missing[key] = "missing"
-            elif code >= 0 or code == BUFFER_TOO_SMALL:
-                bad[key] = f"foreign object: code {code}, expected {head_size + block_bytes} bytes"
+            elif code >= 0 or code == BUFFER_TOO_SMALL:  # not a record of ours: a miss, left alone
+                foreign[key] = f"foreign object: code {code}, expected {head_size + block_bytes} bytes"
             else:
                 unavailable[key] = f"get failed: code {code}"
         with state.lock:
@@ -374,14 +375,15 @@ class MooncakeTier(SecondaryTier):
                 return Outcome()
             for offset, row in good:
                 pool[row] = stage[offset:offset + block_bytes]
-        if not missing and not bad and not unavailable:
+        if not missing and not bad and not foreign and not unavailable:
             return Outcome()
         removed = self._remove(conn, list(bad)) if bad else []
         if unavailable:
             self._suspect(conn, next(iter(unavailable.values())))
-        failed = missing | bad | unavailable
+        failed = missing | bad | foreign | unavailable
         parts = []
-        for what, group in (("missing", missing), ("corrupt or foreign", bad), ("unavailable", unavailable)):
+        for what, group in (("missing", missing), ("corrupt", bad), ("foreign", foreign),
+                            ("unavailable", unavailable)):
             if group:
                 parts.append(f"{what}: {len(group)} blocks ({next(iter(group.values()))})")
         events = [OffloadingEvent(keys=tuple(removed), tier=self.name, removed=True)] if removed else []

@@ -91,7 +91,7 @@ def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
     for key in ("fsync", "cluster"):
         if key in entry and type(entry[key]) is not bool:
             raise ValueError(f"kvactors: {where}.{key} must be true or false, got {entry[key]!r}")
-    for key in ("root", "url", "name", "namespace", "class"):
+    for key in ("root", "url", "master", "name", "namespace", "class"):
         if key in entry and (not isinstance(entry[key], str | os.PathLike) or not str(entry[key])):
             raise ValueError(f"kvactors: {where}.{key} must be a non-empty string, got {entry[key]!r}")
     if kind == "custom":
