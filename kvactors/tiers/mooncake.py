@@ -64,11 +64,12 @@ class MooncakeTier(SecondaryTier):
         of our size that fails verification is removed (one of another size is left alone).
         Stores and loads are zero-copy batch calls with per-key codes (``batch_put_from``,
         ``batch_get_into``) from and into a registered staging buffer of the lane thread
-        that makes the call: a store copies each row into its record there (under the job's lock, while the rows are pinned), a load verifies each
-        record there and copies it into its row under the job's lock, only if the job has not
-        been reported. So Mooncake never touches the pool: a call abandoned at its deadline
-        cannot write into rows that were given back. Jobs end per key. ``put`` of a key the
-        store already holds keeps the old record.
+        that makes the call. A store copies each row into its record there (under the
+        job's lock, while the rows are pinned); a load verifies each record there and
+        copies it into its row under the job's lock, only if the job has not been reported.
+        So Mooncake never touches the pool: a call abandoned at its deadline cannot write
+        into rows that were given back. Jobs end per key. ``put`` of a key the store
+        already holds keeps the old record.
 
     Bounds
         No Mooncake call runs on a kvactors thread: each runs on the tier's *call lane*,
