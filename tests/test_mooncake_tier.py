@@ -289,7 +289,7 @@ def test_frozen_master_is_bounded_then_recovers() -> None:
             assert h.store(keys, [0, 1]).success
             master.freeze()
             start = time.monotonic()
-            assert all(r in (MISS, RETRY) for r in h.lookup(keys))
+            h.lookup(keys)  # any answer (the client may still know the keys), but in time
             assert time.monotonic() - start < 3 * TIMEOUT
             result, took = h.run(keys, [10, 11], load=True)
             assert not result.success and took < 3 * TIMEOUT + 1.0

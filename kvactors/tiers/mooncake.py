@@ -62,14 +62,15 @@ class MooncakeTier(SecondaryTier):
         A load verifies the record: a missing, evicted, corrupt, foreign or empty object (an
         object whose holder died reads as empty) fails its key, never serves bytes; a record
         of our size that fails verification is removed (one of another size is left alone).
-        Stores and loads are zero-copy batch calls with per-key codes (``batch_put_from``,
-        ``batch_get_into``) from and into a registered staging buffer of the lane thread
-        that makes the call. A store copies each row into its record there (under the
-        job's lock, while the rows are pinned); a load verifies each record there and
-        copies it into its row under the job's lock, only if the job has not been reported.
-        So Mooncake never touches the pool: a call abandoned at its deadline cannot write
-        into rows that were given back. Jobs end per key. ``put`` of a key the store
-        already holds keeps the old record.
+        Stores and loads are zero-copy batch calls with per-key codes. A store is one
+        ``batch_put_from_multi_buffers``: each header from a registered staging buffer of the
+        lane thread, each payload straight from its (registered, pinned) row; a row reused
+        while a call that ran past its deadline still reads it makes a record that fails its
+        checksum: a miss. A load is one ``batch_get_into`` into the staging buffer; each
+        record is verified there and copied into its row under the job's lock, only if the
+        job has not been reported: a load abandoned at its deadline never writes into rows
+        that were given back. Jobs end per key. ``put`` of a key the store already holds
+        keeps the old record.
 
     Bounds
         No Mooncake call runs on a kvactors thread: each runs on the tier's *call lane*,
@@ -232,7 +233,7 @@ class MooncakeTier(SecondaryTier):
     # ----------------------------------------------------------------- jobs
 
     def submit_store(self, job: TransferJob) -> None:
-        """Store ``pool[job.block_ids]`` under ``job.keys`` (records staged, one ``batch_put_from``
+        """Store ``pool[job.block_ids]`` under ``job.keys`` (one ``batch_put_from_multi_buffers``
         per chunk of at most 8 MiB); returns at once. Reports exactly once, per key."""
         self._submit(job, self._store_chunk)
 
@@ -293,9 +294,9 @@ class MooncakeTier(SecondaryTier):
             return _fail_all(lo, hi, _describe(exc))
 
     def _store_chunk(self, conn: Conn, state: RunningJob, lo: int, hi: int) -> Outcome:
-        """On a lane thread: store keys ``lo:hi`` (each key once): each record assembled in this
-        thread's staging buffer (one copy of the row, while the job's lock says the rows are
-        still pinned), then one ``batch_put_from``."""
+        """On a lane thread: store keys ``lo:hi`` (each key once), one
+        ``batch_put_from_multi_buffers``: each record's header and key from this thread's
+        staging buffer, its payload straight from the pool's row (registered)."""
         job = state.job
         pool = self._pool_np
         block_bytes = pool.shape[1]
@@ -303,23 +304,25 @@ class MooncakeTier(SecondaryTier):
         for i in range(lo, hi):
             first.setdefault(job.keys[i], i)
         keys = list(first)
-        slot = _slot_bytes(keys, block_bytes)
+        slot = _slot_bytes(keys, 0)
         stage = thread_buffers(conn, len(keys) * slot)
-        base = stage.ctypes.data
+        base, pool_base = stage.ctypes.data, pool.ctypes.data
         names, ptrs, sizes = [], [], []
         with state.lock:
             if state.reported:
                 return Outcome()
             for j, key in enumerate(keys):
-                row = pool[job.block_ids[first[key]]]
-                head = codec.encode_header(key, row.data)
+                row = job.block_ids[first[key]]
+                head = codec.encode_header(key, pool[row].data)
                 start = j * slot
                 stage[start:start + len(head)] = np.frombuffer(head, dtype=np.uint8)
-                stage[start + len(head):start + len(head) + block_bytes] = row
                 names.append(self.object_key(key))
-                ptrs.append(base + start)
-                sizes.append(len(head) + block_bytes)
-        codes = conn.store.batch_put_from(names, ptrs, sizes)
+                ptrs.append([base + start, pool_base + row * block_bytes])
+                sizes.append([len(head), block_bytes])
+        # The rows stay pinned until the report. If the job is reported first (this call ran
+        # past timeout_s) and a row is reused while Mooncake still reads it, the record stored
+        # fails its checksum when loaded: a miss, never data.
+        codes = conn.store.batch_put_from_multi_buffers(names, ptrs, sizes)
         failed: dict[OffloadKey, str] = {}
         for key, code in zip(keys, codes, strict=True):
             if code != 0:
@@ -434,6 +437,11 @@ class MooncakeTier(SecondaryTier):
             local = self.local_host or _local_address(self._host, self._port)
             store = connect(self._host, self._port, segment_bytes=self.segment_bytes,
                             local_buffer_bytes=self.local_buffer_bytes, local_host=local, timeout_s=self.timeout_s)
+            pool = self._pool_np  # stores send their payloads straight from the rows
+            code = store.register_buffer(pool.ctypes.data, pool.nbytes)
+            if code != 0:
+                store.close()
+                raise OSError(f"mooncake register_buffer (the pool) failed: code {code}")
             with self._lock:
                 self._generation += 1
                 conn = Conn(store, self._generation)

@@ -1,6 +1,8 @@
 """One connection of :class:`~kvactors.tiers.mooncake.MooncakeTier` to a Mooncake Store,
 and the per-thread staging buffers its zero-copy calls use.
 
+A connection has the tier's pool registered (stores send the rows themselves).
+
 A :class:`Conn` is a ``MooncakeDistributedStore`` set up against the master. When the
 tier gives it up (its master restarted, or stopped answering)
 it is *retired*: closed by the last call that used it, on that call's lane thread, never
