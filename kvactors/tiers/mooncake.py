@@ -462,9 +462,10 @@ class MooncakeTier(SecondaryTier):
         elif conn is not None:
             self._log.info("tier_recovered" if was_degraded else "tier_connected", master=self.master,
                            generation=conn.generation)
-        else:  # a warning once, then at debug while the store stays away
-            (self._log.debug if was_degraded else self._log.warning)(
-                "connect_failed", master=self.master, error=_describe(error or RuntimeError()))
+        elif was_degraded:  # a warning once, then at debug while the store stays away
+            self._log.debug("connect_failed", master=self.master, error=_describe(error or RuntimeError()))
+        else:
+            self._log.warning("connect_failed", master=self.master, error=_describe(error or RuntimeError()))
 
     def _suspect(self, conn: Conn, why: BaseException | str) -> None:
         """A call failed in a way the master may be behind: check it on the lane (one check at a
