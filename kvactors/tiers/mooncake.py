@@ -459,9 +459,10 @@ class MooncakeTier(SecondaryTier):
         if conn is not None and self._runner.closed:
             if conn.retire():
                 conn.close_now()
+        elif conn is not None and was_degraded:
+            self._log.info("tier_recovered", master=self.master, generation=conn.generation)
         elif conn is not None:
-            self._log.info("tier_recovered" if was_degraded else "tier_connected", master=self.master,
-                           generation=conn.generation)
+            self._log.info("tier_connected", master=self.master, generation=conn.generation)
         elif was_degraded:  # a warning once, then at debug while the store stays away
             self._log.debug("connect_failed", master=self.master, error=_describe(error or RuntimeError()))
         else:
