@@ -67,6 +67,8 @@ _LIFECYCLE = (
     _spec("actor_abandoned", "warning", "actor", "an actor that did not stop in time, left behind (a daemon thread)"),
     _spec("call_unanswered", "error", "call", "a blocking call not answered long past its deadline (a wedged thread)"),
     _spec("runtime_stopping", "info", "jobs_in_flight active_requests", "the supervisor starts the stop"),
+    _spec("shutdown_timeout_zero", "warning", "shutdown_timeout_s",
+          "the vLLM engine runs with --shutdown-timeout 0: its stop will not wait for this manager's"),
     # the primary: request lifetime and the frontend's calls
     _spec("request_started", "debug", _REQ, "on_new_request admitted"),
     _spec("request_finished", "debug", _REQ + " pending_stores", "on_request_finished at the primary"),
@@ -137,7 +139,7 @@ _COMPONENT = tuple(
         # the vLLM integration (stdlib logger kvactors.vllm)
         ("take_events_failed", "error"), ("transfer_failed", "warning"), ("transfer_plan_failed", "error"),
         ("transfer_wait_timed_out", "error"), ("block_identity", "info"), ("pool_reclaimed", "warning"),
-        ("stats_failed", "error"),
+        ("stats_failed", "error"), ("weights_fingerprinted", "info"), ("weights_fingerprint_failed", "warning"),
     )
 )
 

@@ -35,13 +35,21 @@ Families (``tier`` is ``"cpu"`` for the primary pool, else a secondary tier's na
 * ``kvactors_tiers_stuck`` and ``kvactors_tier_stuck{tier}``: tiers stuck inside a
   call (see :func:`stuck_tiers`).
 
+Every series from the start: each family declares the label sets it knows
+(:class:`Series`: from the configured tier names, the job kinds and outcomes,
+the pool states), and a scrape exports each of them, at 0 until it counts
+something, so a dashboard or an alert on a tier that has not been used yet reads
+0, not "no data" (:func:`known_series`). The one exception: the stuck-tier gauges
+are exported only while the runtime reports them (``stats()``'s ``tiers_stuck``).
+
 Threading: ``collect`` may run on any thread (the HTTP server's); it blocks for
 one round trip to the actors. A stopped manager yields no samples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import enum
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,8 +61,9 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("kvactors.metrics needs prometheus-client: pip install 'kvactors[metrics]'") from exc
 
 from kvactors.core.arguments import check_int
-from kvactors.core.counters import MetricsSnapshot
+from kvactors.core.counters import DURATION_BUCKETS, OUTCOMES, Histogram, MetricsSnapshot
 from kvactors.core.errors import ManagerStoppedError
+from kvactors.types import PRIMARY_TIER_NAME
 
 if TYPE_CHECKING:
     import threading
@@ -62,59 +71,107 @@ if TYPE_CHECKING:
 
     from kvactors.manager import TieringManager
 
-__all__ = ["FAMILIES", "FamilyDef", "KvactorsCollector", "serve_metrics", "stuck_tiers"]
+__all__ = ["FAMILIES", "FamilyDef", "KvactorsCollector", "Series", "known_series", "serve_metrics", "stuck_tiers"]
 
 POOL_STATES = ("ready", "pinned", "pending", "detached", "free")
+TIER_JOB_KINDS = ("cascade", "promotion")
+"""The kinds of a secondary tier's jobs (the ``kind`` label)."""
+
+
+class Series(enum.Enum):
+    """The label sets a family knows, given the configured secondary tiers' names
+    (:meth:`label_sets`): what a scrape exports from the start, each at 0."""
+
+    NONE = "none"                      # one series, no labels
+    CPU = "cpu"                        # tier="cpu"
+    TIERS = "tiers"                    # each secondary tier
+    CPU_AND_TIERS = "cpu_and_tiers"    # "cpu", then each secondary tier
+    TIER_JOBS = "tier_jobs"            # each secondary tier x cascade, promotion
+    JOBS_ENDED = "jobs_ended"          # cpu store x outcomes, cpu load ok, tier jobs x outcomes
+    POOL_STATES = "pool_states"        # each pool state
+
+    def label_sets(self, tiers: Sequence[str]) -> tuple[tuple[str, ...], ...]:
+        """The label values of every series, in the family's label order."""
+        cpu = PRIMARY_TIER_NAME
+        if self is Series.NONE:
+            return ((),)
+        if self is Series.CPU:
+            return ((cpu,),)
+        if self is Series.TIERS:
+            return tuple((t,) for t in tiers)
+        if self is Series.CPU_AND_TIERS:
+            return ((cpu,), *((t,) for t in tiers))
+        if self is Series.TIER_JOBS:
+            return tuple((t, k) for t in tiers for k in TIER_JOB_KINDS)
+        if self is Series.JOBS_ENDED:
+            # The pool's loads are counted when they complete (complete_load): "ok" only.
+            return (*((cpu, "store", o) for o in OUTCOMES), (cpu, "load", "ok"),
+                    *((t, k, o) for t in tiers for k in TIER_JOB_KINDS for o in OUTCOMES))
+        return tuple((state,) for state in POOL_STATES)
 
 
 @dataclass(frozen=True)
 class FamilyDef:
     """One family the collector yields: its name (a counter's without ``_total``), Prometheus type,
-    help text and label names. Exporters that declare their metrics ahead (vLLM's
-    ``OffloadingSpec.build_metric_definitions``) read :data:`FAMILIES`."""
+    help text, label names and the label sets it knows (:class:`Series`). Exporters that declare
+    their metrics ahead (vLLM's ``OffloadingSpec.build_metric_definitions``) read :data:`FAMILIES`."""
 
     name: str
     kind: str  # "counter", "gauge" or "histogram"
     doc: str
     labels: tuple[str, ...] = ()
+    series: Series = Series.NONE
 
 
-def _defs(kind: str, labels: tuple[str, ...], *pairs: tuple[str, str]) -> tuple[FamilyDef, ...]:
-    return tuple(FamilyDef(name, kind, doc, labels) for name, doc in pairs)
+def _defs(kind: str, labels: tuple[str, ...], series: Series, *pairs: tuple[str, str]) -> tuple[FamilyDef, ...]:
+    return tuple(FamilyDef(name, kind, doc, labels, series) for name, doc in pairs)
 
 
 #: Every family :meth:`KvactorsCollector.collect` may yield (``tests/test_metrics.py`` checks the match).
 FAMILIES: tuple[FamilyDef, ...] = (
-    *_defs("counter", ("tier",),
+    *_defs("counter", ("tier",), Series.CPU_AND_TIERS,
            ("kvactors_lookup_keys", "Keys asked at a tier (a secondary tier: keys the pool missed)."),
            ("kvactors_hit_keys", "Keys a tier answered HIT (cpu: ready in the pool)."),
            ("kvactors_stored_bytes", "Block payload stored at a tier by successful transfers."),
-           ("kvactors_loaded_bytes", "Block payload loaded from a tier by successful transfers."),
-           ("kvactors_evicted_keys", "Keys evicted to make room.")),
-    FamilyDef("kvactors_jobs", "counter", "Transfers ended, by tier, kind and outcome.", ("tier", "kind", "outcome")),
-    *_defs("counter", ("tier", "kind"),
+           ("kvactors_loaded_bytes", "Block payload loaded from a tier by successful transfers.")),
+    FamilyDef("kvactors_evicted_keys", "counter", "Keys evicted to make room.", ("tier",), Series.CPU),
+    FamilyDef("kvactors_jobs", "counter", "Transfers ended, by tier, kind and outcome.", ("tier", "kind", "outcome"),
+              Series.JOBS_ENDED),
+    *_defs("counter", ("tier", "kind"), Series.TIER_JOBS,
            ("kvactors_jobs_started", "Cascades and promotions submitted to a tier."),
            ("kvactors_jobs_dropped", "Cascades and promotions failed before reaching their tier (reset, stop).")),
     FamilyDef("kvactors_job_duration_seconds", "histogram",
-              "A tier's cascades and promotions, submit to report (or deadline).", ("tier", "kind")),
-    *_defs("gauge", ("tier",),
+              "A tier's cascades and promotions, submit to report (or deadline).", ("tier", "kind"), Series.TIER_JOBS),
+    *_defs("gauge", ("tier",), Series.TIERS,
            ("kvactors_tier_jobs_queued", "Jobs waiting for a slot of their tier (queue depth)."),
            ("kvactors_tier_jobs_in_flight", "Jobs submitted to a tier and not reported yet.")),
     FamilyDef("kvactors_pool_blocks", "gauge", "Rows of the primary pool by state (they sum to num_blocks).",
-              ("state",)),
-    *_defs("gauge", (),
+              ("state",), Series.POOL_STATES),
+    *_defs("gauge", (), Series.NONE,
            ("kvactors_active_requests", "Request attempts from on_new_request until finalized."),
            ("kvactors_lookups_in_flight", "Lookups waiting for the secondary tiers.")),
-    *_defs("counter", (),
+    *_defs("counter", (), Series.NONE,
            ("kvactors_contract_violations", "Misuse found in non-blocking calls (logged, state unchanged)."),
            ("kvactors_lookups_timed_out", "Lookups that gave up waiting for a tier (lookup_timeout_s)."),
            ("kvactors_late_reports", "Job reports that came after their deadline."),
            ("kvactors_requests_finalized", "Request attempts finalized at every tier."),
            ("kvactors_internal_errors", "Handler failures inside the runtime (should stay 0).")),
     FamilyDef("kvactors_tiers_stuck", "gauge", "Secondary tiers stuck inside a call."),
-    FamilyDef("kvactors_tier_stuck", "gauge", "1 while a tier is stuck inside a call.", ("tier",)),
+    FamilyDef("kvactors_tier_stuck", "gauge", "1 while a tier is stuck inside a call.", ("tier",), Series.TIERS),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def known_series(tiers: Sequence[str]) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """Every family's known label sets (:class:`Series`), given the secondary tiers' names in
+    order: what :class:`KvactorsCollector` exports from the start, at 0 until counted."""
+    return {f.name: f.series.label_sets(tuple(tiers)) for f in FAMILIES}
+
+
+def snapshot_tiers(snap: MetricsSnapshot) -> tuple[str, ...]:
+    """The secondary tiers' names of ``snap``, in order (the runtime keys its per-tier
+    counters by every configured tier from its start)."""
+    return tuple(t for t in snap.lookup_keys if t != PRIMARY_TIER_NAME)
 _TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}
 
 
@@ -163,10 +220,11 @@ class KvactorsCollector(Collector):
         yield from self.families(snap)
 
     def families(self, snap: MetricsSnapshot) -> Iterator[Metric]:
-        """The metric families of ``snap``."""
-        yield from self._traffic_families(snap)
-        yield from self._job_families(snap)
-        yield from self._state_families(snap)
+        """The metric families of ``snap``, each with every series it knows (at 0 where ``snap``
+        has no figure for one: :func:`known_series`)."""
+        known = known_series(snapshot_tiers(snap))
+        for family in (*self._traffic_families(snap), *self._job_families(snap), *self._state_families(snap)):
+            yield _with_every_series(family, known[family.name])
 
     def _traffic_families(self, snap: MetricsSnapshot) -> Iterator[Metric]:
         """Keys asked and found, bytes moved and keys evicted, per tier."""
@@ -209,6 +267,22 @@ class KvactorsCollector(Collector):
             yield _family("kvactors_tiers_stuck", value=count)
         if per_tier_stuck:
             yield _labelled("kvactors_tier_stuck", [((tier,), v) for tier, v in per_tier_stuck.items()])
+
+
+def _with_every_series(family: Any, label_sets: tuple[tuple[str, ...], ...]) -> Metric:
+    """``family`` (one of ``_TYPES``) with a 0 sample (an empty histogram) for each of ``label_sets`` it lacks."""
+    d = _BY_NAME[family.name]
+    if not d.labels:
+        return family
+    have = {tuple(str(sample.labels.get(k, "")) for k in d.labels) for sample in family.samples}
+    for labels in label_sets:
+        if labels in have:
+            continue
+        if d.kind == "histogram":
+            family.add_metric(list(labels), Histogram((0,) * (len(DURATION_BUCKETS) + 1), 0.0).cumulative(), 0.0)
+        else:
+            family.add_metric(list(labels), 0.0)
+    return family
 
 
 def _labelled(name: str, values: Iterable[tuple[tuple[str, ...], float]]) -> Metric:

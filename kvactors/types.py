@@ -1,4 +1,4 @@
-"""The value types of the public API (README.md, "Using it").
+"""The value types of the public API (docs/guide.md, "Embedding it").
 
 Every type here is immutable: values cross thread boundaries inside actor
 messages, which pykka passes by reference, so nothing may be mutated after it

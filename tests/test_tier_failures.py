@@ -294,7 +294,7 @@ SCRIPTS: dict[str, tuple[Callable[[TransferJob], Sequence[JobResult]], set[Offlo
     "stranger_key": (lambda j: [JobResult(j.job_id, True, None, (A, B, C, b"other"))], set(), {"invalid_reports": 1}),
     "a_list": (lambda j: [JobResult(j.job_id, True, None, [A, B, C])], set(), {"invalid_reports": 1}),  # type: ignore[arg-type]
     "not_bytes": (lambda j: [JobResult(j.job_id, True, None, (A, "b"))], set(), {"invalid_reports": 1}),  # type: ignore[arg-type]
-    # The tuple governs, whatever success says (README "Tiers"): every key named succeeded.
+    # The tuple governs, whatever success says (docs/tiers.md, "A tier of your own"): every key named succeeded.
     "failed_names_all": (lambda j: [JobResult(j.job_id, False, None, (A, B, C))], {A, B, C}, {"invalid_reports": 0}),
     "success_not_bool": (lambda j: [JobResult(j.job_id, "yes")], set(), {"invalid_reports": 1}),  # type: ignore[arg-type]
     "empty_tuple": (lambda j: [JobResult(j.job_id, False, None, ())], set(), {"jobs_partial": 0}),

@@ -23,7 +23,7 @@ from kvactors import LookupResult, ReqContext, TieringManager
 from kvactors.testing.faults import Faults, FaultTier
 from kvactors.testing.recorder import RecordedTier, TierRecord
 from kvactors.testing.tiers import ThreadDeferrer
-from kvactors.tiers.base import SecondaryTier
+from kvactors.tiers.base import HOOKS, SecondaryTier, hooks_of
 from kvactors.tiers.disk import DiskTier
 from kvactors.tiers.memory import MemoryTier
 from kvactors.tiers.prefixed import PrefixedTier
@@ -35,8 +35,8 @@ CALLS = ("lookup", "submit_store", "submit_load", "on_new_request", "on_request_
          "take_events", "drain", "shutdown")
 
 
-class HooklessTier(SecondaryTier):
-    """Overrides no optional hook: every job reported at once, every key it stored a hit."""
+class PlainTier(SecondaryTier):
+    """Declares no optional hook: every job reported at once, every key it stored a hit."""
 
     def __init__(self) -> None:
         super().__init__(name="plain")
@@ -74,7 +74,7 @@ def _inner(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Seconda
         server = request.getfixturevalue("redis_server")
         return RedisTier(server.url, namespace=f"wrappers-{uuid.uuid4().hex[:8]}")
     if kind == "hookless":
-        return HooklessTier()
+        return PlainTier()
     return HookedTier(name="hooked", capacity_blocks=64)
 
 
@@ -155,31 +155,58 @@ def test_a_wrapped_tier_takes_the_paths_of_the_bare_one(kind: str, wrapper: str,
     assert bare_calls["submit_store"] >= 1 and bare_calls["submit_load"] >= 1  # the workload reached the tier
 
 
-def test_the_shape_follows_the_inner_tier_and_keeps_the_wrappers_class() -> None:
+def test_a_wrapper_declares_the_inner_tiers_hooks_and_keeps_its_class() -> None:
     record = TierRecord()
-    plain, hooked = RecordedTier(HooklessTier(), record=record), RecordedTier(HookedTier(capacity_blocks=4))
-    assert isinstance(plain, RecordedTier) and type(plain).__name__ == "RecordedTier"
-    assert type(plain) is not type(hooked)  # one class per shape, each a RecordedTier
-    assert type(RecordedTier(HooklessTier())) is type(plain)  # built once per shape
-    assert "on_new_request" not in vars(type(plain)) or type(plain).on_new_request is SecondaryTier.on_new_request
-    assert type(hooked).on_new_request is RecordedTier.on_new_request
+    plain, hooked = RecordedTier(PlainTier(), record=record), RecordedTier(HookedTier(capacity_blocks=4))
+    assert type(plain) is type(hooked) is RecordedTier  # no class built per shape: the hooks are declared
+    assert PlainTier.hooks == plain.hooks == frozenset()
+    assert HookedTier.hooks == hooked.hooks == HOOKS
+    deferrer = ThreadDeferrer(1)
+    try:
+        assert RecordedTier(FaultTier(HookedTier(capacity_blocks=4), deferrer=deferrer)).hooks == HOOKS
+    finally:
+        deferrer.close()
     with pytest.raises(TypeError, match="wraps a SecondaryTier"):
         DelegatingTier(object())  # type: ignore[arg-type]
 
 
+def test_a_class_declares_its_hooks_or_gets_those_it_defines() -> None:
+    """The default declaration: the bases' hooks and those the class body defines; a declaration wins."""
+
+    class Touching(PlainTier):
+        def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+            pass
+
+    class Declared(Touching):
+        hooks = frozenset({"on_request_finished"})
+
+    class Below(Declared):
+        def on_new_request(self, ctx: ReqContext) -> None:
+            pass
+
+    assert Touching.hooks == {"touch"} and Declared.hooks == {"on_request_finished"}
+    assert Below.hooks == {"on_request_finished", "on_new_request"}
+    assert MemoryTier.hooks == DiskTier.hooks == {"touch"}
+    bad = PlainTier()
+    bad.hooks = frozenset({"lookup"})  # type: ignore[misc]
+    with pytest.raises(ValueError, match="hooks names"):
+        hooks_of(bad)
+
+
 def test_the_explorers_stacks_keep_their_hooks() -> None:
-    """``RecordingTier`` announces starts (it overrides ``on_new_request``), ``HooklessRecordingTier`` does not:
+    """A ``RecordingTier`` declaring ``on_new_request`` is announced starts, one without it is not:
     the explorer's ``tier_hooks`` draw still chooses between the two paths."""
     from kvactors.actors.secondary import SecondaryTierActor
-    from kvactors.testing.tiers import HooklessRecordingTier, RecordingTier
+    from kvactors.testing.tiers import RecordingTier
 
     deferrer = ThreadDeferrer(1)
     try:
         hooked = RecordingTier(name="a", capacity_blocks=4, deferrer=deferrer)
-        plain = HooklessRecordingTier(name="b", capacity_blocks=4, deferrer=deferrer)
+        plain = RecordingTier(name="b", capacity_blocks=4, deferrer=deferrer, hooks=HOOKS - {"on_new_request"})
         assert SecondaryTierActor(hooked).wants_new_request and not SecondaryTierActor(plain).wants_new_request
         assert SecondaryTierActor(hooked).inline == SecondaryTierActor(hooked.memory).inline == frozenset()
-        assert [type(layer).__name__ for layer in plain.layers()] == ["HooklessRecordingTier", "FaultTier",
-                                                                       "HooklessDeferredMemoryTier"]
+        assert SecondaryTierActor(plain).inline == {"on_new_request"}  # not declared: a no-op
+        assert [type(layer).__name__ for layer in plain.layers()] == ["RecordingTier", "FaultTier",
+                                                                       "DeferredMemoryTier"]
     finally:
         deferrer.close()

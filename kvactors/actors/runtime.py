@@ -39,6 +39,9 @@ happened, except an interrupt of the process.
   threads, plugin calls never run on the main thread, the only one Python
   delivers signals to (a claim made there runs its own message alone,
   :meth:`~kvactors.actors.threads.ThreadActorRef.run_claimed`).
+* A callback of a :class:`~kvactors.TransferEngine` future is foreign code
+  too, run on an engine thread: anything it raises is logged there
+  (``completion_failed``), and the engine goes on.
 * ``KeyboardInterrupt`` and ``SystemExit`` in a handler (a Ctrl-C while the
   main thread runs a claimed call) are not caught: they reach the thread
   that ran it, after the claim is given back.

@@ -49,7 +49,7 @@ from kvactors.actors import messages as m
 from kvactors.actors.runtime import Actor, ActorRef, ActorStoppedError, alone, handles
 from kvactors.core.gathers import GatherKind
 from kvactors.logs import EventLogger
-from kvactors.tiers.base import InlineCall, SecondaryTier, inline_calls_of, overrides
+from kvactors.tiers.base import InlineCall, SecondaryTier, hooks_of, inline_calls_of
 from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext
 
 
@@ -101,9 +101,10 @@ microseconds; the margin is for a loaded machine's scheduling.)"""
 class TierLink:
     """How the supervisor reaches one tier actor. Used by the supervisor's thread only.
 
-    ``wants_new_request`` / ``wants_touch``: whether the plugin overrides those
-    optional hooks (a message not worth sending otherwise). ``on_request_finished``
-    is always sent: the actor logs its arrival for ``check-log``.
+    ``wants_new_request`` / ``wants_touch``: whether the plugin declares those
+    optional hooks (:attr:`~kvactors.tiers.base.SecondaryTier.hooks`); a message
+    is not worth sending otherwise. ``on_request_finished`` is always sent: the
+    actor logs its arrival for ``check-log``.
     ``inline``: the plugin's methods that may run on the sender's thread
     (:func:`~kvactors.tiers.base.inline_calls_of`); one that overruns
     :data:`INLINE_LIMIT_S` there leaves the set, and ``on_blocked(tier, call,
@@ -171,14 +172,15 @@ class SecondaryTierActor(Actor):
         self.supervisor: ActorRef
         self.tier_errors = 0
         self._lane = LookupLane()
-        self.wants_new_request = overrides(tier, "on_new_request")
+        self.hooks = hooks_of(tier)
+        self.wants_new_request = "on_new_request" in self.hooks
         self.inline = inline_calls_of(tier)  # ValueError here, at the manager's start, if it names a stranger
         # Requests whose on_new_request the plugin has seen: their lookups may take the lane.
         self._open: set[tuple[str, int]] = set()
 
     def link(self) -> TierLink:
         """The supervisor's handle on this actor (after it was spawned)."""
-        return TierLink(self.ref, self._lane, self.wants_new_request, overrides(self.tier, "touch"), self.inline,
+        return TierLink(self.ref, self._lane, self.wants_new_request, "touch" in self.hooks, self.inline,
                         self.tier.name)
 
     def connect(self, supervisor: ActorRef, pool: torch.Tensor) -> None:

@@ -147,8 +147,10 @@ class LogChecker:
                 notes.append(f"{who}: its start (seq 0, manager_started) is not in the log: not checked")
                 continue
             if manager.replay is not None:
+                cause = (" (it logged shutdown_timeout_zero: its vLLM engine ran with --shutdown-timeout 0, "
+                         "whose stop does not wait for it)") if manager.replay.unwaited_stop else ""
                 notes.append(f"{who} never stopped (no manager_stopped): what must hold at the stop (every "
-                             "finish, every pin and job released) was not checked")
+                             f"finish, every pin and job released) was not checked{cause}")
                 self._close(manager, (pid, number))
             if manager.missing:
                 notes.append(f"{who}: {manager.missing} event(s) missing ({manager.gaps} gap(s) in seq)")

@@ -82,6 +82,9 @@ class ManagerReplay(LifetimeRules, JobRules):
     def on_runtime_stopping(self, event: Event) -> None:
         pass
 
+    def on_shutdown_timeout_zero(self, event: Event) -> None:
+        self.unwaited_stop = True  # said in the note of a log that ends without manager_stopped
+
     # ------------------------------------------------------------ alarms and notes
 
     def on_contract_violation(self, event: Event) -> None:

@@ -65,6 +65,7 @@ class ReplayState:
         self.tiers: list[str] = []
         self.started = False
         self.stopped: Event | None = None
+        self.unwaited_stop = False  # shutdown_timeout_zero: the engine's stop does not wait for the manager
         self.current: dict[Identity, Lifetime] = {}
         self.draining: dict[Identity, list[Lifetime]] = {}  # finalized, owed a tier's receipt
         self.jobs: dict[int, Job] = {}

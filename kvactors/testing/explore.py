@@ -40,9 +40,9 @@ from kvactors.actors.primary import PrimaryTier
 from kvactors.actors.reply import Reply
 from kvactors.manager import TieringManager
 from kvactors.testing.scheduler import SimRuntime, SimulationStuck
-from kvactors.testing.tiers import Faults, HooklessRecordingTier, RecordingTier, SimDeferrer, rows_hold
+from kvactors.testing.tiers import Faults, RecordingTier, SimDeferrer, rows_hold
 from kvactors.testing.workload import Env, WorkloadConfig, make_clients
-from kvactors.tiers.base import INLINE_CALLS
+from kvactors.tiers.base import HOOKS, INLINE_CALLS
 from kvactors.types import OffloadKey
 
 
@@ -298,11 +298,12 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
     runtime = SimRuntime(seed, time_jump_chance=params.time_jump_chance, claim_chance=params.claim_chance,
                          trace=trace)
     deferrer = SimDeferrer(runtime)
-    tier_class = RecordingTier if params.tier_hooks else HooklessRecordingTier
+    hooks = HOOKS if params.tier_hooks else HOOKS - {"on_new_request"}
     inline = INLINE_CALLS if params.inline_calls else frozenset()
-    tiers = [tier_class(deferrer=deferrer, seed=seed, keep_calls=trace, inline_calls=inline, name=spec.name,
-                        capacity_blocks=spec.capacity_blocks, max_inflight_jobs=spec.max_inflight_jobs,
-                        faults=dataclasses.replace(spec.faults, partial=partial, lie=lie))
+    tiers = [RecordingTier(deferrer=deferrer, seed=seed, keep_calls=trace, inline_calls=inline, hooks=hooks,
+                           name=spec.name, capacity_blocks=spec.capacity_blocks,
+                           max_inflight_jobs=spec.max_inflight_jobs,
+                           faults=dataclasses.replace(spec.faults, partial=partial, lie=lie))
              for spec, (partial, lie) in zip(params.tiers, params.report_faults, strict=True)]
     manager = TieringManager.start(
         num_blocks=params.num_blocks, block_bytes=params.block_bytes, secondary_tiers=tiers,

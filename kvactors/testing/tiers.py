@@ -17,9 +17,9 @@ Both wrappers are transparent: the runtime takes the same paths with them as
 with the bare tier under them. ``RecordedTier(FaultTier(DiskTier(...), ...),
 rows_check=rows_hold)`` is what ``kvactors stress --tiers disk`` runs;
 :class:`RecordingTier` is that stack over a :class:`DeferredMemoryTier` (the
-explorer's and stress's memory tier), :class:`HooklessRecordingTier` the same
-over a tier without ``on_new_request``. Violations are collected as strings
-in ``violations``.
+explorer's and stress's memory tier). Its ``hooks`` argument chooses the hooks
+the memory tier declares, so the explorer takes the paths with and without
+``on_new_request``. Violations are collected as strings in ``violations``.
 
 The names the workloads use (``pattern``, ``rows_hold``, the deferrers,
 ``Faults``) are importable from here too.
@@ -31,14 +31,13 @@ import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
-from typing import ClassVar
 
 from kvactors.actors import runtime as rt
 from kvactors.testing.blocks import JUNK, pattern, rows_hold
 from kvactors.testing.deferrers import Deferrer, SimDeferrer, ThreadDeferrer
 from kvactors.testing.faults import LIES, Faults, FaultTier, ReportPlan, draw_mode, plan_report
 from kvactors.testing.recorder import RecordedTier, TierRecord
-from kvactors.tiers.base import SecondaryTier
+from kvactors.tiers.base import HOOKS, SecondaryTier
 from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 __all__ = [
@@ -48,8 +47,6 @@ __all__ = [
     "Deferrer",
     "FaultTier",
     "Faults",
-    "HooklessDeferredMemoryTier",
-    "HooklessRecordingTier",
     "RecordedTier",
     "RecordingTier",
     "ReportPlan",
@@ -70,26 +67,22 @@ class DeferredMemoryTier(SecondaryTier):
     writes :func:`~kvactors.testing.blocks.pattern` of each key); a load of a key
     it no longer holds fails, its rows filled with junk. ``discard(keys)`` lets a
     :class:`~kvactors.testing.faults.FaultTier` above make a store's report per
-    key. It overrides every hook (so none is inline unless ``inline_calls``
-    names it). Threading: calls on the tier's actor (or inline); jobs end on the
+    key. It declares the ``hooks`` it is given, every hook by default.
+    A hook declared is inline only where ``inline_calls`` names it.
+    Threading: calls on the tier's actor (or inline); jobs end on the
     deferrer's threads; one lock around the key set.
     """
 
     def __init__(self, *, name: str, capacity_blocks: int, deferrer: Deferrer, max_inflight_jobs: int = 16,
-                 inline_calls: Collection[str] = ()) -> None:
+                 inline_calls: Collection[str] = (), hooks: Collection[str] = HOOKS) -> None:
         super().__init__(name=name)
         self.capacity_blocks = capacity_blocks
         self.max_inflight_jobs = max_inflight_jobs  # type: ignore[misc]
         self.inline_calls = frozenset(inline_calls)  # type: ignore[misc]
+        self.hooks = frozenset(hooks)  # type: ignore[misc]
         self.deferrer = deferrer
         self._lock = threading.Lock()
         self._blocks: OrderedDict[OffloadKey, None] = OrderedDict()
-
-    def on_new_request(self, ctx: ReqContext) -> None:
-        """Overridden, so that the runtime announces request starts (see :class:`HooklessDeferredMemoryTier`)."""
-
-    def on_request_finished(self, ctx: ReqContext) -> None:
-        """Overridden, so that a finish runs inline only where ``inline_calls`` says so."""
 
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
         with self._lock:
@@ -151,31 +144,20 @@ class DeferredMemoryTier(SecondaryTier):
             return list(self._blocks)
 
 
-class HooklessDeferredMemoryTier(DeferredMemoryTier):
-    """A :class:`DeferredMemoryTier` that leaves ``on_new_request`` to the base class.
-
-    The runtime sends no hook a tier does not override, so with these tiers the
-    primary never announces a start and the supervisor opens each request's
-    state with its first fact.
-    """
-
-    on_new_request = SecondaryTier.on_new_request
-
-
 class RecordingTier(RecordedTier):
     """A recorded, fault-injected :class:`DeferredMemoryTier`: ``RecordedTier(FaultTier(memory), rows_hold)``.
 
-    ``faults`` and ``seed`` are the :class:`~kvactors.testing.faults.FaultTier`'s;
-    the rest the memory tier's; ``keep_calls`` the recorder's.
+    ``faults`` and ``seed`` are the :class:`~kvactors.testing.faults.FaultTier`'s.
+    The rest are the memory tier's, ``hooks`` included.
+    ``keep_calls`` is the recorder's.
     """
-
-    memory_class: ClassVar[type[DeferredMemoryTier]] = DeferredMemoryTier
 
     def __init__(self, *, name: str, capacity_blocks: int, deferrer: Deferrer, faults: Faults | None = None,
                  seed: int = 0, max_inflight_jobs: int = 16, keep_calls: bool = False,
-                 inline_calls: Collection[str] = ()) -> None:
-        self.memory = self.memory_class(name=name, capacity_blocks=capacity_blocks, deferrer=deferrer,
-                                        max_inflight_jobs=max_inflight_jobs, inline_calls=inline_calls)
+                 inline_calls: Collection[str] = (), hooks: Collection[str] = HOOKS) -> None:
+        self.memory = DeferredMemoryTier(name=name, capacity_blocks=capacity_blocks, deferrer=deferrer,
+                                         max_inflight_jobs=max_inflight_jobs, inline_calls=inline_calls,
+                                         hooks=hooks)
         self.fault_layer = FaultTier(self.memory, deferrer=deferrer, faults=faults or Faults(), seed=seed)
         super().__init__(self.fault_layer, rows_check=rows_hold, keep_calls=keep_calls)
 
@@ -189,9 +171,3 @@ class RecordingTier(RecordedTier):
 
     def stored_keys(self) -> list[OffloadKey]:
         return self.memory.stored_keys()
-
-
-class HooklessRecordingTier(RecordingTier):
-    """A :class:`RecordingTier` over a :class:`HooklessDeferredMemoryTier` (no ``on_new_request``)."""
-
-    memory_class = HooklessDeferredMemoryTier

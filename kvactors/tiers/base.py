@@ -18,6 +18,12 @@ InlineCall: TypeAlias = Literal["lookup", "submit_store", "submit_load", "on_new
 INLINE_CALLS: frozenset[InlineCall] = frozenset(get_args(InlineCall))
 """The methods a tier may name in :attr:`SecondaryTier.inline_calls`."""
 
+Hook: TypeAlias = Literal["on_new_request", "on_request_finished", "touch"]
+"""The name of an optional hook of a tier (:attr:`SecondaryTier.hooks`)."""
+
+HOOKS: frozenset[Hook] = frozenset(get_args(Hook))
+"""The optional hooks a tier may declare in :attr:`SecondaryTier.hooks`."""
+
 ReportFn = Callable[[JobResult], None]
 """Reports that a job ended. Thread-safe: may be called from any thread, once per job."""
 
@@ -70,10 +76,33 @@ class SecondaryTier(abc.ABC):
     be a caller's that claimed it: a serving frontend, vLLM's scheduler)
     instead of handing them to the actor's thread: still one call at a time
     with every other method, after every call sent before. A hook the tier
-    does not override counts as inline. Leave out whatever can block (a
+    does not declare in :attr:`hooks` counts as inline. Leave out whatever can block (a
     network round trip, a blocking write): it would stall that thread and the
     primary tier (once: a call that took longer than 0.25 s is never run
     inline again)."""
+
+    hooks: ClassVar[frozenset[str]] = frozenset()
+    """The optional hooks this tier implements: any of ``HOOKS``.
+
+    The runtime sends ``on_new_request`` and ``touch`` only to a tier that declares them.
+    It always sends ``on_request_finished``.
+    A hook not declared is a no-op, so it counts as inline (:attr:`inline_calls`).
+    A class that does not set ``hooks`` declares its bases' hooks and those its own body defines.
+    A wrapper declares its inner tier's (:class:`~kvactors.tiers.wrapper.DelegatingTier`).
+    """
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Give a class that does not set :attr:`hooks` its default declaration."""
+        super().__init_subclass__(**kwargs)
+        if "hooks" in cls.__dict__:
+            return
+        inherited: frozenset[str] = frozenset()
+        for base in cls.__bases__:
+            if issubclass(base, SecondaryTier):
+                inherited |= base.hooks
+            else:  # a mixin: the hooks it defines
+                inherited |= {hook for hook in HOOKS if callable(getattr(base, hook, None))}
+        cls.hooks = inherited | {hook for hook in HOOKS if hook in cls.__dict__}
 
     def __init__(self, *, name: str) -> None:
         if not isinstance(name, str) or not name:
@@ -206,22 +235,28 @@ class SecondaryTier(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-_HOOKS: tuple[InlineCall, ...] = ("on_new_request", "on_request_finished", "touch")
+def hooks_of(tier: SecondaryTier) -> frozenset[str]:
+    """``tier.hooks``, checked.
 
-
-def overrides(tier: SecondaryTier, method: str) -> bool:
-    """Whether ``tier``'s class replaces the base class's ``method``."""
-    return getattr(type(tier), method) is not getattr(SecondaryTier, method)
+    ``ValueError`` if it names a method outside :data:`HOOKS`.
+    """
+    declared = frozenset(tier.hooks)
+    unknown = declared - HOOKS
+    if unknown:
+        raise ValueError(f"tier {tier.name!r}: hooks names {sorted(unknown)}; choose from {sorted(HOOKS)}")
+    return declared
 
 
 def inline_calls_of(tier: SecondaryTier) -> frozenset[InlineCall]:
-    """``tier.inline_calls`` and the hooks it leaves to the base class (no-ops).
+    """``tier.inline_calls`` and the hooks it does not declare (no-ops).
 
-    ``ValueError`` if it names a method outside :data:`INLINE_CALLS`."""
+    ``ValueError`` if it names a method outside :data:`INLINE_CALLS`, or a hook outside :data:`HOOKS`.
+    """
     declared = frozenset(tier.inline_calls)
     unknown = declared - INLINE_CALLS
     if unknown:
         raise ValueError(f"tier {tier.name!r}: inline_calls names {sorted(unknown)}; "
                          f"choose from {sorted(INLINE_CALLS)}")
-    inherited = {hook for hook in _HOOKS if not overrides(tier, hook)}
-    return frozenset(call for call in INLINE_CALLS if call in declared) | inherited
+    hooks = hooks_of(tier)
+    not_declared = {hook for hook in HOOKS if hook not in hooks}
+    return frozenset(call for call in INLINE_CALLS if call in declared) | not_declared

@@ -127,6 +127,7 @@ class DiskTier(SecondaryTier):
 
     # The index is in memory, and submits hand their I/O to the workers.
     inline_calls = frozenset(("lookup", "touch", "submit_store", "submit_load"))
+    hooks = frozenset(("touch",))  # on_new_request and on_request_finished are no-ops here
 
     def __init__(
         self,

@@ -31,6 +31,7 @@ class MemoryTier(SecondaryTier):
 
     # Dict work under a lock. Not the submits: a copy of large blocks takes a while.
     inline_calls = frozenset(("lookup", "touch"))
+    hooks = frozenset(("touch",))  # on_new_request and on_request_finished are no-ops here
 
     def __init__(self, *, name: str = "memory", capacity_blocks: int) -> None:
         super().__init__(name=name)

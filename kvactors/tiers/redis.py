@@ -108,6 +108,7 @@ class RedisTier(RedisJobs, SecondaryTier):
     max_inflight_jobs = 16
     # The I/O runs on the I/O threads; a lookup is a network round trip, not inline.
     inline_calls = frozenset(("submit_store", "submit_load", "touch"))
+    hooks = frozenset(("touch",))  # on_new_request and on_request_finished are no-ops here
 
     def __init__(
         self,

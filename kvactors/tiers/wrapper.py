@@ -1,65 +1,35 @@
 """``DelegatingTier``: the base of tier wrappers (fault injection, recording).
 
-A wrapper must be *transparent*: the runtime chooses its paths from what a
-tier's class overrides (an ``on_new_request`` hook makes the primary announce
-every request start and gates the tier's lookup lane on it; a ``touch`` hook
-makes the supervisor send recency hints; a hook left to the base class counts
-as inline), so a wrapper that defined every hook would move a wrapped
-``DiskTier`` off the lazy path a bare one takes. A :class:`DelegatingTier`
-therefore takes the shape of its inner tier: its instance's class is a
-subclass of the wrapper's own, built once per (wrapper class, inner shape),
-in which each hook of :data:`SENT_IF_OVERRIDDEN` the inner tier leaves to the
-base class is left to the base class too; its ``inline_calls`` and
-``max_inflight_jobs`` are the inner tier's.
+A wrapper must be *transparent*: the runtime takes the same paths with it as
+with the tier under it. The runtime chooses its paths from what a tier
+declares: :attr:`~kvactors.tiers.base.SecondaryTier.hooks` (an
+``on_new_request`` hook makes the primary announce every request start and
+gates the tier's lookup lane on it; a ``touch`` hook makes the supervisor send
+recency hints; a hook not declared counts as inline),
+:attr:`~kvactors.tiers.base.SecondaryTier.inline_calls` and
+:attr:`~kvactors.tiers.base.SecondaryTier.max_inflight_jobs`. A
+:class:`DelegatingTier` declares what its inner tier declares, so a wrapped
+``DiskTier`` keeps the lazy path a bare one takes.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from typing import ClassVar
 
 import torch
 
-from kvactors.tiers.base import ReportFn, SecondaryTier, inline_calls_of, overrides
+from kvactors.tiers.base import ReportFn, SecondaryTier, hooks_of, inline_calls_of
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
-
-SENT_IF_OVERRIDDEN = ("on_new_request", "touch")
-"""The hooks the runtime sends only to a tier whose class overrides them.
-(``on_request_finished`` is always sent; whether it may run inline, which a
-base-class hook may, is carried by ``inline_calls``.)"""
-
-_shapes: dict[tuple[type, frozenset[str]], type] = {}
-_shapes_lock = threading.Lock()
-
-
-def _shaped(cls: type[DelegatingTier], missing: frozenset[str]) -> type[DelegatingTier]:
-    """``cls`` without its own versions of the hooks in ``missing`` (cached)."""
-    base = cls.__dict__.get("_unshaped", cls)
-    if not missing:
-        return base
-    with _shapes_lock:
-        shaped = _shapes.get((base, missing))
-        if shaped is None:
-            body: dict[str, object] = {hook: getattr(SecondaryTier, hook) for hook in missing}
-            body.update(_unshaped=base, __module__=base.__module__, __qualname__=base.__qualname__,
-                        __doc__=base.__doc__)
-            shaped = _shapes[(base, missing)] = type(base.__name__, (base,), body)
-        return shaped
 
 
 class DelegatingTier(SecondaryTier):
     """Forwards every call to ``inner``, under ``inner``'s name, job limit and shape.
 
-    Subclasses override the calls they watch or change and call ``super()`` to
-    pass them on; a hook of :data:`SENT_IF_OVERRIDDEN` that ``inner`` does not
-    override is removed from the instance's class (see the module docstring), so
-    the runtime takes the same paths with the wrapper as without it.
+    Subclasses override the calls they watch or change and call ``super()`` to pass them on.
+    Its ``hooks`` and ``inline_calls`` are ``inner``'s (see the module docstring).
     ``max_inflight_jobs`` overrides ``inner``'s job limit when given.
     Threading is ``inner``'s: the wrapper adds none.
     """
-
-    _unshaped: ClassVar[type]
 
     def __init__(self, inner: SecondaryTier, *, max_inflight_jobs: int | None = None) -> None:
         if not isinstance(inner, SecondaryTier):
@@ -68,8 +38,7 @@ class DelegatingTier(SecondaryTier):
         self.inner = inner
         self.max_inflight_jobs = max_inflight_jobs or inner.max_inflight_jobs  # type: ignore[misc]
         self.inline_calls = inline_calls_of(inner)  # type: ignore[misc]
-        missing = frozenset(hook for hook in SENT_IF_OVERRIDDEN if not overrides(inner, hook))
-        self.__class__ = _shaped(type(self), missing)
+        self.hooks = hooks_of(inner)  # type: ignore[misc]
 
     def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
         super().attach(pool, report)

@@ -22,10 +22,11 @@ import torch
 from kvactors.core.arguments import check_int, check_request, check_timeout
 from kvactors.core.errors import ManagerStoppedError, TransferError
 from kvactors.logs import component_logger
+from kvactors.transfer.choice import COPIERS as COPIERS  # re-exported: the scripts import it from here
+from kvactors.transfer.choice import check_copier, host_copier, native_threads
 from kvactors.transfer.cpu import CpuCopier
 from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, CopyJob, Direction, FaultInjector
-from kvactors.transfer.native import MAX_THREADS as MAX_NATIVE_THREADS
-from kvactors.transfer.native import NativeCopier, native_copy_available, supports
+from kvactors.transfer.native import NativeCopier, supports
 from kvactors.transfer.runs import copy_runs
 from kvactors.types import OffloadKey, ReqContext
 
@@ -35,18 +36,6 @@ if TYPE_CHECKING:
 _engine_ids = itertools.count()
 
 MAX_COPY_WORKERS = 64
-
-COPIERS = ("auto", "native", "torch")
-
-# Native threads per copy worker, at most: memory bandwidth is spent by a few threads, and a job
-# of a few MiB has no more pieces than that.
-_NATIVE_THREADS_PER_WORKER = 8
-
-
-def native_threads(copy_workers: int) -> int:
-    """The native copier's threads for ``copy_workers``: as many per worker as torch's intra-op
-    threads (at most 8), the parallelism each torch copy worker has."""
-    return min(copy_workers * min(torch.get_num_threads(), _NATIVE_THREADS_PER_WORKER), MAX_NATIVE_THREADS)
 
 
 def _resolved(value: Any) -> Future[Any]:
@@ -73,9 +62,11 @@ class TransferEngine:
       the jobs from one FIFO queue and copy them in pieces without the GIL, and
       one completer thread that posts each finished job's completion and
       resolves its future (so no copy waits on the manager).
-      ``"auto"`` falls back to the torch copier where the native one is not
-      built, the device cache is not contiguous, or a ``fault_injector`` is
-      given; ``"native"`` raises ``ValueError`` there instead.
+      ``"auto"`` takes the torch copier where a ``fault_injector`` is given.
+      It falls back to the torch copier where the native one is not built or
+      the device cache is not contiguous, and logs ``native_copier_unavailable``.
+      ``"native"`` raises ``ValueError`` in each of these cases instead.
+      The choice is :func:`~kvactors.transfer.choice.host_copier`'s.
     * CPU device cache, ``copier="torch"``: ``copy_workers`` copy threads (a
       fixed, small pool; never a thread per request) copying with torch's
       ``copy_`` (on its intra-op threads), the same FIFO queue and completer.
@@ -154,8 +145,7 @@ class TransferEngine:
         check_timeout(copy_timeout_s, "copy_timeout_s", allow_zero=False)
         if fault_injector is not None and not callable(fault_injector):
             raise ValueError("fault_injector must be callable or None")
-        if copier not in COPIERS:
-            raise ValueError(f"copier must be one of {', '.join(map(repr, COPIERS))}, got {copier!r}")
+        check_copier(copier)
         if copier == "native" and device_cache.is_cuda:
             raise ValueError("copier='native' copies between host tensors; this device cache is on CUDA")
 
@@ -323,25 +313,23 @@ class TransferEngine:
 
     def _cpu_copier(self, copier: str, pool: torch.Tensor, copy_workers: int,
                     fault_injector: FaultInjector | None) -> Copier:
-        """The native copier where it can run (and ``copier`` allows it), else the torch copier."""
+        """The copier :func:`~kvactors.transfer.choice.host_copier` chooses for a device cache on the CPU.
+
+        A fault injector runs on the torch copier's threads only.
+        So with one, ``"auto"`` means the torch copier, and ``"native"`` is refused.
+        """
         device_cache = self._device_cache
-        if copier != "torch":
-            why = ("it is not built (no C compiler at install?)" if not native_copy_available()
-                   else "a fault injector runs on the torch copier's threads" if fault_injector is not None
-                   else "the device cache is not contiguous" if not supports(device_cache, pool)
-                   else None)
-            if why is not None and copier == "native":
-                raise ValueError(f"copier='native' cannot be used: {why}")
-            if why is None:
-                try:
-                    return NativeCopier(device_cache=device_cache, pool=pool, threads=native_threads(copy_workers),
-                                        done=self._job_done)
-                except RuntimeError as exc:
-                    if copier == "native":
-                        raise ValueError(f"copier='native' cannot be used: {exc}") from None
-                    self._log.warning("native_copier_unavailable", error=str(exc))
-        return CpuCopier(device_cache=device_cache, pool=pool, workers=copy_workers, done=self._job_done,
-                         fault_injector=fault_injector)
+        if fault_injector is not None and copier == "auto":
+            copier = "torch"
+        blocked = ("a fault injector runs on the torch copier's threads" if fault_injector is not None
+                   else "the device cache is not contiguous" if not supports(device_cache, pool) else None)
+        _, chosen = host_copier(
+            copier, blocked=blocked, log=self._log,
+            native=lambda: NativeCopier(device_cache=device_cache, pool=pool, threads=native_threads(copy_workers),
+                                        done=self._job_done),
+            torch_copier=lambda: CpuCopier(device_cache=device_cache, pool=pool, workers=copy_workers,
+                                           done=self._job_done, fault_injector=fault_injector))
+        return chosen
 
     def _check_args(
         self, ctx: object, keys: Iterable[OffloadKey], device_block_ids: Iterable[int], *, unique_ids: bool
@@ -409,42 +397,64 @@ class TransferEngine:
         )
 
     def _job_done(self, job: CopyJob, error: BaseException | None) -> None:
-        """Post the completion, then resolve the future. Runs on an engine thread; never raises."""
+        """Post the completion, then resolve the future.
+
+        Runs on an engine thread and never raises.
+        """
         try:
-            if error is not None:
-                self._log.warning(
-                    "copy_failed", direction=job.direction, req_id=job.ctx.req_id, attempt=job.ctx.attempt,
-                    keys=len(job.keys), job_id=job.job_id, error=f"{type(error).__name__}: {error}",
-                )
-            completion_error: BaseException | None = None
             try:
-                if job.direction == OFFLOAD:
-                    self._manager.complete_store(job.keys, job.ctx, success=error is None)
-                else:
-                    self._manager.complete_load(job.keys, job.ctx)
-            except Exception as exc:  # ManagerStoppedError: the manager was stopped first
-                completion_error = exc
-                self._log.warning(
-                    "completion_failed", direction=job.direction, req_id=job.ctx.req_id, attempt=job.ctx.attempt,
-                    keys=len(job.keys), job_id=job.job_id, error=f"{type(exc).__name__}: {exc}",
-                )
-            if error is not None:
-                failure = TransferError(f"{job.direction} of {len(job.keys)} blocks for request {job.ctx} failed: "
-                                        f"{type(error).__name__}: {error}")
-                failure.__cause__ = error
-                job.future.set_exception(failure)
-            elif completion_error is not None:
-                failure = TransferError(f"{job.direction} of {len(job.keys)} blocks for request {job.ctx}: the "
-                                        f"completion could not be posted: {completion_error}")
-                failure.__cause__ = completion_error
+                failure = self._post_completion(job, error)
+            except Exception as exc:  # the engine's own failure: the future raises it
+                self._log_completion_failed(job, exc)
+                failure = TransferError(f"internal error completing a {job.direction}: {exc}")
+            self._resolve(job, failure)
+        finally:
+            self._end()
+
+    def _post_completion(self, job: CopyJob, error: BaseException | None) -> TransferError | None:
+        """Post ``complete_store`` or ``complete_load``, and return what the future must raise, if anything."""
+        if error is not None:
+            self._log.warning(
+                "copy_failed", direction=job.direction, req_id=job.ctx.req_id, attempt=job.ctx.attempt,
+                keys=len(job.keys), job_id=job.job_id, error=f"{type(error).__name__}: {error}",
+            )
+        completion_error: Exception | None = None
+        try:
+            if job.direction == OFFLOAD:
+                self._manager.complete_store(job.keys, job.ctx, success=error is None)
+            else:
+                self._manager.complete_load(job.keys, job.ctx)
+        except Exception as exc:  # ManagerStoppedError: the manager was stopped first
+            completion_error = exc
+            self._log_completion_failed(job, exc)
+        failure = None
+        if error is not None:
+            failure = TransferError(f"{job.direction} of {len(job.keys)} blocks for request {job.ctx} failed: "
+                                    f"{type(error).__name__}: {error}")
+            failure.__cause__ = error
+        elif completion_error is not None:
+            failure = TransferError(f"{job.direction} of {len(job.keys)} blocks for request {job.ctx}: the "
+                                    f"completion could not be posted: {completion_error}")
+            failure.__cause__ = completion_error
+        return failure
+
+    def _resolve(self, job: CopyJob, failure: TransferError | None) -> None:
+        """Resolve the job's future, which runs its callbacks on this thread.
+
+        A callback is foreign code.
+        Under the failure policy of :mod:`kvactors.actors.runtime`, anything it raises is its own failure.
+        ``concurrent.futures`` logs a callback's ``Exception``.
+        This logs the rest (``SystemExit``, say) as ``completion_failed``, and the engine thread goes on.
+        """
+        try:
+            if failure is not None:
                 job.future.set_exception(failure)
             else:
                 job.future.set_result(list(job.keys) if job.direction == OFFLOAD else None)
-        except BaseException as exc:  # never let a worker die (a future callback may raise even SystemExit)
-            self._log.warning("completion_failed", direction=job.direction, req_id=job.ctx.req_id,
-                              attempt=job.ctx.attempt, keys=len(job.keys), job_id=job.job_id,
-                              error=f"{type(exc).__name__}: {exc}")
-            if not job.future.done():
-                job.future.set_exception(TransferError(f"internal error completing a {job.direction}: {exc}"))
-        finally:
-            self._end()
+        except BaseException as exc:  # a callback's: foreign code, contained here (the policy above)
+            self._log_completion_failed(job, exc)
+
+    def _log_completion_failed(self, job: CopyJob, exc: BaseException) -> None:
+        self._log.warning("completion_failed", direction=job.direction, req_id=job.ctx.req_id,
+                          attempt=job.ctx.attempt, keys=len(job.keys), job_id=job.job_id,
+                          error=f"{type(exc).__name__}: {exc}")

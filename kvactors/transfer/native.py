@@ -212,7 +212,7 @@ class NativeCopier:
     def _report_safely(self, job_id: int, status: int) -> None:
         try:
             self._report(self._jobs.pop(job_id), status)
-        except BaseException as exc:  # the engine's callback never raises; if it did, go on reporting
+        except Exception as exc:  # JobDone never raises: a job id we never gave (a bug); log it, report the others
             self._log.warning("report_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
 
     def _report(self, job: CopyJob, status: int) -> None:

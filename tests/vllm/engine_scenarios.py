@@ -227,6 +227,22 @@ def isolation_redis(tmp: str, model: str) -> dict[str, Any]:
     return out
 
 
+@scenario
+def identity_by_weights(tmp: str, model: str) -> dict[str, Any]:
+    """Issue 34 item 4: blocks are named by the weights, not the path (no model_id). The same checkpoint
+    copied to another path is served from the disk tier; new weights deployed under the first path get
+    nothing of the old ones' blocks and answer as themselves."""
+    tiers = _disk(tmp)
+    path = shutil.copytree(model, os.path.join(tmp, "deployed"))  # where the operator serves from
+    copy = shutil.copytree(model, os.path.join(tmp, "mnt", "model"))  # another container's mount
+    out: dict[str, Any] = {"first": _serve(path, os.path.join(tmp, "w1"), tiers)}
+    out["copy"] = _serve(copy, os.path.join(tmp, "w2"), tiers)
+    make_model(path, seed=777)  # a fine-tune replaces the weights in place: same path, same config
+    out["replaced"] = _serve(path, os.path.join(tmp, "w3"), tiers)
+    out["replaced_plain"] = _plain(path)
+    return out
+
+
 def main(argv: list[str]) -> int:
     tmp, names = argv[1], argv[2:]
     model = make_model(os.path.join(tmp, "model"))

@@ -25,7 +25,7 @@ def model_dir(tmp: str) -> str:
 
 class Harness:
     def __init__(self, tmp: str, extra: dict[str, Any], *, num_gpu_blocks: int = 96, max_num_seqs: int = 8,
-                 max_batched: int = 256) -> None:
+                 max_batched: int = 256, shutdown_timeout: int = 0) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -43,7 +43,7 @@ class Harness:
                                               kv_connector_extra_config=extra)
         self.vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config,
                                       cache_config=cache_config, kv_transfer_config=kv_transfer_config,
-                                      device_config=DeviceConfig("cpu"))
+                                      device_config=DeviceConfig("cpu"), shutdown_timeout=shutdown_timeout)
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16)
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         page = spec.page_size_bytes

@@ -239,3 +239,17 @@ def test_another_model_in_the_same_redis_namespace_gets_none_of_its_blocks(tmp_p
     _isolation_engine(r, "a_first")
     _assert_own_output_without_hits(_isolation_engine(r, "b"), r["b_plain"])
     _assert_served_its_own_blocks(_isolation_engine(r, "copy_named"), r["a_first"])
+
+
+@pytest.mark.timeout(560)
+def test_identity_by_weights_a_copy_shares_and_new_weights_at_the_same_path_get_nothing(tmp_path):
+    """Issue 34 item 4, with no model_id: the copy at another path is served the first's blocks; the
+    weights replaced under the first path get 0 cached tokens and the new weights' own output."""
+    r = _isolation(tmp_path, "identity_by_weights")
+    first = _isolation_engine(r, "first")
+    assert first["cached"] == [0, 0, 0, 0], first
+    _assert_served_its_own_blocks(_isolation_engine(r, "copy"), first)
+    replaced = _isolation_engine(r, "replaced")
+    _assert_own_output_without_hits(replaced, r["replaced_plain"])
+    # The check can fail: the old weights' KV would change the new weights' output (they differ).
+    assert replaced["tokens"] != first["tokens"] and _diff(replaced, first) > 0.1

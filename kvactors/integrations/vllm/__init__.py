@@ -3,7 +3,7 @@
 Select it with ``kv_connector="OffloadingConnector"`` and
 ``kv_connector_extra_config={"spec_name": "KvactorsOffloadingSpec",
 "spec_module_path": "kvactors.integrations.vllm", "cpu_bytes_to_use": ...}``
-(see README "Use with vLLM"). The vLLM-free parts (:mod:`.config`,
+(see docs/vllm.md, "Use"). The vLLM-free parts (:mod:`.config`,
 :mod:`.shm`) import without vLLM; the spec, manager and worker need it.
 """
 

@@ -19,6 +19,7 @@ from typing import Any
 from kvactors.core.arguments import check_int, check_timeout
 from kvactors.core.policies import POLICIES
 from kvactors.integrations.vllm.identity import BlockIdentity
+from kvactors.integrations.vllm.weights import IdentityBy
 from kvactors.logs import component_logger
 from kvactors.tiers.base import SecondaryTier
 from kvactors.tiers.disk import DiskTier
@@ -27,7 +28,7 @@ from kvactors.tiers.prefixed import PrefixedTier
 from kvactors.tiers.redis import RedisTier
 
 TOP_LEVEL_KEYS = ("cpu_bytes_to_use", "eviction_policy", "tiers", "transfer_timeout_s", "lookup_timeout_s",
-                  "event_log", "model_id")
+                  "event_log", "model_id", "identity_by")
 
 MAX_MODEL_ID_CHARS = 1024
 """The longest ``model_id`` accepted: a hub name with a revision is well under it; a
@@ -56,8 +57,11 @@ class KvactorsConfig:
     lookup_timeout_s: float = 5.0
     event_log: str | None = None
     model_id: str | None = None
-    """The operator's name for the model, in place of vLLM's ``model.name`` in the
-    identity of the blocks (:mod:`kvactors.integrations.vllm.identity`)."""
+    """The operator's name for the model, in place of the fingerprint of its weights (or
+    vLLM's ``model.name``) in the identity of the blocks (:mod:`kvactors.integrations.vllm.identity`)."""
+    identity_by: IdentityBy = IdentityBy.WEIGHTS
+    """What names the model when ``model_id`` is not set: a fingerprint of its weights (the
+    default) or vLLM's model name (:class:`~kvactors.integrations.vllm.weights.IdentityBy`)."""
 
 
 def _positive_int(key: str, value: object) -> int:
@@ -126,6 +130,10 @@ def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
     model_id = extra.get("model_id")
     if model_id is not None:
         _check_model_id(model_id)
+    identity_by = extra.get("identity_by", IdentityBy.WEIGHTS.value)
+    if not isinstance(identity_by, str) or identity_by not in {i.value for i in IdentityBy}:
+        raise ValueError(f"kvactors: identity_by must be one of {sorted(i.value for i in IdentityBy)}, "
+                         f"got {identity_by!r}")
     return KvactorsConfig(
         cpu_bytes_to_use=cpu_bytes,
         eviction_policy=str(policy),
@@ -134,6 +142,7 @@ def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
         lookup_timeout_s=_positive_float("lookup_timeout_s", extra.get("lookup_timeout_s", 5.0)),
         event_log=None if event_log is None else os.fspath(event_log),
         model_id=model_id,
+        identity_by=IdentityBy(identity_by),
     )
 
 

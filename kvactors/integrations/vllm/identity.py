@@ -9,10 +9,15 @@ kvactors puts in a secondary tier for vLLM carries a digest of what the bytes of
 the block depend on (:class:`BlockIdentity`), as vLLM's own ``FileMapper``
 (``vllm/v1/kv_offload/file_mapper.py``) names its folders:
 
-* the model: ``model.name`` from vLLM's config (the path or hub name it was
-  loaded from), or the operator's ``model_id`` in its place (servers that load one
-  model from different paths then share; two models must never be given the same
-  ``model_id``: the digest cannot tell them apart);
+* the model: by default a fingerprint of its weights and config
+  (:mod:`~kvactors.integrations.vllm.weights`, ``identity_by: "weights"``), not its
+  path: the same weights loaded from two paths share blocks, new weights deployed
+  under the same path never load the old ones'. Or the operator's ``model_id``, an
+  explicit override (no fingerprint is taken; two models must never be given the
+  same ``model_id``: the digest cannot tell them apart). Or, with
+  ``identity_by: "name"`` (and as the fallback when the weights cannot be read,
+  with a ``weights_fingerprint_failed`` warning), ``model.name`` from vLLM's
+  config (the path or hub name it was loaded from);
 * the KV dtype (``model.dtype``: the cache's, ``fp8`` included);
 * tokens per hash and blocks per chunk (what one key covers);
 * the KV-cache groups: group id, tokens per block, layer names, in order;
@@ -113,17 +118,26 @@ def _int(value: object, what: str) -> int:
     return int(value)
 
 
-def block_identity(config: Any, *, model_id: str | None, block_bytes: int) -> BlockIdentity:
+def block_identity(config: Any, *, model_id: str | None, block_bytes: int,
+                   weights: str | None = None) -> BlockIdentity:
     """The identity of the blocks of the engine that ``config`` (vLLM's ``OffloadingConfig``) describes.
 
     ``model_id``: the operator's name for the model (the config key), or None to
-    use ``config.model.name``. ``block_bytes``: the bytes of one pool row.
+    use ``weights`` (the fingerprint of the weights, hex: then the model's name,
+    its path, is not part of the identity) or, without one, ``config.model.name``.
+    ``block_bytes``: the bytes of one pool row.
     ``ValueError`` if vLLM's config names no model and ``model_id`` is None,
     lacks a field that vLLM 0.32 and 0.33 both report, or reports a size that is
     not an integer. Only the layout flags and ``kv_cache_layout`` may be absent."""
-    name = model_id if model_id is not None else _required(config, "model.name")
-    if not isinstance(name, str) or not name:
-        raise ValueError("kvactors: vLLM's config names no model; set model_id")
+    if model_id is None and weights is not None:
+        if not isinstance(weights, str) or not weights:
+            raise ValueError(f"kvactors: weights must be a non-empty fingerprint, got {weights!r}")
+        model: dict[str, Any] = {"weights": weights}
+    else:
+        name = model_id if model_id is not None else _required(config, "model.name")
+        if not isinstance(name, str) or not name:
+            raise ValueError("kvactors: vLLM's config names no model; set model_id")
+        model = {"model": name}
     groups = [
         {"group_id": _int(_required(g, "group_id", f"groups[{i}]."), "group_id"),
          "tokens_per_block": _int(_required(g, "tokens_per_block", f"groups[{i}]."), "tokens_per_block"),
@@ -132,7 +146,7 @@ def block_identity(config: Any, *, model_id: str | None, block_bytes: int) -> Bl
     ]
     fields: dict[str, Any] = {
         "row_format": ROW_FORMAT,
-        "model": name,
+        **model,
         "dtype": str(_required(config, "model.dtype")),
         "tokens_per_hash": _int(_required(config, "cache.tokens_per_hash"), "tokens_per_hash"),
         "blocks_per_chunk": _int(_required(config, "cache.blocks_per_chunk"), "blocks_per_chunk"),

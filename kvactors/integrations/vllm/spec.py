@@ -18,9 +18,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvactors.integrations.vllm import compat, stops
 from kvactors.integrations.vllm.config import build_tiers, parse_config
+from kvactors.integrations.vllm.engine_config import check_shutdown_timeout, find_vllm_config
 from kvactors.integrations.vllm.identity import block_identity
 from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
 from kvactors.integrations.vllm.shm import SharedPool, check_pool_fits, pool_file_size, pool_path
+from kvactors.integrations.vllm.weights import model_fingerprint
 from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
 from kvactors.manager import TieringManager
 
@@ -39,6 +41,9 @@ class KvactorsOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.kv_config = parse_config(self.extra_config)
+        # The engine's VllmConfig, which vLLM does not pass a spec (engine_config.py): the
+        # shutdown timeout and the model's revision; None where it cannot be found.
+        self.vllm_config = find_vllm_config()
         if not compat.version_supported():
             import warnings
 
@@ -71,7 +76,10 @@ class KvactorsOffloadingSpec(OffloadingSpec):
         shared = self._open_pool(0)
         try:
             # Blocks in the tiers carry the model's identity and the layout: see identity.py.
-            identity = block_identity(self.config, model_id=self.kv_config.model_id, block_bytes=self.block_bytes)
+            weights = model_fingerprint(str(self.config.model.name), self.vllm_config,
+                                        model_id=self.kv_config.model_id, identity_by=self.kv_config.identity_by)
+            identity = block_identity(self.config, model_id=self.kv_config.model_id, block_bytes=self.block_bytes,
+                                      weights=weights)
             tiers = build_tiers(self.kv_config, identity)
             tm = TieringManager.start(
                 num_blocks=self.num_blocks, block_bytes=self.block_bytes, secondary_tiers=tiers,
@@ -89,6 +97,8 @@ class KvactorsOffloadingSpec(OffloadingSpec):
         except BaseException:
             shared.close(unlink=True)
             raise
+        # Said once per engine, at its start: vLLM's log and the lifecycle log (engine_config.py).
+        check_shutdown_timeout(self.vllm_config, tm.door.log)
         kinds = {tier.name: entry["type"] for tier, entry in zip(tiers, self.kv_config.tiers, strict=True)}
         source = CacheHitSource.DISK if kinds and set(kinds.values()) == {"disk"} \
             else CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -122,3 +132,4 @@ class KvactorsOffloadingSpec(OffloadingSpec):
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
         return ("kvactors_num_blocks", "kvactors_block_bytes", "kvactors_tiers")
+

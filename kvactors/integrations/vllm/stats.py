@@ -16,7 +16,10 @@ families as :class:`kvactors.metrics.KvactorsCollector` (:data:`kvactors.metrics
 counters as the increase since the last payload, gauges when they changed,
 the duration histogram as one observation per job ended since (each inside
 its bucket, at the bucket's mean where that lies in it, so the buckets are
-exact and the sum close). The snapshot is taken and turned into a payload off
+exact and the sum close). The first payload names every series each family
+knows (:func:`kvactors.metrics.known_series`), at 0 (a histogram series with
+no observation), so that each is in ``/metrics`` from the engine's first step
+with model output (vLLM sends connector stats only with steps). The snapshot is taken and turned into a payload off
 the scheduler's thread (one helper thread, at most one round trip every
 ``interval_s``); a step sends the payload that was ready then, so ``/metrics`` lags the
 runtime by about ``interval_s`` plus a step, and an idle engine (no steps)
@@ -59,6 +62,17 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             out[family.name] = OffloadingHistogramMetadata(documentation=family.doc, labelnames=family.labels,
                                                           buckets=DURATION_BUCKETS)
     return out
+
+
+def _declare_histogram(stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...]) -> None:
+    """Put series ``labels`` of histogram ``name`` on ``stats`` with no observation: vLLM's frontend
+    makes the series (its buckets at 0) and observes nothing (``OffloadPromMetrics.observe``).
+    Through ``metric_sections()``, vLLM 0.33's way for a manager to reach its own payload's data
+    (vLLM 0.32 has none: its ``data`` has the same two sections, ``types`` and ``data``)."""
+    sections = getattr(stats, "metric_sections", None)
+    types, values = sections() if sections is not None else (stats.data["types"], stats.data["data"])
+    types.setdefault(name, "histogram")
+    values.setdefault(name, {}).setdefault(labels, [])
 
 
 def _observations(counts: list[int], total_s: float) -> list[float]:
@@ -149,10 +163,11 @@ class StatsReporter:
                 key = (family.name, labels)
                 value = float(sample.value)
                 if family.kind == "counter":
+                    first = key not in self._counters
                     delta = value - self._counters.get(key, 0.0)
                     self._counters[key] = value
-                    if delta > 0:
-                        stats.increase_counter(family.name, delta, labels)
+                    if delta > 0 or first:  # the first payload names every series, at 0 if so
+                        stats.increase_counter(family.name, max(delta, 0.0), labels)
                 elif self._gauges.get(key) != value:
                     self._gauges[key] = value
                     stats.set_gauge(family.name, value, labels)
@@ -170,6 +185,8 @@ class StatsReporter:
                 series[labels] = (cumulative, float(sample.value))
         for labels, (cumulative, total) in series.items():
             key = (name, labels)
+            if key not in self._buckets:  # the first payload names every series, empty if so
+                _declare_histogram(stats, name, labels)
             before, before_total = self._buckets.get(key, ([0.0] * len(cumulative), 0.0))
             self._buckets[key] = (cumulative, total)
             if len(before) != len(cumulative):

@@ -15,8 +15,10 @@ copy thread otherwise (:class:`~kvactors.transfer.cpu.CpuCopier`); on a GPU
 one CUDA stream per direction with an event per job
 (:class:`~kvactors.transfer.cuda.CudaCopier`), the shared pool registered with
 CUDA from the worker's start until its :meth:`~KvactorsOffloadingWorker.shutdown`,
-which unregisters it before the pool is unmapped. ``get_finished`` reports each
-job once with its size and time; ``wait`` blocks until the given jobs ended, at
+which unregisters it before the pool is unmapped. The copier is chosen as the
+engine's is (:func:`~kvactors.transfer.choice.host_copier`). Each job has the
+deadline ``transfer_timeout_s`` from its submit. ``get_finished`` reports each
+job once with its size and time. ``wait`` blocks until the given jobs ended, at
 most ``transfer_timeout_s``.
 
 Failures: vLLM asserts that every transfer succeeded, so the worker always
@@ -44,11 +46,11 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvactors.integrations.vllm.shm import STORE_FAILED, STORE_OK, SharedPool
 from kvactors.logs import component_logger
+from kvactors.transfer.choice import check_copier, host_copier, native_threads
 from kvactors.transfer.cpu import CpuCopier
-from kvactors.transfer.engine import native_threads
 from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, CopyJob, Direction, FaultInjector
 from kvactors.transfer.layouts import PageLayout
-from kvactors.transfer.native import NativeCopier, native_copy_available
+from kvactors.transfer.native import NativeCopier
 from kvactors.transfer.runs import Run, copy_runs
 from kvactors.types import ReqContext
 
@@ -57,8 +59,6 @@ if TYPE_CHECKING:
 
 # Live workers of this process (tests reach the worker vLLM built through it).
 WORKERS: weakref.WeakSet[KvactorsOffloadingWorker] = weakref.WeakSet()
-
-COPIERS = ("auto", "native", "torch")
 
 _KIND: dict[Direction, str] = {OFFLOAD: "store", ONBOARD: "load"}  # the log's names for the two directions
 
@@ -95,8 +95,7 @@ class KvactorsOffloadingWorker(OffloadingWorker):
     def __init__(self, kv_caches: CanonicalKVCaches, shared: SharedPool, *, rank: int, per_worker_bytes: int,
                  blocks_per_chunk: int, transfer_timeout_s: float, owns_shared: bool = False,
                  copier: str = "auto") -> None:
-        if copier not in COPIERS:
-            raise ValueError(f"copier must be one of {', '.join(map(repr, COPIERS))}, got {copier!r}")
+        check_copier(copier)
         self._log = component_logger("vllm")  # stdlib "kvactors.vllm"; events in kvactors.log_schema
         self.shared = shared
         self.pool = shared.pool
@@ -160,22 +159,11 @@ class KvactorsOffloadingWorker(OffloadingWorker):
                 raise
             self.copier = "cuda"
             return cuda_copier
-        if choice != "torch":
-            why = ("it is not built (no C compiler at install?)" if not native_copy_available()
-                   else "the KV cache rows are not contiguous" if not self.layout.native() else None)
-            if why is None:
-                try:
-                    native = NativeCopier(layout=self.layout, threads=native_threads(1), done=self._copied)
-                except RuntimeError as exc:
-                    why = str(exc)
-                else:
-                    self.copier = "native"
-                    return native
-            if choice == "native":
-                raise ValueError(f"copier='native' cannot be used: {why}")
-            self._log.warning("native_copier_unavailable", error=why)
-        self.copier = "torch"
-        return CpuCopier(layout=self.layout, workers=1, done=self._copied, fault_injector=None)
+        self.copier, host = host_copier(
+            choice, blocked=None if self.layout.native() else "the KV cache rows are not contiguous", log=self._log,
+            native=lambda: NativeCopier(layout=self.layout, threads=native_threads(1), done=self._copied),
+            torch_copier=lambda: CpuCopier(layout=self.layout, workers=1, done=self._copied, fault_injector=None))
+        return host
 
     # ------------------------------------------------------------ planning
 
@@ -223,9 +211,10 @@ class KvactorsOffloadingWorker(OffloadingWorker):
 
     def _submit(self, direction: Direction, job_id: int, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> bool:
         rows = tuple(int(r) for r in cpu.block_ids)
+        submitted = time.monotonic()
         job = _WorkerJob(job_id=job_id, direction=direction, ctx=ReqContext(f"vllm-job-{job_id}"), keys=(),
-                         runs=(), nbytes=0, future=Future(), deadline=None, timeout_s=None, rows=rows,
-                         submitted=time.monotonic())
+                         runs=(), nbytes=0, future=Future(), deadline=submitted + self.transfer_timeout_s,
+                         timeout_s=self.transfer_timeout_s, rows=rows, submitted=submitted)
         with self._cond:
             closed = self._closed
             self._open.add(job_id)
@@ -258,32 +247,46 @@ class KvactorsOffloadingWorker(OffloadingWorker):
         return out
 
     def wait(self, job_ids: set[int]) -> None:
+        self._wait(job_ids)
+
+    def _wait(self, job_ids: set[int]) -> bool:
+        """Whether the jobs of ``job_ids`` ended within ``transfer_timeout_s``.
+
+        Each job has that deadline from its submit, and its copier fails it there.
+        So a job still open after the wait is one whose copy hangs inside a run.
+        That is logged as ``transfer_wait_timed_out``.
+        """
         deadline = time.monotonic() + self.transfer_timeout_s
         with self._cond:
             while True:
                 left = [j for j in job_ids if j in self._open]
                 if not left:
-                    return
+                    return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._log.error("transfer_wait_timed_out", jobs=len(left), timeout_s=self.transfer_timeout_s)
-                    return
+                    return False
                 self._cond.wait(remaining)
 
     def shutdown(self) -> None:
-        """Wait for the jobs in flight (``transfer_timeout_s``), stop the copier (it ends the jobs
-        still in flight first: nothing writes into the pool after), unregister the pool from
-        CUDA, then close the pool if this worker owns it. Safe to call twice."""
+        """Stop the worker once its jobs in flight ended; safe to call twice.
+
+        It waits for the jobs in flight, ``transfer_timeout_s`` at most.
+        Then it stops the copier, unregisters the pool from CUDA, and closes the pool if this worker owns it.
+        A job still open after the wait may still write into the pool.
+        The ``Copier`` protocol allows no shutdown then, so the copier and the pool are left to the process's exit.
+        """
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             open_jobs = set(self._open)
+        WORKERS.discard(self)
+        if not self._wait(open_jobs):
+            return
         try:
-            self.wait(open_jobs)
             self._copier.shutdown()
         finally:
-            WORKERS.discard(self)
             try:
                 if self._registration is not None:
                     self._registration.release()
