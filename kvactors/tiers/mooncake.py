@@ -150,6 +150,7 @@ class MooncakeTier(SecondaryTier):
                                  report=self.report, log=self._log, emit=self._record)
         # Connection state, under _lock.
         self._conn: Conn | None = None
+        self._retired: list[Conn] = []  # given up, not closed (see _retire)
         self._generation = 0
         self._connecting: threading.Event | None = None  # set when the attempt ended
         self._down_until = 0.0
@@ -181,20 +182,31 @@ class MooncakeTier(SecondaryTier):
         self._runner.drain(timeout)
 
     def shutdown(self) -> None:
-        """Drain for up to ``timeout_s``, report every job still unreported as failed, close the
-        connection (when no call runs on it) and stop the lane, waiting up to ``timeout_s`` for
-        its calls (the ones still stuck are left to their daemon threads, logged). Idempotent."""
+        """Drain for up to ``timeout_s``, report every job still unreported as failed, stop the
+        lane, waiting up to ``timeout_s`` for its calls (the ones still stuck are left to their
+        daemon threads, logged), then close the connections, current and retired, if the
+        master answers. Mooncake's ``close`` holds the GIL while it unmounts this process'
+        segment (about 1-2 s with a live master, 11 s with a dead one, 60 s with a frozen one):
+        with a master that does not answer they are left open, kept referenced, to the
+        process' exit (``connections_left_open``). Idempotent."""
         if self._runner.closed:
             return
         self._runner.shutdown(self.timeout_s, abandon="tier shut down")
-        with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None and conn.retire():
-            with contextlib.suppress(LaneBusy):  # every lane thread stuck: left to the process' exit
-                self._lane.submit(conn.close_now)
         stuck = self._lane.close(self.timeout_s)
         if stuck:
             self._log.warning("calls_abandoned", threads=stuck)
+        with self._lock:
+            conns = [*self._retired, *([self._conn] if self._conn is not None else [])]
+            self._conn, self._retired = None, []
+        if not conns:
+            return
+        if stuck or not master_answers(self._host, self._port, self.timeout_s):
+            _LEFT_OPEN.extend(conns)
+            self._log.warning("connections_left_open", connections=len(conns), master=self.master)
+            return
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                conn.store.close()
 
     # ---------------------------------------------------------------- lookup
 
@@ -213,8 +225,7 @@ class MooncakeTier(SecondaryTier):
         names = [self.object_key(k) for k in keys]
 
         def exist() -> list[int]:
-            with conn.using() as store:
-                return list(store.batch_is_exist(names))
+            return list(conn.store.batch_is_exist(names))
 
         try:
             codes = self._lane.call(exist, self.timeout_s)
@@ -278,12 +289,8 @@ class MooncakeTier(SecondaryTier):
         if conn is None:
             return _fail_all(lo, hi, "unavailable: store unreachable")
 
-        def call() -> Outcome:
-            with conn.using():
-                return chunk(conn, state, lo, hi)
-
         try:
-            return self._lane.call(call, self.timeout_s)
+            return self._lane.call(lambda: chunk(conn, state, lo, hi), self.timeout_s)
         except LaneBusy as exc:
             return _fail_all(lo, hi, f"store busy: {exc}")
         except LaneTimeout as exc:
@@ -457,8 +464,7 @@ class MooncakeTier(SecondaryTier):
                 self._down_until = time.monotonic() + self.retry_after_s
         attempt.set()
         if conn is not None and self._runner.closed:
-            if conn.retire():
-                conn.close_now()
+            _LEFT_OPEN.append(conn)  # set up while shutting down: never closed (see shutdown)
         elif conn is not None and was_degraded:
             self._log.info("tier_recovered", master=self.master, generation=conn.generation)
         elif conn is not None:
@@ -487,8 +493,7 @@ class MooncakeTier(SecondaryTier):
             if not master_answers(self._host, self._port, self.timeout_s):
                 self._retire(conn, "master does not answer")
                 return
-            with conn.using() as store:
-                health = store.health_check()
+            health = conn.store.health_check()
             if health != 0:
                 self._retire(conn, f"client unhealthy (health_check {health}): master restarted?")
         except Exception as exc:
@@ -498,16 +503,21 @@ class MooncakeTier(SecondaryTier):
                 self._checking = False
 
     def _retire(self, conn: Conn, why: str) -> None:
+        """Give the connection up. It is kept, not closed: Mooncake's ``close`` holds the GIL for
+        seconds (a minute against a frozen master); :meth:`shutdown` closes it if it can."""
         with self._lock:
             if self._conn is not conn:
                 return
             self._conn = None
+            self._retired.append(conn)
             self._degraded = True
             self._down_until = time.monotonic() + self.retry_after_s
         self._log.warning("tier_degraded", master=self.master, error=why)
-        if conn.retire():
-            with contextlib.suppress(LaneBusy):  # every lane thread stuck: left to the process' exit
-                self._lane.submit(conn.close_now)
+
+
+_LEFT_OPEN: list[Conn] = []
+"""Connections never closed (see :meth:`MooncakeTier.shutdown`): referenced here so that no
+destructor runs ``close`` (and holds the GIL) while the process serves."""
 
 
 def _fail_all(lo: int, hi: int, why: str) -> Outcome:
