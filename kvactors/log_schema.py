@@ -144,6 +144,9 @@ _COMPONENT = tuple(
         ("engine_closed", "debug"), ("pool_not_pinned", "warning"), ("native_copier_unavailable", "warning"),
         ("copy_failed", "warning"),
         ("completion_failed", "warning"), ("interrupt_failed", "warning"),
+        # MooncakeTier
+        ("tier_connected", "info"), ("connect_failed", "warning debug"), ("calls_abandoned", "warning"),
+        ("connections_left_open", "warning"),
         # the vLLM integration (stdlib logger kvactors.vllm)
         ("take_events_failed", "error"), ("transfer_failed", "warning"), ("transfer_plan_failed", "error"),
         ("transfer_wait_timed_out", "error"), ("block_identity", "info"), ("pool_reclaimed", "warning"),

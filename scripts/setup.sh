@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up kvactors on a fresh machine: a virtual environment in .venv with the
 # CPU build of torch (when no torch is there yet), the package and its test
-# dependencies and lint tools (ruff, mypy), and redis-server and redis-cli for the Redis tests (Debian/Ubuntu).
+# dependencies and lint tools (ruff, mypy), redis-server and redis-cli for the Redis tests, and Mooncake Store
+# (the extra mooncake; libibverbs1, which its binaries link to) for the Mooncake tests (Debian/Ubuntu).
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,16 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
       || echo "setup: could not install redis-server/redis-tools; the Redis tests will be skipped" >&2
   else
     echo "setup: no redis-server/redis-cli; the Redis tests will be skipped" >&2
+  fi
+fi
+
+if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1"; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing libibverbs1 (for Mooncake Store)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) >/dev/null \
+      || echo "setup: could not install libibverbs1; the Mooncake tests will be skipped" >&2
+  else
+    echo "setup: no libibverbs1; the Mooncake tests will be skipped" >&2
   fi
 fi
 
@@ -40,4 +51,9 @@ if ! .venv/bin/python -c "import kvactors, pytest, hypothesis, pytest_timeout, p
   echo "setup: installing kvactors and its test dependencies" >&2
   pip_install -e ".[test,plot,fast,metrics,lint]"
   touch .venv/.kvactors-installed
+fi
+if ! .venv/bin/python -c "import mooncake.store" >/dev/null 2>&1; then
+  # Optional: a wheel for CPython 3.11 on x86-64 only; without it the Mooncake tests are skipped.
+  echo "setup: installing Mooncake Store (extra mooncake)" >&2
+  pip_install -e ".[mooncake]" || echo "setup: could not install Mooncake; the Mooncake tests will be skipped" >&2
 fi

@@ -76,6 +76,12 @@ if [ "$WANT" = all ] || [ "$WANT" = cpu032 ]; then
     echo "setup_vllm: installing pandas into $V" >&2
     pip_in $V pandas
   fi
+  # The engine suite's Mooncake scenario (optional: skipped where the wheel or libibverbs1 is missing).
+  if ! $V/bin/python -c "import mooncake.store" >/dev/null 2>&1; then
+    echo "setup_vllm: installing Mooncake Store into $V" >&2
+    pip_in $V "mooncake-transfer-engine-non-cuda==0.3.13.post1" \
+      || echo "setup_vllm: could not install Mooncake; the Mooncake engine scenario will be skipped" >&2
+  fi
 fi
 
 if [ "$WANT" = all ] || [ "$WANT" = lmcache ]; then

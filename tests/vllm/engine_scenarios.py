@@ -87,6 +87,14 @@ def disk_promotion(tmp: str, model: str) -> dict[str, Any]:
 
 
 @scenario
+def mooncake_promotion(tmp: str, model: str) -> dict[str, Any]:
+    # The engine's process contributes the segment that holds the blocks (no other holder).
+    tiers = [{"type": "mooncake", "master": os.environ["KVACTORS_TEST_MOONCAKE_MASTER"], "segment_bytes": 64 << 20,
+              "namespace": "engine"}]
+    return _run(model, tmp, pool_blocks=6, tiers=tiers)
+
+
+@scenario
 def negative_control(tmp: str, model: str) -> dict[str, Any]:
     from kvactors.integrations.vllm.worker import WORKERS
 

@@ -105,6 +105,23 @@ def test_small_pool_round_two_is_promoted_from_disk(engine):
     assert_idle(r)
 
 
+@pytest.mark.timeout(560)
+def test_small_pool_round_two_is_promoted_from_mooncake(tmp_path, monkeypatch):
+    """Its own interpreter (as the multiprocess engine): the in-process scenarios' one is near its bound."""
+    from tests.mooncake_store import MooncakeMaster, mooncake_usable
+
+    if not mooncake_usable():
+        pytest.skip("Mooncake Store is not installed")
+    with MooncakeMaster() as master:
+        monkeypatch.setenv("KVACTORS_TEST_MOONCAKE_MASTER", master.address)  # the scenario's interpreter inherits it
+        r = result(run_scenarios(tmp_path, ["mooncake_promotion"], timeout=500), "mooncake_promotion")
+    assert r["cached_round2"][0] >= 128, r
+    assert_correct(r)
+    # The prefix was evicted from the 6-row pool in round 1: round 2 waited for it to come back from Mooncake.
+    assert r["stats"]["vllm_pending_answers"] > 0, json.dumps(r)
+    assert_idle(r)
+
+
 @pytest.mark.timeout(450)
 def test_negative_control_a_wrong_load_changes_the_logprobs(engine):
     r = result(engine, "negative_control")

@@ -44,6 +44,8 @@ TIER_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "redis": (("url",), ("name", "namespace", "capacity_bytes", "cluster", "timeout_s", "io_workers",
                          "retry_after_s")),
     "memory": (("capacity_blocks",), ("name",)),
+    "mooncake": (("master",), ("name", "namespace", "segment_bytes", "local_buffer_bytes", "timeout_s", "io_workers",
+                               "retry_after_s", "local_host")),
     "custom": (("class",), ("kwargs",)),
 }
 
@@ -98,7 +100,7 @@ def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
     for key in ("fsync", "cluster"):
         if key in entry and type(entry[key]) is not bool:
             raise ValueError(f"kvactors: {where}.{key} must be true or false, got {entry[key]!r}")
-    for key in ("root", "url", "name", "namespace", "class"):
+    for key in ("root", "url", "master", "name", "namespace", "class"):
         if key in entry and (not isinstance(entry[key], str | os.PathLike) or not str(entry[key])):
             raise ValueError(f"kvactors: {where}.{key} must be a non-empty string, got {entry[key]!r}")
     if "admission" in entry:
@@ -242,12 +244,16 @@ def build_tiers(config: KvactorsConfig, identity: BlockIdentity | None) -> list[
                     tier = RedisTier(kwargs.pop("url"), **kwargs)
                 elif kind == "memory":
                     tier = MemoryTier(**kwargs)
+                elif kind == "mooncake":
+                    from kvactors.tiers.mooncake import MooncakeTier  # the extra mooncake
+
+                    tier = MooncakeTier(kwargs.pop("master"), **kwargs)
                 else:
                     cls = _load_class(str(entry["class"]), where)
                     tier = cls(**dict(entry.get("kwargs", {})))
             except OSError as exc:  # a root it may not create or write
                 raise ValueError(f"kvactors: {where}{'.root' if kind == 'disk' else ''} ({kind}): {exc}") from exc
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, ImportError) as exc:
                 raise ValueError(f"kvactors: {where} ({kind}): {exc}") from exc
             except Exception as exc:  # a custom tier's constructor raised something else
                 raise ValueError(f"kvactors: {where} ({kind}): its constructor raised "

@@ -28,7 +28,7 @@ def to_vllm(event: OffloadingEvent, tier_kinds: Mapping[str, str]) -> VEvent:
     """The primary's events are the CPU medium; a secondary tier's are storage, remote for Redis."""
     if event.tier == PRIMARY_TIER_NAME:
         return VEvent(keys=list(event.keys), medium=Medium.CPU, removed=event.removed, locality=Locality.LOCAL)
-    locality = Locality.REMOTE if tier_kinds.get(event.tier) == "redis" else Locality.LOCAL
+    locality = Locality.REMOTE if tier_kinds.get(event.tier) in ("redis", "mooncake") else Locality.LOCAL
     return VEvent(keys=list(event.keys), medium=Medium.STORAGE, removed=event.removed, locality=locality,
                   ownership=event.tier)
 
