@@ -102,6 +102,8 @@ class MooncakeTier(SecondaryTier):
 
     max_inflight_jobs = 16
     inline_calls = frozenset(("submit_store", "submit_load", "touch"))
+    medium = "STORAGE"
+    locality = "REMOTE"
 
     def __init__(
         self,
