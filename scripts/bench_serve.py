@@ -40,6 +40,7 @@ at each pool and workload (``*_vs_best_peer_*``: the worst case over pools and w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -387,7 +388,13 @@ def serve_once(run: Run, workload: Workload, model: str, shape: ModelShape, work
         log(f"{run.label}: {row['error']}")
     finally:
         for g in reversed(groups):
-            g.stop(timeout_s=40.0)
+            try:
+                g.stop(timeout_s=40.0)
+            except BaseException:  # interrupted mid-stop: every group still goes
+                for rest in groups:
+                    with contextlib.suppress(OSError):
+                        os.killpg(rest.pid, signal.SIGKILL)
+                raise
     row["disk_bytes"] = tree_bytes(os.path.join(work, "disk"))
     events = os.path.join(work, "events.jsonl")
     row["check_log_ok"] = check_log(events) if run.backend.startswith("kvactors") and os.path.exists(events) else None
@@ -668,6 +675,9 @@ def from_json(args: argparse.Namespace) -> int:
 
 def _stop_on_signal(signum: int, frame: Any) -> None:
     # SIGTERM (a test's timeout, a CI job cancelled) unwinds like Ctrl-C: every server is stopped on the way.
+    # Further signals are ignored so that they cannot cut the clean-up short.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
