@@ -48,14 +48,15 @@ class LogTier(SecondaryTier):
         return [LookupResult.HIT if key in self.data else LookupResult.MISS for key in keys]
 
     def submit_store(self, job: TransferJob) -> None:
-        self._note("store", job.req_context, job.keys)
         assert self.pool is not None
         for key, row in zip(job.keys, job.block_ids, strict=True):
             self.data[key] = bytes(self.pool[row].numpy())
-        if self.hold:
-            with self.lock:
+        with self.lock:  # noted and held together: a waiter woken by the note can release the job
+            self.calls.append(("store", job.req_context.req_id, tuple(job.keys)))
+            if self.hold:
                 self.held.append(job)
-        else:
+            self.lock.notify_all()
+        if not self.hold:
             self.report(JobResult(job.job_id, True))
 
     def submit_load(self, job: TransferJob) -> None:
