@@ -15,7 +15,7 @@ from kvactors import calls
 from kvactors.actors import messages as m
 from kvactors.actors.primary import PrimaryTier
 from kvactors.actors.reply import Reply
-from kvactors.actors.runtime import ActorRef, Runtime
+from kvactors.actors.runtime import Actor, ActorRef, Runtime
 from kvactors.actors.secondary import SecondaryTierActor
 from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.core.admission import Admission, parse_admission
@@ -27,7 +27,7 @@ from kvactors.core.request_params import LOCALITIES, MEDIA
 from kvactors.door import PrimaryDoor
 from kvactors.logs import make_event_logger
 from kvactors.primary_pool import allocate_pool, check_pool
-from kvactors.tiers.base import SecondaryTier
+from kvactors.tiers.base import SecondaryTier, hooks_of
 from kvactors.types import (
     PRIMARY_TIER_NAME,
     LoadStoreSpec,
@@ -218,49 +218,55 @@ class TieringManager:
         log, sink = make_event_logger(event_log, manager=manager_id, pid=os.getpid())
         work_ids = itertools.count(1)
 
-        # Each actor is built whole (its settings, its logger) but for its peers' refs, which
-        # exist only once the peers are spawned (the actors refer to each other: primary and
-        # supervisor, supervisor and tiers); connect() gives each its peers once, before any
-        # message can reach it (the manager is returned last).
-        tier_actors = [SecondaryTierActor(tier, log=log) for tier in tiers]
-        primary = PrimaryTier(num_blocks=num_blocks, eviction=eviction, tier_names=names[1:],
-                              transfer_timeout_s=float(transfer_timeout_s), work_ids=work_ids,
-                              reserve_s=float(lookup_timeout_s),
-                              announce_starts=any(actor.wants_new_request for actor in tier_actors), log=log,
-                              block_bytes=block_bytes, admission=admissions, max_queued_bytes=limits)
-        supervisor = LifecycleSupervisor(
-            tier_limits=[(tier.name, tier.max_inflight_jobs) for tier in tiers],
-            transfer_timeout_s=float(transfer_timeout_s),
-            lookup_timeout_s=float(lookup_timeout_s),
-            log=log,
-            tier_kinds={tier.name: (tier.medium, tier.locality) for tier in tiers},
-        )
-        # Threads start only now, once everything that could fail to allocate has been built.
+        # Refs come first, then the actors, each built whole with its peers' refs (the actors
+        # refer to each other: primary and supervisor, supervisor and tiers), then the starts.
         if runtime is None:
             from kvactors.actors.threads import ThreadRuntime  # pykka only where threads run
 
-            runtime = ThreadRuntime(f"kvactors-{manager_id}")
-        primary_ref = runtime.spawn(primary, "primary")
-        door = PrimaryDoor(primary_ref, log=log,
-                           answer_bound_s=max(float(transfer_timeout_s), float(lookup_timeout_s)) + ANSWER_SLACK_S)
+            runtime = ThreadRuntime(f"kvactors-{manager_id}")  # its threads start with the first actor
+        primary_ref = runtime.new_ref("primary")
         # One thread for both: the finalize path (completion -> primary -> supervisor -> tiers)
         # then waits for the GIL once less; the supervisor stays an actor of its own.
-        supervisor_ref = runtime.spawn(supervisor, "supervisor", colocate_with=primary_ref)
-        tier_refs = {}
+        supervisor_ref = runtime.new_ref("supervisor", colocate_with=primary_ref)
+        tier_refs = [runtime.new_ref(f"tier-{tier.name}") for tier in tiers]
+        door = PrimaryDoor(primary_ref, log=log,
+                           answer_bound_s=max(float(transfer_timeout_s), float(lookup_timeout_s)) + ANSWER_SLACK_S)
         try:
-            for actor in tier_actors:
-                # attach() runs before the tier's actor exists: it gets no message before it.
-                actor.connect(supervisor_ref, pool)
-                tier_refs[actor.tier.name] = runtime.spawn(actor, actor.name)
+            primary = PrimaryTier(supervisor=supervisor_ref, num_blocks=num_blocks, eviction=eviction,
+                                  tier_names=names[1:], transfer_timeout_s=float(transfer_timeout_s),
+                                  work_ids=work_ids, forget=door.forget, reserve_s=float(lookup_timeout_s),
+                                  announce_starts=any("on_new_request" in hooks_of(tier) for tier in tiers),
+                                  log=log, block_bytes=block_bytes, admission=admissions, max_queued_bytes=limits)
+            # Last: attach() runs in here, once everything that could fail to allocate has been built.
+            tier_actors = [SecondaryTierActor(tier, supervisor=supervisor_ref, pool=pool, log=log) for tier in tiers]
+            supervisor = LifecycleSupervisor(
+                primary=primary_ref,
+                tiers=[actor.address(ref) for actor, ref in zip(tier_actors, tier_refs, strict=True)],
+                tier_limits=[(tier.name, tier.max_inflight_jobs) for tier in tiers],
+                transfer_timeout_s=float(transfer_timeout_s),
+                lookup_timeout_s=float(lookup_timeout_s),
+                log=log,
+                tier_kinds={tier.name: (tier.medium, tier.locality) for tier in tiers},
+            )
         except BaseException:
-            runtime.stop([primary_ref, supervisor_ref, *tier_refs.values()], 5.0)
             sink.close()
             raise
-        primary.connect(supervisor_ref, forget=door.forget)
-        supervisor.connect(primary_ref, {actor.tier.name: actor.link() for actor in tier_actors})
+        # Threads start only now: nothing is told to an actor before every actor has started
+        # (the manager is returned last).
+        actors: list[tuple[ActorRef, Actor]] = [(primary_ref, primary), (supervisor_ref, supervisor),
+                                                *zip(tier_refs, tier_actors, strict=True)]
+        started: list[ActorRef] = []
+        try:
+            for ref, actor in actors:
+                runtime.start(ref, actor)
+                started.append(ref)
+        except BaseException:
+            runtime.stop(started, 5.0)
+            sink.close()
+            raise
         log.info("manager_started", num_blocks=num_blocks, block_bytes=block_bytes, tiers=",".join(names),
                  eviction=eviction, transfer_timeout_s=transfer_timeout_s)
-        return cls(runtime=runtime, pool=pool, door=door, actors=[primary_ref, supervisor_ref, *tier_refs.values()],
+        return cls(runtime=runtime, pool=pool, door=door, actors=started,
                    sink=sink, tier_names=names[1:], transfer_timeout_s=transfer_timeout_s)
 
     # ------------------------------------------------------------ plumbing

@@ -196,16 +196,27 @@ def test_a_class_declares_its_hooks_or_gets_those_it_defines() -> None:
 def test_the_explorers_stacks_keep_their_hooks() -> None:
     """A ``RecordingTier`` declaring ``on_new_request`` is announced starts, one without it is not:
     the explorer's ``tier_hooks`` draw still chooses between the two paths."""
+    import torch
+
     from kvactors.actors.secondary import SecondaryTierActor
+    from kvactors.testing import SimRuntime
     from kvactors.testing.tiers import RecordingTier
+
+    supervisor = SimRuntime(0).new_ref("supervisor")
+    pool = torch.zeros((4, 8), dtype=torch.uint8)
+
+    def actor(tier: SecondaryTier) -> SecondaryTierActor:
+        return SecondaryTierActor(tier, supervisor=supervisor, pool=pool)  # attaches: once per tier
 
     deferrer = ThreadDeferrer(1)
     try:
         hooked = RecordingTier(name="a", capacity_blocks=4, deferrer=deferrer)
         plain = RecordingTier(name="b", capacity_blocks=4, deferrer=deferrer, hooks=HOOKS - {"on_new_request"})
-        assert SecondaryTierActor(hooked).wants_new_request and not SecondaryTierActor(plain).wants_new_request
-        assert SecondaryTierActor(hooked).inline == SecondaryTierActor(hooked.memory).inline == frozenset()
-        assert SecondaryTierActor(plain).inline == {"on_new_request"}  # not declared: a no-op
+        inner = RecordingTier(name="c", capacity_blocks=4, deferrer=deferrer).memory
+        hooked_actor, plain_actor = actor(hooked), actor(plain)
+        assert hooked_actor.wants_new_request and not plain_actor.wants_new_request
+        assert hooked_actor.inline == actor(inner).inline == frozenset()
+        assert plain_actor.inline == {"on_new_request"}  # not declared: a no-op
         assert [type(layer).__name__ for layer in plain.layers()] == ["RecordingTier", "FaultTier",
                                                                        "DeferredMemoryTier"]
     finally:

@@ -31,6 +31,10 @@ Whoever owns the turn also holds ``turn`` (a lock) while it runs handlers,
 so handlers never overlap and a stop waits for a claimer still running.
 Several actors may share one mailbox (colocation): ``pending`` holds
 ``(actor, message)`` pairs, the host first in ``actors``.
+
+A mailbox is made with its ``wake`` and before its actors (their refs are
+handed to their peers before the actors are built); the runtime adds each
+actor when it starts it (:meth:`Mailbox.admit`).
 """
 
 from __future__ import annotations
@@ -66,14 +70,21 @@ class Mailbox:
 
     __slots__ = ("actors", "closed", "lock", "owner", "pending", "turn", "wake")
 
-    def __init__(self, actor: Actor, wake: Callable[[], object] = _nothing) -> None:
-        self.actors = [actor]  # the host first, then its guests
+    def __init__(self, wake: Callable[[], object] = _nothing) -> None:
+        self.actors: list[Actor] = []  # the host first, then its guests, as they start
         self.lock = threading.Lock()
         self.turn = threading.Lock()
         self.pending: deque[tuple[Actor, object]] = deque()
         self.owner = IDLE
         self.closed = False
         self.wake = wake
+
+    def admit(self, actor: Actor) -> None:
+        """Run ``actor``'s messages here from now on (the first actor admitted is the host).
+
+        The runtime calls it once per actor, at its start, before anything is told to it.
+        """
+        self.actors.append(actor)
 
     def put(self, actor: Actor, message: object, name: str) -> None:
         """Queue ``message`` for ``actor``; once closed, ``ActorStoppedError`` naming ``name``

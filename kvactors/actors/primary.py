@@ -96,11 +96,13 @@ class PrimaryTier(Actor):
     def __init__(
         self,
         *,
+        supervisor: ActorRef,
         num_blocks: int,
         eviction: str,
         tier_names: Sequence[str],
         transfer_timeout_s: float,
         work_ids: itertools.count[int],
+        forget: Callable[[tuple[str, int]], None] | None = None,
         announce_starts: bool = True,
         reserve_s: float = 5.0,
         log: EventLogger | None = None,
@@ -108,6 +110,8 @@ class PrimaryTier(Actor):
         admission: Mapping[str, Admission] | None = None,
         max_queued_bytes: Mapping[str, int] | None = None,
     ) -> None:
+        """``supervisor``: where the facts go. ``forget(identity)`` is called by a handler (on
+        whatever thread runs it) once a request's record is gone."""
         if log is not None:
             self.log = log
         self.pool = BlockPool(num_blocks, make_policy(eviction, num_blocks), on_events_dropped=self._events_dropped)
@@ -115,7 +119,7 @@ class PrimaryTier(Actor):
         self.announce_starts = announce_starts
         self.transfer_timeout_s = transfer_timeout_s
         self.work_ids = work_ids
-        self.supervisor: ActorRef
+        self.supervisor = supervisor
         self.counters = PrimaryCounters()  # stats() and metrics derive from these
         self._requests: dict[tuple[str, int], _RequestRecord] = {}
         # One deadline per prepare_store call: its keys that are still pending when it passes expire.
@@ -128,7 +132,7 @@ class PrimaryTier(Actor):
         self._reservations = Reservations()
         self._promoting: dict[int, tuple[str, int]] = {}
         self._timer_due: float | None = None
-        self._forget: Callable[[tuple[str, int]], None] | None = None
+        self._forget = forget
         # Admission and back-pressure (kvactors.core.admission, kvactors.core.backpressure; docs/controls.md).
         self.block_bytes = block_bytes
         admission = dict(admission or {})
@@ -147,11 +151,6 @@ class PrimaryTier(Actor):
         self._write_backs_dropped = 0  # blocks evicted unwritten: their write-back was dropped
         self._write_back_rows: dict[int, int] = {}  # write-back job id -> its blocks, until it ends
         self._write_back_cap = max(num_blocks // 2, 1)  # blocks pinned by write-backs, at most
-
-    def connect(self, supervisor: ActorRef, forget: Callable[[tuple[str, int]], None] | None = None) -> None:
-        """``forget(identity)`` is called by a handler (on whatever thread runs it) once a request's record is gone."""
-        self.supervisor = supervisor
-        self._forget = forget
 
     # ------------------------------------------------------------ helpers
 

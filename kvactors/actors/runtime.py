@@ -25,6 +25,14 @@ logic, state and ref, but shares the other's thread and mailbox, so the two
 handle their messages one at a time, in the order they were told, across
 both.
 
+Refs come before actors. Actors that talk to each other (the primary and the
+supervisor, the supervisor and the tiers) each take their peers' refs in
+their constructor, so a runtime hands out refs first
+(:meth:`Runtime.new_ref`), the actors are built with them, and then each is
+started (:meth:`Runtime.start`). A ref is bound to its actor once, by the
+runtime, at its start. Nothing may be told to a ref before its actor starts.
+:meth:`Runtime.spawn` does both steps for an actor that needs no peers.
+
 Failures, one policy, stated here: what fails is contained where it
 happened, except an interrupt of the process.
 
@@ -101,9 +109,25 @@ def alone() -> bool:
 class Runtime(Protocol):
     """What an actor may ask of the world it runs in."""
 
+    def new_ref(self, name: str, *, colocate_with: ActorRef | None = None) -> ActorRef:
+        """A ref for an actor not built yet, named ``name``, to hand to its peers.
+
+        Its actor runs on a thread of its own, or on ``colocate_with``'s thread and
+        mailbox (a runtime may decline and give it its own). Colocated actors stop
+        together. Nothing runs and no thread starts until :meth:`start`.
+        """
+        ...
+
+    def start(self, ref: ActorRef, actor: Actor) -> None:
+        """Bind ``ref`` (from :meth:`new_ref`) to ``actor`` and start it.
+
+        A colocated actor starts after the actor it is colocated with.
+        ``ValueError`` if ``ref`` is bound already or its host has not started.
+        """
+        ...
+
     def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> ActorRef:
-        """Start ``actor``: on its own thread, or on ``colocate_with``'s thread and mailbox
-        (a runtime may decline and give it its own). Colocated actors stop together."""
+        """:meth:`new_ref` and :meth:`start` in one step, for an actor that needs no peers' refs."""
         ...
 
     def now(self) -> float:
@@ -182,7 +206,7 @@ class Actor:
         cls._handlers = handlers
 
     def bind(self, runtime: Runtime, ref: ActorRef) -> None:
-        """Called by the runtime once, before the first message."""
+        """Called by the runtime once, at :meth:`Runtime.start`, before the first message."""
         self.runtime = runtime
         self.ref = ref
 

@@ -8,7 +8,9 @@ the supervisor or the other tiers.
 
 The only sender of messages to this actor is the supervisor (see
 :mod:`kvactors.actors.supervisor` for why that matters), through a
-:class:`TierLink`.
+:class:`TierLink`. The actor takes the supervisor's ref in its constructor;
+the supervisor takes the actor's :class:`TierAddress` in its own and makes
+the link from it.
 
 Lookups take a fast lane. A tier whose ``submit_*`` blocks (a call to a slow
 disk or server on the submit path) would otherwise make every lookup wait
@@ -42,6 +44,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -98,30 +101,51 @@ sent to the tier's thread from then on. (A call that keeps its promise takes
 microseconds; the margin is for a loaded machine's scheduling.)"""
 
 
+@dataclass(frozen=True, slots=True)
+class TierAddress:
+    """Where the supervisor reaches one tier actor, and what the tier declares. Immutable.
+
+    ``ref``: the actor's ref, made before the actor started. ``lane``: the actor's
+    lookup lane. ``wants_new_request`` / ``wants_touch``: whether the plugin
+    declares those optional hooks (:attr:`~kvactors.tiers.base.SecondaryTier.hooks`).
+    ``inline``: the plugin's methods that may run on the sender's thread
+    (:func:`~kvactors.tiers.base.inline_calls_of`).
+    """
+
+    tier: str
+    ref: ActorRef
+    lane: LookupLane
+    wants_new_request: bool
+    wants_touch: bool
+    inline: frozenset[InlineCall]
+
+
+InlineCallBlocked = Callable[[str, str, float], None]
+"""Told ``(tier, call, seconds)`` when an inline call overran :data:`INLINE_LIMIT_S`."""
+
+
 class TierLink:
     """How the supervisor reaches one tier actor. Used by the supervisor's thread only.
 
-    ``wants_new_request`` / ``wants_touch``: whether the plugin declares those
-    optional hooks (:attr:`~kvactors.tiers.base.SecondaryTier.hooks`); a message
-    is not worth sending otherwise. ``on_request_finished`` is always sent: the
-    actor logs its arrival for ``check-log``.
-    ``inline``: the plugin's methods that may run on the sender's thread
-    (:func:`~kvactors.tiers.base.inline_calls_of`); one that overruns
-    :data:`INLINE_LIMIT_S` there leaves the set, and ``on_blocked(tier, call,
-    seconds)`` is told.
+    Made by the supervisor from the tier's :class:`TierAddress`.
+    ``wants_new_request`` / ``wants_touch``: a hook message is not worth sending
+    unless the plugin declares the hook. ``on_request_finished`` is always sent:
+    the actor logs its arrival for ``check-log``.
+    ``inline``: the plugin's methods run on the sender's thread when the actor is idle.
+    One that overruns :data:`INLINE_LIMIT_S` there leaves the set, and ``on_blocked``
+    is told.
     """
 
     __slots__ = ("inline", "lane", "on_blocked", "ref", "tier", "wants_new_request", "wants_touch")
 
-    def __init__(self, ref: ActorRef, lane: LookupLane, wants_new_request: bool, wants_touch: bool,
-                 inline: frozenset[InlineCall] = frozenset(), tier: str = "") -> None:
-        self.ref = ref
-        self.lane = lane
-        self.wants_new_request = wants_new_request
-        self.wants_touch = wants_touch
-        self.inline: frozenset[InlineCall] = inline
-        self.tier = tier
-        self.on_blocked: Callable[[str, str, float], None] | None = None
+    def __init__(self, address: TierAddress, on_blocked: InlineCallBlocked) -> None:
+        self.tier = address.tier
+        self.ref = address.ref
+        self.lane = address.lane
+        self.wants_new_request = address.wants_new_request
+        self.wants_touch = address.wants_touch
+        self.inline: frozenset[InlineCall] = address.inline
+        self.on_blocked = on_blocked
 
     def _run_inline(self, message: object, call: InlineCall) -> None:
         started = time.perf_counter()
@@ -129,8 +153,7 @@ class TierLink:
         took = time.perf_counter() - started
         if took > INLINE_LIMIT_S and call in self.inline:
             self.inline = self.inline - {call}
-            if self.on_blocked is not None:
-                self.on_blocked(self.tier, call, took)
+            self.on_blocked(self.tier, call, took)
 
     def send(self, message: object, call: InlineCall) -> None:
         """Send a hook or a submit (the plugin's method ``call``); if that method is
@@ -164,12 +187,18 @@ class TierLink:
 class SecondaryTierActor(Actor):
     """Runs one tier plugin; see the module docstring."""
 
-    def __init__(self, tier: SecondaryTier, *, log: EventLogger | None = None) -> None:
+    def __init__(self, tier: SecondaryTier, *, supervisor: ActorRef, pool: torch.Tensor,
+                 log: EventLogger | None = None) -> None:
+        """Attach the plugin to ``pool``; its reports go to ``supervisor``.
+
+        The plugin is attached here, before the actor starts: it gets no message before.
+        ``ValueError`` if the plugin's ``inline_calls`` or ``hooks`` name a method it lacks.
+        """
         if log is not None:
             self.log = log
         self.tier = tier
         self.name = f"tier-{tier.name}"
-        self.supervisor: ActorRef
+        self.supervisor = supervisor
         self.tier_errors = 0
         self._lane = LookupLane()
         self.hooks = hooks_of(tier)
@@ -177,16 +206,12 @@ class SecondaryTierActor(Actor):
         self.inline = inline_calls_of(tier)  # ValueError here, at the manager's start, if it names a stranger
         # Requests whose on_new_request the plugin has seen: their lookups may take the lane.
         self._open: set[tuple[str, int]] = set()
-
-    def link(self) -> TierLink:
-        """The supervisor's handle on this actor (after it was spawned)."""
-        return TierLink(self.ref, self._lane, self.wants_new_request, "touch" in self.hooks, self.inline,
-                        self.tier.name)
-
-    def connect(self, supervisor: ActorRef, pool: torch.Tensor) -> None:
-        """Attach the plugin; runs before the actor receives any message."""
-        self.supervisor = supervisor
         self.tier.attach(pool, self._report)
+
+    def address(self, ref: ActorRef) -> TierAddress:
+        """This actor's address for the supervisor, reached at ``ref`` (its own, from the runtime)."""
+        return TierAddress(self.tier.name, ref, self._lane, self.wants_new_request, "touch" in self.hooks,
+                           self.inline)
 
     def _report(self, result: JobResult) -> None:
         """The plugin's ``report``: thread-safe, called from any thread."""

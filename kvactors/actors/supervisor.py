@@ -78,7 +78,7 @@ from typing import Any
 from kvactors.actors import messages as m
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
-from kvactors.actors.secondary import TierLink
+from kvactors.actors.secondary import TierAddress, TierLink
 from kvactors.core import counters
 from kvactors.core.errors import LifecycleError
 from kvactors.core.gathers import Gather, GatherBook, GatherKind
@@ -125,9 +125,10 @@ class LifecycleSupervisor(Actor):
 
     name = "supervisor"
 
-    def __init__(self, *, tier_limits: Sequence[tuple[str, int]], transfer_timeout_s: float,
-                 lookup_timeout_s: float, log: EventLogger | None = None,
+    def __init__(self, *, primary: ActorRef, tiers: Sequence[TierAddress], tier_limits: Sequence[tuple[str, int]],
+                 transfer_timeout_s: float, lookup_timeout_s: float, log: EventLogger | None = None,
                  tier_kinds: dict[str, tuple[str, str]] | None = None) -> None:
+        """``primary``: the primary's ref. ``tiers``: each tier actor's address, linked here."""
         if log is not None:
             self.log = log
         self.table = LifecycleTable()
@@ -137,7 +138,8 @@ class LifecycleSupervisor(Actor):
         self.tier_order = tuple(name for name, _ in tier_limits)
         # Each tier's (medium, locality), for the requests' kv_load_tiers; default STORAGE/LOCAL.
         self.tier_kinds = {name: (tier_kinds or {}).get(name, ("STORAGE", "LOCAL")) for name in self.tier_order}
-        self.tiers: dict[str, TierLink] = {}
+        self.primary = primary
+        self.tiers = {address.tier: TierLink(address, self._inline_call_blocked) for address in tiers}
         self.epoch = 0
         self.stopping = False
         self.jobs = JobBook(tier_limits, transfer_timeout_s, live=lambda ctx: ctx in self.table)
@@ -150,12 +152,6 @@ class LifecycleSupervisor(Actor):
         self._timer_due: float | None = None
         self._shutdown: _Shutdown | None = None
         self.counters = counters.SupervisorCounters(self.tier_order)  # stats() and metrics derive from these
-
-    def connect(self, primary: ActorRef, tiers: dict[str, TierLink]) -> None:
-        self.primary = primary
-        self.tiers = dict(tiers)
-        for link in self.tiers.values():
-            link.on_blocked = self._inline_call_blocked
 
     def _inline_call_blocked(self, tier: str, call: str, seconds: float) -> None:
         """A call the tier declared inline took ``seconds`` on this thread: it is not inline any more."""

@@ -18,13 +18,15 @@ pykka's own weak spots are kept out here:
   ``ActorRegistry.stop_all()`` cannot stop them, and kvactors never calls it.
 
 Threads: one per mailbox (an actor and those colocated with it), and one
-timer thread per runtime that delivers every delayed message.
+timer thread per runtime that delivers every delayed message. A ref is made
+before its actor (:meth:`ThreadRuntime.new_ref`): no thread starts until the
+first actor does (:meth:`ThreadRuntime.start`), so a manager whose actors fail
+to build leaves none behind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import heapq
 import itertools
 import queue
@@ -85,21 +87,67 @@ class _PykkaShell(pykka.ThreadingActor):
                 actor.on_stop()
 
 
+class _MailboxThread:
+    """A mailbox and the pykka thread that drains it.
+
+    Made with the host's ref, before any actor on it exists. The mailbox's ``wake`` is
+    :meth:`wake`, given at its construction. The thread starts with the host
+    (:meth:`start`), before anything can be told to the mailbox. Thread-safe after that:
+    ``wake`` runs under the mailbox's lock, ``stop`` once, from :meth:`Mailbox.close`.
+    """
+
+    __slots__ = ("_pykka_ref", "mailbox", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.mailbox = Mailbox(self.wake)
+        self._pykka_ref: pykka.ActorRef[Any] | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._pykka_ref is not None
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        pykka_ref = _PykkaShell.start(self.mailbox, self.name)
+        # Out of the process-global registry: another library's stop_all() must not stop us.
+        pykka.ActorRegistry.unregister(pykka_ref)
+        self._pykka_ref = pykka_ref
+
+    def wake(self) -> None:
+        """One drain to the thread (the mailbox's ``wake``: only a started actor is told anything)."""
+        pykka_ref = self._pykka_ref
+        assert pykka_ref is not None, f"{self.name}: told before its actor started"
+        pykka_ref.tell(_DRAIN)
+
+    def stop(self) -> pykka.Future[Any] | None:
+        """Queue the thread's stop after the drains already queued; ``None`` if it never started."""
+        return None if self._pykka_ref is None else self._pykka_ref.stop(block=False)
+
+
 class ThreadActorRef:
     """A reference to an actor on a pykka thread, free of pykka's stop race.
 
+    Made before its actor, and bound to it once by :meth:`ThreadRuntime.start`.
     Colocated actors' refs share their host's mailbox: closing one closes all.
     """
 
-    __slots__ = ("_actor", "_claims", "_mailbox", "_pykka_ref", "name")
+    __slots__ = ("_actor", "_claims", "_mailbox", "_thread", "colocated", "name")
 
-    def __init__(self, name: str, mailbox: Mailbox, actor: Actor, pykka_ref: pykka.ActorRef[Any], *,
-                 claims: bool = True) -> None:
+    _actor: Actor
+
+    def __init__(self, name: str, thread: _MailboxThread, *, colocated: bool = False, claims: bool = True) -> None:
         self.name = name
-        self._mailbox = mailbox
-        self._actor = actor
-        self._pykka_ref = pykka_ref
+        self._thread = thread
+        self._mailbox = thread.mailbox
+        self.colocated = colocated
         self._claims = claims
+
+    def bind(self, actor: Actor) -> None:
+        """Deliver this ref's messages to ``actor`` (once, at its start)."""
+        if hasattr(self, "_actor"):
+            raise ValueError(f"actor {self.name} is started already")
+        self._actor = actor
 
     def tell(self, message: object) -> None:
         self._mailbox.put(self._actor, message, self.name)
@@ -123,14 +171,16 @@ class ThreadActorRef:
 
     def close(self) -> pykka.Future[Any] | None:
         """Queue the stop after every message already told; refuse all later ones."""
-        def stop() -> pykka.Future[Any]:
-            return self._pykka_ref.stop(block=False)
-
-        return self._mailbox.close(stop)
+        return self._mailbox.close(self._thread.stop)
 
     @property
     def mailbox(self) -> Mailbox:
         return self._mailbox
+
+    @property
+    def thread(self) -> _MailboxThread:
+        """The mailbox and thread this actor runs on (its host's, when colocated)."""
+        return self._thread
 
     @property
     def closed(self) -> bool:
@@ -141,15 +191,29 @@ class ThreadActorRef:
 
 
 class _TimerThread:
-    """One thread that delivers every delayed message of a runtime, in time order."""
+    """One thread that delivers every delayed message of a runtime, in time order.
+
+    The thread starts with the runtime's first actor or first delayed message (:meth:`start`).
+    """
 
     def __init__(self, name: str) -> None:
         self._heap: list[tuple[float, int, ActorRef, object]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
+        self._started = False
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        """Start the thread, unless it started or stopped already."""
+        with self._cond:
+            self._start()
+
+    def _start(self) -> None:
+        # Under the lock: a stop meanwhile would join a thread not started yet.
+        if not self._started and not self._stopped:
+            self._started = True
+            self._thread.start()
 
     def schedule(self, when: float, ref: ActorRef, message: object) -> None:
         with self._cond:
@@ -157,6 +221,8 @@ class _TimerThread:
                 return
             heapq.heappush(self._heap, (when, next(self._seq), ref, message))
             self._cond.notify()
+            if not self._started:
+                self._start()
 
     def _run(self) -> None:
         while True:
@@ -177,6 +243,8 @@ class _TimerThread:
             self._stopped = True
             self._heap.clear()
             self._cond.notify()
+            if not self._started:
+                return True
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=timeout_s)
         return not self._thread.is_alive() or threading.current_thread() is self._thread
@@ -204,29 +272,36 @@ class ThreadRuntime:
         self.colocation = colocation
         self._timer = _TimerThread(f"{self.name}-timer")
         self._refs: list[ThreadActorRef] = []
-        self._shells: dict[Mailbox, pykka.ActorRef[Any]] = {}  # each mailbox's pykka thread, for the runtime's life
 
-    def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> ThreadActorRef:
+    def new_ref(self, name: str, *, colocate_with: ActorRef | None = None) -> ThreadActorRef:
+        """See :meth:`Runtime.new_ref`. A ref not colocated comes with its mailbox and thread (not started)."""
         if colocate_with is not None and self.colocation:
             assert isinstance(colocate_with, ThreadActorRef)
-            mailbox = colocate_with.mailbox
-            pykka_ref = self._shells[mailbox]
-            mailbox.actors.append(actor)
-        else:
-            mailbox = Mailbox(actor)
-            pykka_ref = _PykkaShell.start(mailbox, f"{self.name}-{name}")
-            mailbox.wake = functools.partial(pykka_ref.tell, _DRAIN)
-            # Out of the process-global registry: another library's stop_all() must not stop us.
-            pykka.ActorRegistry.unregister(pykka_ref)
-            self._shells[mailbox] = pykka_ref
-        ref = ThreadActorRef(name, mailbox, actor, pykka_ref, claims=self.claims)
+            return ThreadActorRef(name, colocate_with.thread, colocated=True, claims=self.claims)
+        return ThreadActorRef(name, _MailboxThread(f"{self.name}-{name}"), claims=self.claims)
+
+    def start(self, ref: ActorRef, actor: Actor) -> None:
+        """See :meth:`Runtime.start`. A host starts its thread (and the first one the timer's)."""
+        assert isinstance(ref, ThreadActorRef)
+        thread = ref.thread
+        if ref.colocated and not thread.started:
+            raise ValueError(f"actor {ref.name} must start after the actor it is colocated with")
+        ref.bind(actor)
         actor.bind(self, ref)
+        thread.mailbox.admit(actor)
+        if not ref.colocated:
+            self._timer.start()
+            thread.start()
         self._refs.append(ref)
+
+    def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> ThreadActorRef:
+        ref = self.new_ref(name, colocate_with=colocate_with)
+        self.start(ref, actor)
         return ref
 
     @property
     def refs(self) -> list[ThreadActorRef]:
-        """Every actor spawned here, in spawn order."""
+        """Every actor started here, in start order."""
         return list(self._refs)
 
     def now(self) -> float:

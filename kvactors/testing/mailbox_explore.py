@@ -96,10 +96,11 @@ def explore_mailbox_one(seed: int, *, trace: bool = False) -> list[str]:
     rng = random.Random(f"mailbox/{seed}")
     runtime = SimRuntime(seed, time_jump_chance=0.0, claim_chance=rng.choice((0.3, 0.7, 1.0)), trace=trace)
     book = _Book()
-    host_actor = _Recorder("host", book)
-    host = runtime.spawn(host_actor, "host")
-    guest = runtime.spawn(_Recorder("guest", book), "guest", colocate_with=host)
-    host_actor.guest = guest
+    host = runtime.new_ref("host")
+    guest = runtime.new_ref("guest", colocate_with=host)
+    host_actor = _Recorder("host", book, guest)
+    runtime.start(host, host_actor)
+    runtime.start(guest, _Recorder("guest", book))
     accepted: list[tuple[int, int]] = []
     for index in range(rng.randint(1, 4)):
         count = rng.randint(1, 6)

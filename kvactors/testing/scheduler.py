@@ -150,17 +150,30 @@ class SimRuntime:
 
     # ------------------------------------------------------------ the Runtime interface
 
-    def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> SimActorRef:
+    def new_ref(self, name: str, *, colocate_with: ActorRef | None = None) -> SimActorRef:
+        """See :meth:`~kvactors.actors.runtime.Runtime.new_ref`. The scheduler sees it from its start on."""
         if colocate_with is not None:
             assert isinstance(colocate_with, SimActorRef)
-            box = colocate_with.mailbox
-            box.actors.append(actor)
-        else:
-            box = SimMailbox(self, actor, name)
-            self._boxes.append(box)
-        ref = SimActorRef(self, actor, name, box)
+            return SimActorRef(self, name, colocate_with.mailbox, colocated=True)
+        return SimActorRef(self, name, SimMailbox(self, name))
+
+    def start(self, ref: ActorRef, actor: Actor) -> None:
+        """See :meth:`~kvactors.actors.runtime.Runtime.start`, as on threads: a host's mailbox
+        becomes one the scheduler steps."""
+        assert isinstance(ref, SimActorRef)
+        box = ref.mailbox
+        if ref.colocated and not box.actors:
+            raise ValueError(f"actor {ref.name} must start after the actor it is colocated with")
+        ref.bind(actor)
         actor.bind(self, ref)
+        box.admit(actor)
+        if not ref.colocated:
+            self._boxes.append(box)
         self._refs.append(ref)
+
+    def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> SimActorRef:
+        ref = self.new_ref(name, colocate_with=colocate_with)
+        self.start(ref, actor)
         return ref
 
     def now(self) -> float:
@@ -268,7 +281,7 @@ class SimRuntime:
             self._resume_client(client, cancel=True)
 
     def ref(self, name: str) -> SimActorRef:
-        """The ref of the actor spawned as ``name`` (colocated ones included)."""
+        """The ref of the actor started as ``name`` (colocated ones included)."""
         for ref in self._refs:
             if ref.name == name:
                 return ref

@@ -35,12 +35,15 @@ class SimHost(Protocol):
 
 
 class SimMailbox(Mailbox):
-    """A :class:`Mailbox` as the scheduler runs it: named, and maybe stuck in a call."""
+    """A :class:`Mailbox` as the scheduler runs it: named, and maybe stuck in a call.
+
+    Made with its host's ref, before its actors (as on threads); ``wake`` does nothing.
+    """
 
     __slots__ = ("frozen", "name", "runtime", "stopped")
 
-    def __init__(self, runtime: SimHost, actor: Actor, name: str) -> None:
-        super().__init__(actor)
+    def __init__(self, runtime: SimHost, name: str) -> None:
+        super().__init__()
         self.runtime = runtime
         self.name = name
         self.frozen = False  # stuck in a call: nothing is delivered until it thaws
@@ -55,15 +58,26 @@ class SimMailbox(Mailbox):
 
 
 class SimActorRef:
-    """An actor's ref in a :class:`SimRuntime`: its mailbox, shared with the actors colocated on it."""
+    """An actor's ref in a :class:`SimRuntime`: its mailbox, shared with the actors colocated on it.
 
-    __slots__ = ("actor", "mailbox", "name", "runtime")
+    Made before its actor, and bound to it once at its start (``actor``: unset until then).
+    """
 
-    def __init__(self, runtime: SimHost, actor: Actor, name: str, mailbox: SimMailbox) -> None:
+    __slots__ = ("actor", "colocated", "mailbox", "name", "runtime")
+
+    actor: Actor
+
+    def __init__(self, runtime: SimHost, name: str, mailbox: SimMailbox, *, colocated: bool = False) -> None:
         self.runtime = runtime
-        self.actor = actor
         self.name = name
         self.mailbox = mailbox
+        self.colocated = colocated
+
+    def bind(self, actor: Actor) -> None:
+        """Deliver this ref's messages to ``actor`` (once, at its start)."""
+        if hasattr(self, "actor"):
+            raise ValueError(f"actor {self.name} is started already")
+        self.actor = actor
 
     def tell(self, message: object) -> None:
         self.mailbox.put(self.actor, message, self.name)
