@@ -216,6 +216,8 @@ class SimRuntime:
             if isinstance(ref, SimActorRef) and ref.mailbox not in boxes:
                 boxes.append(ref.mailbox)
                 ref.mailbox.close(_nothing)
+                if not ref.mailbox.actors:
+                    ref.mailbox.stopped = True  # never started (a ref from new_ref alone): nothing runs there
         deadline = None if timeout_s is None else self._now + timeout_s
         while any(not box.stopped for box in boxes) and self.step(until=deadline):
             pass

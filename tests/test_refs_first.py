@@ -1,0 +1,120 @@
+"""Refs before actors: each actor takes its peers' refs in its constructor, then starts.
+
+Both runtimes hand out refs (``new_ref``) before the actors exist and bind each one at
+``start``; the manager builds its actors that way, and a failure while building them
+leaves no thread behind.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvactors import TieringManager
+from kvactors.actors.reply import Reply
+from kvactors.actors.runtime import Actor, ActorRef, Runtime, handles
+from kvactors.actors.threads import ThreadRuntime
+from kvactors.testing import SimRuntime
+from kvactors.tiers.memory import MemoryTier
+
+RUNTIMES: list[tuple[str, Callable[[], Runtime]]] = [
+    ("threads", ThreadRuntime),
+    ("seeded", lambda: SimRuntime(seed=7)),
+]
+
+
+class Ping(Actor):
+    """Counts down, passing the count to its peer; sets ``done`` at zero."""
+
+    def __init__(self, name: str, peer: ActorRef, done: Reply[str], log: list[tuple[str, int]]) -> None:
+        self.name = name
+        self.peer = peer
+        self.done = done
+        self.entries = log
+
+    @handles(int)
+    def _on_int(self, count: int) -> None:
+        self.entries.append((self.name, count))
+        if count:
+            self.peer.tell(count - 1)
+        else:
+            self.done.set_result(self.name)
+
+
+@pytest.mark.parametrize(("label", "make"), RUNTIMES, ids=[label for label, _ in RUNTIMES])
+def test_actors_that_refer_to_each_other_get_each_others_refs_in_their_constructors(label, make):
+    runtime = make()
+    first = runtime.new_ref("first")
+    second = runtime.new_ref("second", colocate_with=first)
+    done: Reply[str] = Reply()
+    log: list[tuple[str, int]] = []
+    runtime.start(first, Ping("first", second, done, log))
+    runtime.start(second, Ping("second", first, done, log))
+    first.tell(4)
+    assert runtime.wait(done, 10)
+    assert log == [("first", 4), ("second", 3), ("first", 2), ("second", 1), ("first", 0)]
+    assert runtime.stop([first, second], 5) == []
+
+
+@pytest.mark.parametrize(("label", "make"), RUNTIMES, ids=[label for label, _ in RUNTIMES])
+def test_a_colocated_actor_starts_after_its_host_and_a_ref_is_bound_once(label, make):
+    runtime = make()
+    host = runtime.new_ref("host")
+    guest = runtime.new_ref("guest", colocate_with=host)
+    done: Reply[str] = Reply()
+    with pytest.raises(ValueError, match="after the actor it is colocated with"):
+        runtime.start(guest, Ping("guest", host, done, []))
+    runtime.start(host, Ping("host", guest, done, []))
+    with pytest.raises(ValueError, match="started already"):
+        runtime.start(host, Ping("again", guest, done, []))
+    runtime.start(guest, Ping("guest", host, done, []))
+    host.tell(1)
+    assert runtime.wait(done, 10) and done.result() == "guest"
+    assert runtime.stop([host], 5) == []
+
+
+@pytest.mark.parametrize(("label", "make"), RUNTIMES, ids=[label for label, _ in RUNTIMES])
+def test_a_ref_never_started_stops_at_once(label, make):
+    """What a failed start leaves: a ref whose actor was never built stops without waiting."""
+    runtime = make()
+    ref = runtime.new_ref("never")
+    assert runtime.stop([ref], 1) == []
+    assert ref.closed
+
+
+def _threads_of(runtime: ThreadRuntime) -> set[str]:
+    return {thread.name for thread in threading.enumerate() if thread.name.startswith(runtime.name + "-")}
+
+
+def test_a_thread_runtime_starts_no_thread_before_its_first_actor():
+    runtime = ThreadRuntime()
+    ref = runtime.new_ref("only")
+    assert _threads_of(runtime) == set()
+    done: Reply[str] = Reply()
+    runtime.start(ref, Ping("only", ref, done, []))
+    ref.tell(0)
+    assert done.wait(10)
+    assert _threads_of(runtime) == {f"{runtime.name}-only", f"{runtime.name}-timer"}
+    assert runtime.stop([ref], 5) == []
+
+
+class _Failing(MemoryTier):
+    """A tier whose attach fails: the last step of building the actors."""
+
+    def attach(self, pool: torch.Tensor, report: object) -> None:  # type: ignore[override]
+        raise RuntimeError("attach refused")
+
+
+def test_a_tier_that_cannot_attach_fails_the_start_and_leaves_no_thread():
+    def kvactors_threads() -> set[str]:
+        return {thread.name for thread in threading.enumerate() if thread.name.startswith("kvactors")}
+
+    before = kvactors_threads()
+    attached = MemoryTier(name="ok", capacity_blocks=4)
+    with pytest.raises(RuntimeError, match="attach refused"):
+        TieringManager.start(num_blocks=4, block_bytes=8,
+                             secondary_tiers=[attached, _Failing(name="bad", capacity_blocks=4)])
+    assert kvactors_threads() == before
