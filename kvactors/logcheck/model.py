@@ -31,9 +31,13 @@ class Violation:
 
 
 class Verdict(enum.Enum):
-    """``OK`` (exit 0): every rule held over a log that covers each manager from start to stop.
-    ``VIOLATION`` (exit 1): some rule is broken. ``INCONCLUSIVE`` (exit 3): no rule is broken in what
-    could be read, but the log does not prove the contract held (see ``CheckResult.inconclusive``)."""
+    """The checker's verdict.
+
+    ``OK`` (exit 0): every rule held over a log that covers each manager from start to stop.
+    ``VIOLATION`` (exit 1): some rule is broken.
+    ``INCONCLUSIVE`` (exit 3): no rule is broken in what could be read, but the log does not prove
+    that the contract held (see ``CheckResult.inconclusive``).
+    """
 
     OK = 0
     VIOLATION = 1
