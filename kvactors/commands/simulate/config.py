@@ -1,8 +1,9 @@
 """``SimConfig``: the settings of one ``simulate`` run, and their defaults (the one place they are written).
 
-Plain data, no torch: the ``simulate`` command's options and their help read
-the defaults from here (:data:`DEFAULTS`) while ``kvactors --help`` imports
-nothing heavy; :mod:`kvactors.commands.simulate.runner` runs a config.
+Plain data, with no torch.
+The ``simulate`` command's options and their help read the defaults from here (:data:`DEFAULTS`).
+So ``kvactors --help`` imports nothing heavy.
+:mod:`kvactors.commands.simulate.runner` runs a config.
 """
 
 from __future__ import annotations
