@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-#: Fields every lifecycle event carries, stamped by the logger itself (``timestamp``: wall-clock UTC, ISO 8601;
-#: logs written before it have ``ts``, monotonic seconds, instead: no rule reads either).
+#: Fields every lifecycle event carries, stamped by the logger itself.
+#: ``timestamp`` is wall-clock UTC, ISO 8601.
+#: Logs written before it have ``ts``, monotonic seconds, instead. No rule reads either.
 STAMPED = frozenset({"event", "level", "timestamp", "thread", "seq", "manager", "pid"})
 
-#: The event a job of each kind logs when it is sent to its tier, and when its tier reported it: emitters look
-#: their name up here (``JOB_SUBMITTED[kind]``), so every name in the source is a literal of this module.
+#: The event a job of each kind logs when it is sent to its tier, and when its tier reported it.
+#: Emitters look their name up here (``JOB_SUBMITTED[kind]``), so every name in the source is a literal of this module.
 JOB_SUBMITTED: Mapping[str, str] = MappingProxyType({"cascade": "cascade_submitted",
                                                      "promotion": "promotion_submitted"})
 JOB_COMPLETED: Mapping[str, str] = MappingProxyType({"cascade": "cascade_completed",

@@ -51,7 +51,7 @@ class Termination:
 TERMINATION = Termination()
 
 
-#: Largest size accepted for any byte count (1 PiB): larger is a typo, not a plan.
+#: Largest size accepted for any byte count (1 PiB). A larger one is a typo, not a plan.
 MAX_SIZE = 1 << 50
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,

@@ -107,8 +107,8 @@ class JobRules(ReplayState):
 
     def on_store_completed(self, event: Event) -> None:
         self._stores_done(event, event["live"])
-        # What became ready cascades: a key written again that one of its writes failed does not,
-        # whatever the call said (logs without ``stored``: every live key of a success).
+        # What became ready cascades. A key written again that one of its writes failed does not,
+        # whatever the call said. Logs without ``stored`` count every live key of a success.
         stored = event.get("stored")
         if stored is not None and (stored > event["live"] or (stored and not event["success"])):
             self.violation("failure-not-success", f"store_completed made {stored} block(s) ready of "

@@ -30,7 +30,7 @@ from kvactors.logcheck.check import check_events
 from kvactors.logcheck.model import Event, Verdict
 from kvactors.types import PRIMARY_TIER_NAME
 
-#: Events a rule reads; the others record a caller's misuse or a tier's failure, or are notes.
+#: Events a rule reads. The others record a caller's misuse or a tier's failure, or are notes.
 CONTRACT_EVENTS = frozenset({
     "manager_started", "manager_stopped", "request_started", "request_finished", "request_finish_seen",
     "store_prepared", "store_rejected", "store_completed", "load_prepared", "load_completed", "promotion_allocated",
@@ -60,8 +60,8 @@ _PRIMARY = {"request_started", "request_finished", "finish_ignored", "call_rejec
             "cache_reset", "request_active_at_stop"}
 _TIER = {"tier_finish_received", "tier_submit_received"}
 
-#: (earlier, later): when both concern one job (or one request at one tier), the runtime logs them in this
-#: order, on two threads: a message from one to the other lies between.
+#: (earlier, later) pairs. When both concern one job (or one request at one tier), the runtime logs them in
+#: this order, on two threads, with a message from one to the other between them.
 CAUSAL = {
     *((f"{kind}_submitted", "tier_submit_received") for kind in ("cascade", "promotion")),
     *(("tier_submit_received", f"{kind}_completed") for kind in ("cascade", "promotion")),

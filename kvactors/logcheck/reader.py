@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 from kvactors.logcheck.model import Event
 
-#: The longest line accepted (an event is well under a kilobyte; a handler's traceback a few).
+#: The longest line accepted. An event is well under a kilobyte, and a handler's traceback a few.
 MAX_LINE_BYTES = 1 << 20
 _KEPT_ERRORS = 20
 

@@ -253,8 +253,8 @@ class DiskIndex:
             self._retry_stuck()
         need = self.used + self.reserved - self.capacity
         if need > 0:
-            # None: files the tier cannot read or remove hold the room; evicting every block would
-            # not make it, so none is (the blocks still load; stores fail until room comes back).
+            # None: files the tier cannot read or remove hold the room. Evicting every block would
+            # not make it, so none is evicted. The blocks still load, and stores fail until room comes back.
             for file in self._victims(need) or ():
                 for key in list(file.keys):
                     self.remove(key)

@@ -21,9 +21,12 @@ from kvactors.tiers.disk_index import DiskFile, Entry, Slot
 from kvactors.types import OffloadKey
 
 VERIFY_BYTES = 2 << 20
-"""A load reads at most this many bytes per ``preadv`` (at least one block) and verifies them
-at once: the bytes are still in the core's cache, and each ``preadv`` gives up the GIL and takes
-it back, which the tier's other workers contend for (fewer, larger reads: docs/performance.md)."""
+"""A load reads at most this many bytes per ``preadv`` (at least one block), and verifies them at once.
+
+The bytes are then still in the core's cache.
+Each ``preadv`` gives up the GIL and takes it back, which the tier's other workers contend for.
+So reads are fewer and larger (docs/performance.md).
+"""
 
 
 Item = tuple[int, Slot, OffloadKey, memoryview]
@@ -36,7 +39,7 @@ class Scan(NamedTuple):
     files: list[tuple[DiskFile, list[Entry]]]
     """The valid files, oldest first."""
     discarded: int
-    """Bad files unlinked (or tried: see ``undeleted``); temporary ones are not counted."""
+    """Bad files unlinked, or tried (see ``undeleted``). Temporary ones are not counted."""
     unreadable: list[int]
     """The sizes of files that could not be read (0 where even the size could not be)."""
     undeleted: list[tuple[str, int]]

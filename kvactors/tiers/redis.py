@@ -170,7 +170,7 @@ class RedisTier(RedisJobs, SecondaryTier):
         self._events = EventBuffer(name, on_overflow=warn_on_overflow(self._log))
         self._runner = JobRunner(name=name, workers=io_workers, thread_name=f"kvactors-redis-{name}",
                                  report=self.report, log=self._log, emit=self._record, on_error=self._failed)
-        # Degraded mode: no server calls before _down_until (monotonic); answer _down_answer.
+        # Degraded mode makes no server calls before _down_until (monotonic), and answers _down_answer.
         self._down_until = 0.0
         self._down_answer = LookupResult.MISS
         self._degraded = False

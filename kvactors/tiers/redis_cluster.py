@@ -41,8 +41,8 @@ BUCKETS = 256
 the same number of buckets. Fixed: every process sharing a namespace must name
 a block the same way."""
 
-# Errors that say the slot is elsewhere or busy now (resharding, failover): the key
-# is neither there nor lost; a lookup answers RETRY for it.
+# Errors that say the slot is elsewhere or busy now (resharding, failover).
+# The key is neither there nor lost, so a lookup answers RETRY for it.
 TRANSIENT = (MovedError, AskError, TryAgainError, ClusterDownError, SlotNotCoveredError)
 
 

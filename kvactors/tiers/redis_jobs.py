@@ -44,8 +44,8 @@ end
 return out
 """
 
-# A key's value cannot be reached now (its shard is down, or its slot moves): a failed
-# key, not an unreadable value; deleting it would be wrong.
+# A key's value cannot be reached now, because its shard is down or its slot moves.
+# That is a failed key, not an unreadable value, and deleting it would be wrong.
 _SHARD_FAILURES = (redis.ConnectionError, redis.TimeoutError, *rc.TRANSIENT)
 
 class RedisJobs:
@@ -82,8 +82,8 @@ class RedisJobs:
         pipe = self._pipeline()
         for key, record in zip(job.keys, records, strict=True):
             pipe.set(self.redis_key(key), record)
-        # Per command: one SET refused (OOM, a read-only replica) fails that key only;
-        # on a cluster, so does a shard that cannot be reached.
+        # Replies are per command. One SET refused (OOM, a read-only replica) fails that key only.
+        # On a cluster, so does a shard that cannot be reached.
         replies = pipe.execute(raise_on_error=False)
         self._mark_up()
         failed: dict[OffloadKey, str] = {}
@@ -191,8 +191,8 @@ class RedisJobs:
             now = time.time()
             for lru_key, (_, members) in self._lru_groups(job.keys).items():
                 pipe.zadd(lru_key, {key.hex(): now for key in members}, xx=True)
-        # Per command: a key holding another Redis type (WRONGTYPE) fails that key only;
-        # on a cluster, so does a shard that cannot be reached or a slot that is moving.
+        # Replies are per command. A key holding another Redis type (WRONGTYPE) fails that key only.
+        # On a cluster, so does a shard that cannot be reached or a slot that is moving.
         replies = pipe.execute(raise_on_error=False)
         self._mark_up()
         block_bytes = int(pool.shape[1])

@@ -252,8 +252,9 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     created: list[str] = []
     cleanup.callback(opt.remove_created, created)  # only what is still empty: never the user's data
     own_disk = args.disk_dir is None
-    # The run's directory holds what the user did not place: the disk tier (removed at exit) and the log
-    # (kept after a run that ends, removed after an error or Ctrl-C: nothing reports where it is).
+    # The run's directory holds what the user did not place: the disk tier and the log.
+    # The disk tier is removed at exit. The log is kept after a run that ends.
+    # It is removed after an error or Ctrl-C, because nothing then reports where it is.
     run_dir = tempfile.mkdtemp(prefix="kvactors-simulate-") if own_disk or not args.event_log else ""
     keep_log: list[bool] = []
 

@@ -26,7 +26,7 @@ def _default_shape() -> WorkloadShape:
 class SimConfig:
     threads: int = 4
     requests: int | None = 2000
-    """Turns to serve (a preempted turn's retries count once); ``None``: until ``seconds``."""
+    """Turns to serve, where a preempted turn's retries count once. ``None`` serves until ``seconds``."""
     seconds: float | None = None
     """Stop starting turns after this long."""
     seed: int = 0

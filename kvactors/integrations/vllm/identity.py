@@ -69,9 +69,12 @@ ROW_FORMAT = "kvactors-vllm-row/1"
 pages): part of the identity, so a change of the layout makes old blocks misses."""
 
 PREFIX_BYTES = 8
-"""Bytes of the digest put in front of each key. 64 bits: the chance that two of a
-thousand identities sharing a tier collide is about 3e-14; each byte more costs
-each block one more byte of key in every tier (a Redis key holds it twice, as hex)."""
+"""Bytes of the digest put in front of each key.
+
+With 64 bits, the chance that two of a thousand identities sharing a tier collide is about 3e-14.
+Each byte more costs each block one more byte of key in every tier.
+A Redis key holds it twice, as hex.
+"""
 
 
 @dataclass(frozen=True)

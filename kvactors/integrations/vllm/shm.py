@@ -68,8 +68,8 @@ STORE_FAILED = 2
 SHM_DIR = "/dev/shm"
 POOL_PREFIX = "kvactors_pool_"
 _TMP_PREFIX = ".kvactors_tmp_"
-#: How long a participant that was not the last to map the pool watches for the others (then the
-#: name stays until :meth:`SharedPool.close`, the interpreter's exit or the next start's reclaim).
+#: How long a participant that was not the last to map the pool watches for the others.
+#: After that, the name stays until :meth:`SharedPool.close`, the interpreter's exit or the next start's reclaim.
 WATCH_S = 3600.0
 #: How long taking the shared lock of a pool file may take (a reclaim holds it exclusively for a moment).
 LOCK_WAIT_S = 5.0

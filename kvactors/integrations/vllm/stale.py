@@ -40,7 +40,7 @@ class StaleJobs:
         self._has_reset_fence = has_reset_fence
         self._flush_steps = flush_steps
         self._batches: list[tuple[str, list[Entry]]] = []
-        self._steps: int | None = None  # step ends since the last reset; None: nothing waits
+        self._steps: int | None = None  # step ends since the last reset, or None when nothing waits
 
     @property
     def waiting(self) -> bool:
