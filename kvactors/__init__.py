@@ -88,8 +88,11 @@ def _version() -> str:
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use and keep the name here (later uses cost nothing);
-    ``__version__`` likewise."""
+    """Import a public name's module on first use, and keep the name here.
+
+    Later uses cost nothing.
+    ``__version__`` is loaded the same way.
+    """
     if name == "__version__":
         value: Any = _version()
         globals()[name] = value

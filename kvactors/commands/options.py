@@ -208,8 +208,10 @@ def output_file(text: str) -> str:
 
 
 def check_event_log(path: str | None, source: str, append: bool) -> None:
-    """An existing event log ``path`` (named by ``source``) is written to only with ``--append-log``;
-    raises :class:`OptionError`."""
+    """Check that an existing event log ``path`` (named by ``source``) is written to only with ``--append-log``.
+
+    Raises :class:`OptionError` otherwise.
+    """
     if path is not None and os.path.exists(path) and not append:
         raise OptionError(f"{source} {path}: the file exists (add --append-log to append to it)")
 

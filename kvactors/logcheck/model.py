@@ -52,8 +52,8 @@ class Verdict(enum.Enum):
 class CheckResult:
     """The outcome of one check.
 
-    ``violations`` keeps the first ``keep`` violations found (``violation_count`` counts all);
-    ``errors`` the first unreadable lines' messages (``unreadable`` counts all);
+    ``violations`` keeps the first ``keep`` violations found, and ``violation_count`` counts all.
+    ``errors`` keeps the first unreadable lines' messages, and ``unreadable`` counts all.
     ``inconclusive`` says, one line each, what the log could not prove.
     """
 

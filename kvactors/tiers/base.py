@@ -39,8 +39,8 @@ class SecondaryTier(abc.ABC):
       the thread that sends them (the supervisor's, or a caller's that claimed it).
       They still run one call at a time with every other method, after every call
       sent before.
-    * :meth:`attach` comes first, once; :meth:`drain` then :meth:`shutdown` come
-      last, once.
+    * :meth:`attach` comes first, once.
+    * :meth:`drain` then :meth:`shutdown` come last, once.
     * After ``on_request_finished(ctx)`` no ``submit_store``/``submit_load`` for
       ``ctx`` follows.
     * At most :attr:`max_inflight_jobs` jobs are submitted and not yet reported.

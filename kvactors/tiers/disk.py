@@ -263,7 +263,7 @@ class DiskTier(SecondaryTier):
     # ------------------------------------------------------------ tier API
 
     def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
-        """Attach to the primary pool; blocks of another block size are deleted."""
+        """Attach to the primary pool. Blocks of another block size are deleted."""
         if pool.device.type != "cpu" or pool.dtype != torch.uint8 or pool.dim() != 2:
             raise ValueError(f"DiskTier needs a 2-D uint8 CPU pool, got {pool.dtype} {tuple(pool.shape)} "
                              f"on {pool.device}")
@@ -303,19 +303,19 @@ class DiskTier(SecondaryTier):
             return self._events.take()
 
     def submit_store(self, job: TransferJob) -> None:
-        """Write ``pool[job.block_ids]`` under ``job.keys`` on the workers; returns at once.
+        """Write ``pool[job.block_ids]`` under ``job.keys`` on the workers. Returns at once.
 
-        Keys already present are not rewritten (their recency is refreshed).
-        Each key succeeds when it is in the tier; the report names them.
+        Keys already present are not rewritten, and their recency is refreshed.
+        Each key succeeds when it is in the tier, and the report names those keys.
         """
         self._submit(job, load=False)
 
     def submit_load(self, job: TransferJob) -> None:
-        """Read and verify ``job.keys`` into ``pool[job.block_ids]`` on the workers; returns at once.
+        """Read and verify ``job.keys`` into ``pool[job.block_ids]`` on the workers. Returns at once.
 
-        The keys are protected from eviction until their read ends. A key that
-        is missing, cannot be read or fails verification fails alone (the
-        others still load; the report names them) and leaves the tier.
+        The keys are protected from eviction until their read ends.
+        A key that is missing, cannot be read or fails verification fails alone, and leaves the tier.
+        The others still load, and the report names them.
         """
         self._submit(job, load=True)
 

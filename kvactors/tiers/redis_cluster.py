@@ -48,7 +48,10 @@ TRANSIENT = (MovedError, AskError, TryAgainError, ClusterDownError, SlotNotCover
 
 @functools.cache
 def bucket_tags() -> tuple[bytes, ...]:
-    """``BUCKETS`` short hash tags; tag ``b`` hashes to slot ``b * 16384 // BUCKETS + 16384 // BUCKETS // 2``."""
+    """``BUCKETS`` short hash tags.
+
+    Tag ``b`` hashes to slot ``b * 16384 // BUCKETS + 16384 // BUCKETS // 2``.
+    """
     step = REDIS_CLUSTER_HASH_SLOTS // BUCKETS
     wanted = {b * step + step // 2: b for b in range(BUCKETS)}
     tags: list[bytes | None] = [None] * BUCKETS
