@@ -66,8 +66,10 @@ class PrimaryDoor:
             self._primary.run_claimed(message, until)
 
     def register(self, ctx: ReqContext, *, claim: bool = True, until: Callable[[], bool] | None = None) -> None:
-        """Send ``on_new_request`` for ``ctx`` (checked already), as :meth:`send` does:
-        ``LifecycleError`` if the attempt is live (or finishing), and nothing is sent."""
+        """Send ``on_new_request`` for ``ctx`` (checked already), as :meth:`send` does.
+
+        Raises ``LifecycleError`` if the attempt is live (or finishing), and nothing is sent then.
+        """
         identity = ctx.identity
         message = m.NewRequest(ctx)
         with self._gate:

@@ -113,7 +113,7 @@ class JobResult:
     A report may not fit its job.
     It may name a key the job does not have, hold a value that is not a tuple of keys,
     or have a ``success`` that is not a bool.
-    :func:`kvactors.core.outcomes.key_outcomes` says how the runtime reads such a report: every key failed.
+    The runtime then takes every key of the job as failed (:func:`kvactors.core.outcomes.key_outcomes`).
     """
 
     job_id: int

@@ -23,7 +23,7 @@ And the pool cannot deadlock on partial grants.
 
 This book only records who holds which key until when.
 The pins themselves live in the :class:`~kvactors.core.pool.BlockPool`.
-Plain data, with no threads: one book lives inside one actor.
+Plain data, with no threads. One book lives inside one actor.
 """
 
 from __future__ import annotations

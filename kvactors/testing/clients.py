@@ -35,8 +35,10 @@ except ImportError:  # pragma: no cover - the test extra installs it
 
 
 class ClientCancelled(BaseException):
-    """Raised in a parked client that its scheduler gives up on (not an ``Exception``:
-    the client's own ``except Exception`` lets it through)."""
+    """Raised in a parked client that its scheduler gives up on.
+
+    It is not an ``Exception``, so the client's own ``except Exception`` lets it through.
+    """
 
 
 class Client:

@@ -158,8 +158,11 @@ class DiskIndex:
             self._stuck.append((name, size))
 
     def abandon(self, name: str, size: int) -> None:
-        """A reserved file that will not be indexed (its write failed, or another job won):
-        its reservation ends, and its bytes count until it is gone from the disk."""
+        """End the reservation of a reserved file that will not be indexed.
+
+        That happens when its write failed, or another job won.
+        Its bytes count until it is gone from the disk.
+        """
         self.reserved -= size
         self.used += size
         self._drop_file(name, size)

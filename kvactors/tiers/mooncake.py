@@ -203,13 +203,18 @@ class MooncakeTier(SecondaryTier):
         self._runner.drain(timeout)
 
     def shutdown(self) -> None:
-        """Drain for up to ``timeout_s``, report every job still unreported as failed, stop the
-        lane, waiting up to ``timeout_s`` for its calls (the ones still stuck are left to their
-        daemon threads, logged), then close the connections, current and retired, if the
-        master answers. Mooncake's ``close`` holds the GIL while it unmounts this process'
-        segment (about 1-2 s with a live master, 11 s with a dead one, 60 s with a frozen one):
-        with a master that does not answer they are left open, kept referenced, to the
-        process' exit (``connections_left_open``). Idempotent."""
+        """Drain, report what is left as failed, stop the lane, then close the connections. Idempotent.
+
+        The drain lasts up to ``timeout_s``.
+        Every job still unreported is then reported as failed.
+        Stopping the lane waits up to ``timeout_s`` for its calls.
+        The calls still stuck are left to their daemon threads, and logged.
+        The connections, current and retired, are closed if the master answers.
+        Mooncake's ``close`` holds the GIL while it unmounts this process' segment.
+        That takes about 1-2 s with a live master, 11 s with a dead one, and 60 s with a frozen one.
+        So with a master that does not answer, the connections are left open and kept referenced
+        until the process' exit (``connections_left_open``).
+        """
         if self._runner.closed:
             return
         self._runner.shutdown(self.timeout_s, abandon="tier shut down")

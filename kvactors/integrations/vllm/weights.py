@@ -239,9 +239,11 @@ def cache_dir() -> str:
 
 
 def _whole_file_digest(path: str, st: os.stat_result, cache: str | None) -> tuple[str, int, str]:
-    """SHA-256 of the whole file, through the cache keyed by (real path, size, mtime):
-    ``(digest, bytes read, "whole" | "whole-cached")``. A cache that cannot be read or
-    written is skipped (the hash is still right)."""
+    """SHA-256 of the whole file, through the cache keyed by (real path, size, mtime).
+
+    Returns ``(digest, bytes read, "whole" | "whole-cached")``.
+    A cache that cannot be read or written is skipped, and the hash is still right.
+    """
     real = os.path.realpath(path)
     key = {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     entry = None
