@@ -89,8 +89,8 @@ class SecondaryTier(abc.ABC):
     An inline call is still one call at a time with every other method, after every call sent before.
     A hook the tier does not declare in :attr:`hooks` counts as inline.
     Leave out whatever can block (a network round trip, a blocking write).
-    It would stall that thread and the primary tier, once.
-    A call that took longer than 0.25 s is never run inline again.
+    It would stall that thread and the primary tier.
+    That happens once at most, as a call that took longer than 0.25 s is never run inline again.
     """
 
     hooks: ClassVar[frozenset[str]] = frozenset()
