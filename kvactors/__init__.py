@@ -1,8 +1,7 @@
 """kvactors: tiered KV-cache offloading for LLM serving, on Pykka actors.
 
-The public names (``from kvactors import TieringManager, ...``) are imported on
-first use (PEP 562): ``import kvactors`` alone, or the ``kvactors`` command's
-``--help``, does not load torch.
+The public names (``from kvactors import TieringManager, ...``) are imported on first use (PEP 562).
+So ``import kvactors`` alone, or the ``kvactors`` command's ``--help``, does not load torch.
 """
 
 from __future__ import annotations
@@ -75,8 +74,11 @@ __all__ = [
 
 
 def _version() -> str:
-    """pyproject.toml's [project] version, as installed (tests/test_docs.py checks both agree).
-    Read on first use: importlib.metadata costs most of a bare ``import kvactors``."""
+    """pyproject.toml's [project] version, as installed.
+
+    tests/test_docs.py checks that both agree.
+    It is read on first use, because importlib.metadata costs most of a bare ``import kvactors``.
+    """
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -86,8 +88,11 @@ def _version() -> str:
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use and keep the name here (later uses cost nothing);
-    ``__version__`` likewise."""
+    """Import a public name's module on first use, and keep the name here.
+
+    Later uses cost nothing.
+    ``__version__`` is loaded the same way.
+    """
     if name == "__version__":
         value: Any = _version()
         globals()[name] = value

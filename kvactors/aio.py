@@ -1,17 +1,18 @@
 """``AsyncTieringManager``: a :class:`~kvactors.TieringManager` for asyncio frontends.
 
-A coroutine per blocking call, a plain method per non-blocking one. No thread
-per call and no thread pool: a call puts its message exactly as the blocking
-manager does (claiming the idle primary, or queueing to its thread), and its
-answer comes back to the loop through the loop's ``call_soon_threadsafe``,
-called by the actor that sets the call's :class:`~kvactors.actors.reply.Reply`
-(:meth:`Reply.add_done_callback`). A call the primary answers on the spot
-(a claim that needed no other actor) returns without suspending.
+It has a coroutine per blocking call, and a plain method per non-blocking one.
+There is no thread per call and no thread pool.
+A call puts its message exactly as the blocking manager does,
+claiming the idle primary or queueing to its thread.
+Its answer comes back to the loop through the loop's ``call_soon_threadsafe``.
+The actor that sets the call's :class:`~kvactors.actors.reply.Reply` calls it
+(:meth:`Reply.add_done_callback`).
+A call the primary answers on the spot returns without suspending.
+That is a claim that needed no other actor.
 
-Every call is the blocking manager's (:mod:`kvactors.calls`: the same
-checks, errors and message) sent through the same door
-(:class:`~kvactors.door.PrimaryDoor`); a coroutine then awaits its reply
-instead of waiting for it.
+Every call is the blocking manager's (:mod:`kvactors.calls`), with the same checks, errors and message.
+It is sent through the same door (:class:`~kvactors.door.PrimaryDoor`).
+A coroutine then awaits its reply instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ _Undo = Callable[[Any], None] | None
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    """On ``future``'s loop: its result, unless its awaiting task gave up on it."""
+    """Set ``future``'s result, on its loop.
+
+    Nothing is set if its awaiting task gave up on it.
+    """
     if future.cancelled():
         return
     if error is not None:
@@ -60,12 +64,11 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
 class _Inbox:
     """Answers on their way to one loop, from any thread.
 
-    One ``call_soon_threadsafe`` per burst (a drain already scheduled takes
-    what arrives meanwhile), and at most :attr:`CHUNK` answers handed to
-    their coroutines per turn of the loop: a burst of answers (the primary
-    answers a whole batch at once) would otherwise wake every waiting
-    coroutine in one turn, and the loop's timers and other tasks would wait
-    for all of them.
+    There is one ``call_soon_threadsafe`` per burst, as a drain already scheduled takes what arrives meanwhile.
+    At most :attr:`CHUNK` answers are handed to their coroutines per turn of the loop.
+    The primary answers a whole batch at once.
+    Without the bound, such a burst would wake every waiting coroutine in one turn.
+    The loop's timers and other tasks would then wait for all of them.
     """
 
     CHUNK = 16
@@ -93,7 +96,7 @@ class _Inbox:
                     self._undo(undo_it, done.result(), report=False)
 
     def _drain(self) -> None:
-        """On the loop's thread: hand over up to CHUNK answers, the rest on the next turn."""
+        """Hand over up to CHUNK answers, and the rest on the next turn. Runs on the loop's thread."""
         items = self._items
         for _ in range(self.CHUNK):
             try:
@@ -115,8 +118,11 @@ class _Inbox:
         self.loop.call_soon(self._drain)
 
     def _undo(self, undo: Callable[[Any], None], value: Any, *, report: bool = True) -> None:
-        """Undo a cancelled call's answer; never raises, so that the answers behind it are
-        still handed over. After a stop there is nothing left to undo (the stop released it)."""
+        """Undo a cancelled call's answer.
+
+        It never raises, so that the answers behind it are still handed over.
+        After a stop there is nothing left to undo, as the stop released it.
+        """
         try:
             undo(value)
         except ManagerStoppedError:
@@ -130,34 +136,36 @@ class _Inbox:
 class AsyncTieringManager:
     """A started :class:`~kvactors.TieringManager`, for code on an asyncio event loop.
 
-    Coroutines (same names, arguments, results and errors as the blocking
-    methods): :meth:`on_new_request`, :meth:`lookup`, :meth:`prepare_load`,
-    :meth:`prepare_store`, :meth:`reset_cache`, :meth:`take_events`,
-    :meth:`wait_idle`, :meth:`stats`, :meth:`metrics_snapshot`, :meth:`stop`. Plain methods:
-    :meth:`complete_load`, :meth:`complete_store`, :meth:`touch`,
+    The coroutines have the same names, arguments, results and errors as the blocking methods.
+    They are :meth:`on_new_request`, :meth:`lookup`, :meth:`prepare_load`, :meth:`prepare_store`,
+    :meth:`reset_cache`, :meth:`take_events`, :meth:`wait_idle`, :meth:`stats`, :meth:`metrics_snapshot`
+    and :meth:`stop`.
+    The plain methods are :meth:`complete_load`, :meth:`complete_store`, :meth:`touch` and
     :meth:`on_request_finished`.
 
-    Threading: the coroutines never block the loop's thread, whatever the
-    tiers do. What runs on it is the put of the call's message and, while
-    the primary tier's actor is idle, the primary's handler for it (a claim,
-    as with the blocking manager: bounded work on the pool, never a tier
-    call); ``claims=False`` queues every message to the primary's thread
-    instead. Calls from one task take effect in the order they were made
-    (each is put before the coroutine first suspends). It may be built
-    outside a running loop and serves one loop at a time (each call answers
-    on the loop it was awaited on). The blocking manager stays usable from
-    other threads meanwhile.
+    Threading: the coroutines never block the loop's thread, whatever the tiers do.
+    What runs on it is the put of the call's message.
+    While the primary tier's actor is idle, the primary's handler for the message runs there too.
+    That is a claim, as with the blocking manager: bounded work on the pool, never a tier call.
+    ``claims=False`` queues every message to the primary's thread instead.
+    Calls from one task take effect in the order they were made.
+    Each is put before the coroutine first suspends.
+    The manager may be built outside a running loop.
+    It serves one loop at a time, as each call answers on the loop it was awaited on.
+    The blocking manager stays usable from other threads meanwhile.
 
-    Cancellation: a task cancelled while it awaits a call leaves nothing
-    behind. The call's message is already sent, so its answer is undone when
-    it arrives: ``prepare_load``'s pins are released (``complete_load``),
-    ``prepare_store``'s rows are completed with ``success=False``, the events
-    ``take_events`` took are returned by the next ``take_events``. The
-    request itself is untouched: it can go on, or be finished.
+    Cancellation: a task cancelled while it awaits a call leaves nothing behind.
+    The call's message is already sent, so its answer is undone when it arrives.
 
-    ``TransferEngine``'s futures are ``concurrent.futures.Future``: await them
-    with ``asyncio.wrap_future(engine.offload(...))`` (note that ``offload``
-    and ``onboard`` make their ``prepare_*`` call on the calling thread).
+    * ``prepare_load``'s pins are released (``complete_load``).
+    * ``prepare_store``'s rows are completed with ``success=False``.
+    * The events ``take_events`` took are returned by the next ``take_events``.
+
+    The request itself is untouched, and it can go on or be finished.
+
+    ``TransferEngine``'s futures are ``concurrent.futures.Future``.
+    Await them with ``asyncio.wrap_future(engine.offload(...))``.
+    Note that ``offload`` and ``onboard`` make their ``prepare_*`` call on the calling thread.
     """
 
     def __init__(self, manager: TieringManager, *, claims: bool = True) -> None:
@@ -175,14 +183,18 @@ class AsyncTieringManager:
     # ------------------------------------------------------------ the bridge
 
     def _send(self, message: object) -> None:
-        """Put ``message`` as the blocking manager does (claiming the idle primary unless
-        ``claims=False``), but a claim runs this message's handler only: what it causes
-        (the supervisor's part, the tiers' calls) goes to the primary's thread, never
-        to the loop's."""
+        """Put ``message`` as the blocking manager does, claiming the idle primary unless ``claims=False``.
+
+        But a claim runs this message's handler only.
+        What it causes (the supervisor's part, the tiers' calls) goes to the primary's thread, never to the loop's.
+        """
         self.manager.door.send(message, claim=self._claims, until=alone)
 
     async def _call(self, ask: calls.Ask[T]) -> T:
-        """Send ``ask`` and await its answer; a cancelled caller's answer is undone (``ask.undo``)."""
+        """Send ``ask`` and await its answer.
+
+        A cancelled caller's answer is undone (``ask.undo``).
+        """
         self._send(ask.message)
         undo = ask.undo
         if undo is None:
@@ -204,12 +216,13 @@ class AsyncTieringManager:
 
     async def _await(self, reply: Reply[T], undo: Callable[[T], None] | None = None, *,
                      call: str | None = None) -> T:
-        """The answer of ``reply``, awaited on the running loop; ``undo(answer)`` runs
-        (on the loop's thread) if the awaiting task was cancelled before it got it.
+        """The answer of ``reply``, awaited on the running loop.
 
-        With ``call``, bounded as the blocking manager's calls are: no answer long
-        past every deadline (a wedged primary thread) is a ``TimeoutError``, and an
-        answer that comes after it is undone as for a cancelled task."""
+        ``undo(answer)`` runs, on the loop's thread, if the awaiting task was cancelled before it got the answer.
+        With ``call``, the wait is bounded as the blocking manager's calls are.
+        No answer long past every deadline (a wedged primary thread) is a ``TimeoutError``.
+        An answer that comes after that is undone, as for a cancelled task.
+        """
         if reply.done():
             return reply.result()
         inbox = self._inbox_of(asyncio.get_running_loop())
@@ -233,7 +246,10 @@ class AsyncTieringManager:
     # ------------------------------------------------------------ coroutines
 
     async def on_new_request(self, ctx: ReqContext) -> None:
-        """As :meth:`TieringManager.on_new_request` (never suspends: it returns once queued)."""
+        """As :meth:`TieringManager.on_new_request`.
+
+        It never suspends, and returns once queued.
+        """
         self.manager.door.register(check_ctx(ctx), claim=self._claims, until=alone)
 
     async def lookup(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
@@ -241,11 +257,17 @@ class AsyncTieringManager:
         return await self._call(calls.lookup(keys, ctx))
 
     async def prepare_load(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> LoadStoreSpec:
-        """As :meth:`TieringManager.prepare_load`; cancelled, its pins are released."""
+        """As :meth:`TieringManager.prepare_load`.
+
+        If it is cancelled, its pins are released.
+        """
         return await self._call(calls.prepare_load(keys, ctx))
 
     async def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
-        """As :meth:`TieringManager.prepare_store`; cancelled, its rows are completed as failed."""
+        """As :meth:`TieringManager.prepare_store`.
+
+        If it is cancelled, its rows are completed as failed.
+        """
         return await self._call(calls.prepare_store(keys, ctx))
 
     async def reset_cache(self) -> None:
@@ -253,7 +275,10 @@ class AsyncTieringManager:
         await self._call(calls.reset_cache())
 
     async def take_events(self) -> list[OffloadingEvent]:
-        """As :meth:`TieringManager.take_events`; events taken by a cancelled call come first."""
+        """As :meth:`TieringManager.take_events`.
+
+        Events taken by a cancelled call come first.
+        """
         ask = calls.take_events()
         self._send(ask.message)
         # The undo keeps a cancelled call's events in the one list, for the next call.
@@ -265,7 +290,10 @@ class AsyncTieringManager:
         return events
 
     async def wait_idle(self, timeout: float | None = None) -> bool:
-        """As :meth:`TieringManager.wait_idle`: False if ``timeout`` passed first."""
+        """As :meth:`TieringManager.wait_idle`.
+
+        Returns False if ``timeout`` passed first.
+        """
         timeout = check_timeout(timeout, "timeout")
         ask = calls.barrier()
         self._send(ask.message)
@@ -283,13 +311,18 @@ class AsyncTieringManager:
         return await self._call(calls.metrics_snapshot())
 
     async def stop(self, timeout: float | None = None) -> None:
-        """As :meth:`TieringManager.stop`. Its last step joins the actors' threads (a
-        tier stuck in a call may hold it up to ``timeout``), so it runs on one thread
-        of its own, never on the loop's: the first call starts it, and every call,
-        also a concurrent or later one, awaits its end (one thread per wrapper, not
-        per call). A later call with a ``timeout`` returns once that stop ended or
-        ``timeout + 2 * STOP_GRACE_S`` passed, as the blocking one does. A
-        cancelled stop still completes."""
+        """As :meth:`TieringManager.stop`.
+
+        Its last step joins the actors' threads.
+        A tier stuck in a call may hold that up to ``timeout``.
+        So the stop runs on one thread of its own, never on the loop's.
+        The first call starts it.
+        Every call, concurrent or later, awaits its end.
+        That is one thread per wrapper, not per call.
+        A later call with a ``timeout`` returns once that stop ended or ``timeout + 2 * STOP_GRACE_S`` passed,
+        as the blocking one does.
+        A cancelled stop still completes.
+        """
         timeout = check_timeout(timeout, "timeout")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
@@ -309,7 +342,10 @@ class AsyncTieringManager:
             await asyncio.wait_for(asyncio.shield(future), timeout + 2 * STOP_GRACE_S)
 
     def _run_stop(self, timeout: float | None) -> None:
-        """The stop thread: the blocking stop, then every waiting call's future, on its loop."""
+        """The stop thread.
+
+        It runs the blocking stop, then sets every waiting call's future, on its loop.
+        """
         error: BaseException | None = None
         try:
             self.manager.stop(timeout)

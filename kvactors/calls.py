@@ -1,15 +1,16 @@
 """The facade's calls, written once: each checks its arguments and builds its message.
 
-Both facades (:class:`~kvactors.TieringManager` and
-:class:`~kvactors.aio.AsyncTieringManager`) build every message here, so a
-call's checks (:mod:`kvactors.core.arguments`: a bad argument is a
-``ValueError`` at the caller, and nothing is sent) and its message cannot
-drift apart between them. A blocking call is an :class:`Ask`: its message,
-the reply the primary answers it through, and how its answer is undone when
-nobody takes it (an asyncio task cancelled while it waited). A non-blocking
-call is its message alone.
+Both facades (:class:`~kvactors.TieringManager` and :class:`~kvactors.aio.AsyncTieringManager`)
+build every message here.
+So a call's checks and its message cannot drift apart between them.
+The checks are :mod:`kvactors.core.arguments`'s.
+A bad argument is a ``ValueError`` at the caller, and nothing is sent.
+A blocking call is an :class:`Ask`.
+It holds its message, the reply the primary answers it through,
+and how its answer is undone when nobody takes it (an asyncio task cancelled while it waited).
+A non-blocking call is its message alone.
 
-Plain functions, no state: safe from any thread.
+Plain functions, with no state, safe from any thread.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ T = TypeVar("T")
 
 
 class Ask(Generic[T]):
-    """A blocking call: ``message`` carries ``reply``; ``undo(answer)`` is the message that
-    releases what the answer holds (``None``: nothing to release) for a caller that never
-    took it; ``name`` names the call in errors and logs."""
+    """A blocking call.
+
+    ``message`` carries ``reply``.
+    ``undo(answer)`` is the message that releases what the answer holds, for a caller that never took it.
+    It is ``None`` when there is nothing to release.
+    ``name`` names the call in errors and logs.
+    """
 
     __slots__ = ("message", "name", "reply", "undo")
 
@@ -70,7 +75,10 @@ def reset_cache() -> Ask[None]:
 
 
 def take_events() -> Ask[list[OffloadingEvent]]:
-    """Its undo is the facade's: the events go back to the next call, not to the primary."""
+    """Its undo is the facade's.
+
+    The events go back to the next call, not to the primary.
+    """
     reply: Reply[list[OffloadingEvent]] = Reply()
     return Ask("take_events", m.TakeEvents(reply), reply)
 

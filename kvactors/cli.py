@@ -1,9 +1,9 @@
 """The ``kvactors`` command: ``simulate``, ``stress``, ``check-log``.
 
-A bad option is one line on stderr, ``kvactors <command>: error: ...``, and
-exit status 2 (:class:`kvactors.commands.options.Parser`); Ctrl-C ends a run
-with exit status 130 once the command has stopped what it started, SIGTERM the
-same way with 143.
+A bad option is one line on stderr, ``kvactors <command>: error: ...``, and exit status 2
+(:class:`kvactors.commands.options.Parser`).
+Ctrl-C ends a run with exit status 130, once the command has stopped what it started.
+SIGTERM ends it the same way, with 143.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ COMMANDS = {
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
-    """The ``kvactors`` parser with one subparser per command module found; the modules by name.
+    """The ``kvactors`` parser, with one subparser per command module found. Returns it and the modules by name.
+
     :func:`subparsers` finds the commands' parsers in it.
     """
     parser = Parser(prog="kvactors", description="Tiered KV-cache offloading runtime.")

@@ -1,17 +1,17 @@
 """``PrimaryDoor``: the one way the facades' calls reach the primary tier's actor.
 
-Both facades (:class:`~kvactors.TieringManager` and
-:class:`~kvactors.aio.AsyncTieringManager`) put their messages through one
-door, which owns what must be decided once per message, whoever calls:
+Both facades (:class:`~kvactors.TieringManager` and :class:`~kvactors.aio.AsyncTieringManager`)
+put their messages through one door.
+The door owns what must be decided once per message, whoever calls.
 
-* the **gate**: "stopped" and "queued" are one step, so no message lands
-  behind the shutdown :meth:`close` queued;
-* the **claim**: while the primary is idle, the caller runs the handler (and
-  what was told meanwhile, up to ``until``) on its own thread
-  (:meth:`~kvactors.actors.runtime.ActorRef.run_claimed`);
-* the **registry** of live request attempts: a duplicate ``on_new_request``
-  is refused at its caller, without a round trip; the primary forgets an
-  attempt (:meth:`forget`) once its record is gone.
+* The **gate** makes "stopped" and "queued" one step.
+  So no message lands behind the shutdown that :meth:`close` queued.
+* The **claim** lets the caller run the handler on its own thread while the primary is idle
+  (:meth:`~kvactors.actors.runtime.ActorRef.run_claimed`).
+  The caller also runs what was told meanwhile, up to ``until``.
+* The **registry** of live request attempts refuses a duplicate ``on_new_request`` at its caller,
+  without a round trip.
+  The primary forgets an attempt (:meth:`forget`) once its record is gone.
 
 Thread-safe: any number of threads may use one door at once.
 """
@@ -29,10 +29,11 @@ from kvactors.types import ReqContext
 
 
 class PrimaryDoor:
-    """The gate, the claims and the live-request registry of one runtime; see the module docstring.
+    """The gate, the claims and the live-request registry of one runtime (see the module docstring).
 
-    ``answer_bound_s``: how long a caller waits for an answer before it gives up
-    (a wedged primary); ``log``: the runtime's lifecycle logger."""
+    ``answer_bound_s`` is how long a caller waits for an answer before it gives up, on a wedged primary.
+    ``log`` is the runtime's lifecycle logger.
+    """
 
     __slots__ = ("_closed", "_gate", "_live", "_primary", "answer_bound_s", "log")
 
@@ -49,12 +50,14 @@ class PrimaryDoor:
         return self._closed
 
     def send(self, message: object, *, claim: bool = True, until: Callable[[], bool] | None = None) -> None:
-        """Run ``message`` here if the primary is idle (and ``claim``), else queue it to the
-        primary's thread. ``ManagerStoppedError`` once closed (nothing sent).
+        """Run ``message`` here if the primary is idle (and ``claim``), else queue it to the primary's thread.
 
-        Claimed, the caller then handles what was told to the primary's mailbox meanwhile
-        (:meth:`~kvactors.actors.mailbox.Mailbox.run_claimed`): ``until`` ``None``, up to 16
-        messages; else until ``until()`` is true (a blocking call's reply is in)."""
+        Raises ``ManagerStoppedError`` once the door is closed, and nothing is sent.
+        After a claim, the caller handles what was told to the primary's mailbox meanwhile
+        (:meth:`~kvactors.actors.mailbox.Mailbox.run_claimed`).
+        With ``until`` ``None``, it handles up to 16 messages.
+        Otherwise it handles them until ``until()`` is true, when a blocking call's reply is in.
+        """
         with self._gate:
             claimed = self._put(message, claim)
         # A claimed message runs after the gate: the claim already orders it before anything
@@ -63,8 +66,10 @@ class PrimaryDoor:
             self._primary.run_claimed(message, until)
 
     def register(self, ctx: ReqContext, *, claim: bool = True, until: Callable[[], bool] | None = None) -> None:
-        """Send ``on_new_request`` for ``ctx`` (checked already), as :meth:`send` does:
-        ``LifecycleError`` if the attempt is live (or finishing), and nothing is sent."""
+        """Send ``on_new_request`` for ``ctx`` (checked already), as :meth:`send` does.
+
+        Raises ``LifecycleError`` if the attempt is live (or finishing), and nothing is sent then.
+        """
         identity = ctx.identity
         message = m.NewRequest(ctx)
         with self._gate:
@@ -76,14 +81,19 @@ class PrimaryDoor:
             self._primary.run_claimed(message, until)
 
     def forget(self, identity: tuple[str, int]) -> None:
-        """The primary's record of ``identity`` is gone: a new lifetime may be registered.
-        Called by the primary's handler, on whatever thread runs it (never under the gate)."""
+        """Note that the primary's record of ``identity`` is gone, so a new lifetime may be registered.
+
+        The primary's handler calls it, on whatever thread runs it, never under the gate.
+        """
         with self._gate:
             self._live.discard(identity)
 
     def close(self, last: object) -> bool:
-        """Queue ``last`` (the shutdown) and refuse every later message; whether this call
-        closed the door (False: it was closed already, nothing queued)."""
+        """Queue ``last`` (the shutdown) and refuse every later message.
+
+        Returns whether this call closed the door.
+        False means it was closed already, and nothing was queued.
+        """
         with self._gate:
             if self._closed:
                 return False
@@ -92,7 +102,10 @@ class PrimaryDoor:
             return True
 
     def _put(self, message: object, claim: bool) -> bool:
-        """Claim the idle primary (True: the caller runs it) or queue; under the gate."""
+        """Claim the idle primary, or queue the message. Runs under the gate.
+
+        Returns True when the caller runs the claim.
+        """
         if self._closed:
             raise ManagerStoppedError("the TieringManager is stopped")
         if claim and self._primary.claim():

@@ -1,24 +1,24 @@
 """The event names of kvactors' logs, defined once: name, levels, required fields.
 
-Two kinds of events exist:
+Two kinds of events exist.
 
-* **lifecycle** events, written by a manager's event logger
-  (:func:`kvactors.logs.make_event_logger`) to the stdlib logger ``kvactors`` and
-  to the JSON-lines event log that ``kvactors check-log`` replays. The checker
-  handles exactly these names (``tests/test_log_schema.py`` scans the package's
-  source: every log call's name is a literal of this module, or a lookup into
-  :data:`JOB_SUBMITTED`/:data:`JOB_COMPLETED`, at a level listed here; every
-  name here is emitted somewhere; the checker's handlers are the lifecycle names);
-* **component** events of a tier or the transfer engine
-  (:func:`kvactors.logs.component_logger`), which go to stdlib only and are
-  never in an event log.
+* **Lifecycle** events are written by a manager's event logger (:func:`kvactors.logs.make_event_logger`).
+  They go to the stdlib logger ``kvactors`` and to the JSON-lines event log that ``kvactors check-log`` replays.
+  The checker handles exactly these names.
+  ``tests/test_log_schema.py`` checks that by scanning the package's source.
+  Every log call's name must be a literal of this module, or a lookup into
+  :data:`JOB_SUBMITTED`/:data:`JOB_COMPLETED`, at a level listed here.
+  Every name here must be emitted somewhere.
+  The checker's handlers must be the lifecycle names.
+* **Component** events come from a tier or the transfer engine (:func:`kvactors.logs.component_logger`).
+  They go to stdlib only, and are never in an event log.
 
-A new event, or a renamed one, must be added here first: the event logger
-refuses a name not listed here when ``KVACTORS_STRICT_EVENTS=1`` (the test
-suite sets it) and ``check-log`` reports one found in a log as unknown (the
-verdict cannot be OK: a renamed event would otherwise switch a rule off).
+A new event, or a renamed one, must be added here first.
+The event logger refuses a name not listed here when ``KVACTORS_STRICT_EVENTS=1``, which the test suite sets.
+``check-log`` reports such a name found in a log as unknown, and the verdict cannot be OK.
+Otherwise a renamed event would switch a rule off.
 
-This module is plain data; importing it costs nothing and configures nothing.
+This module is plain data, so importing it costs nothing and configures nothing.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-#: Fields every lifecycle event carries, stamped by the logger itself (``timestamp``: wall-clock UTC, ISO 8601;
-#: logs written before it have ``ts``, monotonic seconds, instead: no rule reads either).
+#: Fields every lifecycle event carries, stamped by the logger itself.
+#: ``timestamp`` is wall-clock UTC, ISO 8601.
+#: Logs written before it have ``ts``, monotonic seconds, instead. No rule reads either.
 STAMPED = frozenset({"event", "level", "timestamp", "thread", "seq", "manager", "pid"})
 
-#: The event a job of each kind logs when it is sent to its tier, and when its tier reported it: emitters look
-#: their name up here (``JOB_SUBMITTED[kind]``), so every name in the source is a literal of this module.
+#: The event a job of each kind logs when it is sent to its tier, and when its tier reported it.
+#: Emitters look their name up here (``JOB_SUBMITTED[kind]``), so every name in the source is a literal of this module.
 JOB_SUBMITTED: Mapping[str, str] = MappingProxyType({"cascade": "cascade_submitted",
                                                      "promotion": "promotion_submitted"})
 JOB_COMPLETED: Mapping[str, str] = MappingProxyType({"cascade": "cascade_completed",
@@ -167,7 +168,7 @@ class UnknownEventError(ValueError):
 
 
 def problem(event_dict: Mapping[str, Any], *, lifecycle: bool) -> str | None:
-    """What is wrong with ``event_dict`` against the schema (``None``: nothing)."""
+    """What is wrong with ``event_dict`` against the schema, or ``None`` when nothing is."""
     name = event_dict.get("event")
     spec = EVENTS.get(name) if isinstance(name, str) else None
     if spec is None or spec.lifecycle != lifecycle:

@@ -1,46 +1,51 @@
 """Structured lifecycle logs: structlog's stdlib integration over the stdlib logger ``kvactors``.
 
-kvactors is a library, so importing it configures nothing: the stdlib logger
-``kvactors`` gets a ``NullHandler`` and structlog's global configuration is
-never read or touched (every logger here is built with its own processors).
-Each manager builds its own bound logger with :func:`make_event_logger`;
-events go to
+kvactors is a library, so importing it configures nothing.
+The stdlib logger ``kvactors`` gets a ``NullHandler``.
+structlog's global configuration is never read or touched, because every logger here is built with its own processors.
+Each manager builds its own bound logger with :func:`make_event_logger`.
+Its events go to two places.
 
-* the stdlib logger ``kvactors`` (route them with ``logging`` as for any
-  library; lifecycle transitions are ``DEBUG``, anomalies ``WARNING``). A
-  record's ``msg`` is the event dict (a ``dict`` that prints as ``event k=v
-  ...``), also in ``record.kvactors_event``, and the record carries what
-  :class:`structlog.stdlib.ProcessorFormatter` reads, so a handler with that
-  formatter renders kvactors' events as structured events, and
-* optionally a JSON-lines file (``TieringManager.start(event_log=PATH)`` or the
-  ``KVACTORS_EVENT_LOG`` environment variable), one object per event, which
-  ``kvactors check-log`` replays to verify the lifecycle contract.
+* The stdlib logger ``kvactors``.
+  Route them with ``logging`` as for any library.
+  Lifecycle transitions are ``DEBUG``, and anomalies ``WARNING``.
+  A record's ``msg`` is the event dict, a ``dict`` that prints as ``event k=v ...``.
+  The dict is also in ``record.kvactors_event``.
+  The record carries what :class:`structlog.stdlib.ProcessorFormatter` reads.
+  So a handler with that formatter renders kvactors' events as structured events.
+* Optionally, a JSON-lines file with one object per event.
+  ``TieringManager.start(event_log=PATH)`` or the ``KVACTORS_EVENT_LOG`` environment variable names it.
+  ``kvactors check-log`` replays it to verify the lifecycle contract.
 
-Event names are snake_case verbs in the past tense (``store_prepared``,
-``tier_finalized``) with bound context: ``req_id``, ``attempt``, ``tier``,
-``job_id``, ``keys`` (a count), pending counts. Every name, with its levels and
-required fields, is defined once in :mod:`kvactors.log_schema`; with
-``KVACTORS_STRICT_EVENTS=1`` in the environment when a logger is built (the test
-suite sets it), logging a name not there, at another level or without a
-required field raises :class:`~kvactors.log_schema.UnknownEventError`.
+Event names are snake_case verbs in the past tense (``store_prepared``, ``tier_finalized``).
+They carry bound context: ``req_id``, ``attempt``, ``tier``, ``job_id``, ``keys`` (a count), pending counts.
+Every name, with its levels and required fields, is defined once in :mod:`kvactors.log_schema`.
+Strict mode is on when ``KVACTORS_STRICT_EVENTS=1`` is in the environment as a logger is built.
+The test suite sets it.
+In strict mode, logging a name not in the schema, at another level or without a required field
+raises :class:`~kvactors.log_schema.UnknownEventError`.
 
-Stamped fields: ``level``; ``timestamp``, wall-clock time in UTC, ISO 8601
-(``2025-01-31T12:00:00.123456Z``); ``thread``, the emitting thread's name; and,
-for lifecycle events, ``seq`` (below). Nothing in the checker reads a time:
-order comes from ``seq``.
+Stamped fields:
 
-The level is the stdlib logger's, asked at each call: a level set at any time
-(``logging.getLogger("kvactors").setLevel(logging.DEBUG)``, a parent's level,
-``logging.disable``) counts from the next event, on every thread. A call below
-the level returns before any processor runs (one ``Logger.isEnabledFor``, a
-cached dict lookup). A manager with an event log keeps every event (``DEBUG``
-and up) for the file whatever the level, and hands stdlib those at its level.
+* ``level``.
+* ``timestamp``, wall-clock time in UTC, ISO 8601 (``2025-01-31T12:00:00.123456Z``).
+* ``thread``, the emitting thread's name.
+* ``seq``, for lifecycle events (below).
 
-Threading: every logger here may be used from any thread. The file sink
-serializes writes with a lock and stamps each event with a sequence number
-``seq``; events of one actor appear in the order that actor emitted them, and an
-event emitted after another (in real time, across threads) never gets a smaller
-``seq``.
+Nothing in the checker reads a time, as order comes from ``seq``.
+
+The level is the stdlib logger's, asked at each call.
+A level set at any time counts from the next event, on every thread.
+That covers ``logging.getLogger("kvactors").setLevel(logging.DEBUG)``, a parent's level and ``logging.disable``.
+A call below the level returns before any processor runs.
+It costs one ``Logger.isEnabledFor``, a cached dict lookup.
+A manager with an event log keeps every event (``DEBUG`` and up) for the file, whatever the level.
+It hands stdlib those at its level.
+
+Threading: every logger here may be used from any thread.
+The file sink serializes writes with a lock and stamps each event with a sequence number ``seq``.
+Events of one actor appear in the order that actor emitted them.
+An event emitted after another, in real time and across threads, never gets a smaller ``seq``.
 """
 
 from __future__ import annotations
@@ -85,7 +90,10 @@ class EventLogger(Protocol):
 
 
 class EventMessage(dict[str, Any]):
-    """A stdlib record's ``msg``: the event dict, which plain formatters print as ``event k=v ...``."""
+    """A stdlib record's ``msg``.
+
+    It is the event dict, which plain formatters print as ``event k=v ...``.
+    """
 
     __slots__ = ()
 
@@ -95,8 +103,11 @@ class EventMessage(dict[str, Any]):
 
 
 class _LevelLogger(BoundLogger):
-    """A :class:`structlog.stdlib.BoundLogger` that asks the stdlib logger's level at every call,
-    before building anything: a call below it costs one ``isEnabledFor``."""
+    """A :class:`structlog.stdlib.BoundLogger` that asks the stdlib logger's level at every call.
+
+    It asks before building anything.
+    A call below the level costs one ``isEnabledFor``.
+    """
 
     def __init__(self, logger: Any, processors: Any, context: Any) -> None:
         super().__init__(logger, processors, context)
@@ -133,17 +144,21 @@ class _LevelLogger(BoundLogger):
 
 
 class _RecordingLogger(BoundLogger):
-    """A manager's logger with an event log: every event is built (for the file), at any level."""
+    """A manager's logger with an event log.
+
+    Every event is built for the file, at any level.
+    """
 
     def is_enabled_for(self, level: int) -> bool:
         return True
 
 
 class EventSink:
-    """The processor that stamps ``seq`` and writes the JSON line (when there is a file).
+    """The processor that stamps ``seq`` and writes the JSON line, when there is a file.
 
-    Thread-safe. ``close()`` flushes and closes the file; events after it go to
-    stdlib only.
+    Thread-safe.
+    ``close()`` flushes and closes the file.
+    Events after it go to stdlib only.
     """
 
     def __init__(self, json_path: str | os.PathLike[str] | None) -> None:
@@ -193,8 +208,11 @@ def _check_component(_: WrappedLogger, __: str, event_dict: EventDict) -> EventD
 
 def _to_stdlib(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> tuple[tuple[Any, ...],
                                                                                        dict[str, Any]]:
-    """The last processor: the stdlib call's arguments (``ProcessorFormatter.wrap_for_formatter``'s, plus
-    ``kvactors_event`` and a real ``exc_info``), or nothing when the stdlib logger drops that level."""
+    """The last processor, which returns the stdlib call's arguments.
+
+    Those are ``ProcessorFormatter.wrap_for_formatter``'s, plus ``kvactors_event`` and a real ``exc_info``.
+    It returns nothing when the stdlib logger drops that level.
+    """
     if not logger.isEnabledFor(_LEVELS.get(event_dict["level"], logging.INFO)):
         raise structlog.DropEvent  # only a recording logger gets here below the level
     message = EventMessage(event_dict)
@@ -212,7 +230,10 @@ def _strict() -> bool:
 
 
 def _processors(check: Processor, sink: EventSink | None) -> list[Processor]:
-    """The chain: stamp, then (strict mode, read when the logger is built) the schema check, then the file."""
+    """The chain: stamp, then the schema check, then the file.
+
+    The schema check is there in strict mode only, which is read when the logger is built.
+    """
     chain: list[Processor] = [add_log_level, _add_timestamp, _add_thread]
     if _strict():
         chain.append(check)
@@ -227,10 +248,10 @@ def make_event_logger(
 ) -> tuple[EventLogger, EventSink]:
     """Build one manager's lifecycle logger and its sink.
 
-    Without ``json_path`` (and without ``KVACTORS_EVENT_LOG``) an event is built
-    only if the stdlib logger ``kvactors`` is enabled for its level when it is
-    logged; with a file, every event (``DEBUG`` and up) is recorded there, and
-    those at the stdlib logger's level go to it too.
+    Without ``json_path`` (and without ``KVACTORS_EVENT_LOG``), an event is built only if the stdlib logger
+    ``kvactors`` is enabled for its level when it is logged.
+    With a file, every event (``DEBUG`` and up) is recorded there.
+    Those at the stdlib logger's level go to it too.
     """
     if json_path is None:
         json_path = os.environ.get(ENV_EVENT_LOG) or None
@@ -252,12 +273,12 @@ def null_logger() -> EventLogger:
 def component_logger(component: str, **context: Any) -> EventLogger:
     """A structured logger for one component's own events (a tier, the transfer engine).
 
-    Events go to the stdlib logger ``kvactors.<component>`` (a child of
-    ``kvactors``, so routed like every other kvactors log; each record carries
-    the event dict as ``record.kvactors_event``); there is no JSON file and no
-    ``seq``. As for :func:`make_event_logger`, the level is the stdlib logger's
-    effective level when an event is logged. Thread-safe: any thread may log
-    through it.
+    Events go to the stdlib logger ``kvactors.<component>``.
+    It is a child of ``kvactors``, so it is routed like every other kvactors log.
+    Each record carries the event dict as ``record.kvactors_event``.
+    There is no JSON file and no ``seq``.
+    As for :func:`make_event_logger`, the level is the stdlib logger's effective level when an event is logged.
+    Thread-safe: any thread may log through it.
     """
     stdlib = logging.getLogger(f"{LOGGER_NAME}.{component}")
     return _LevelLogger(stdlib, _processors(_check_component, None), context)

@@ -1,6 +1,8 @@
-"""The primary pool's memory: a new zeroed tensor (or a ``MemoryError`` naming its sizes), or a caller's, checked.
+"""The primary pool's memory: a new zeroed tensor, or a caller's, checked.
 
-Pure functions; any thread.
+A new tensor that cannot be allocated raises a ``MemoryError`` naming its sizes.
+
+Pure functions, for any thread.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ def allocate_pool(num_blocks: int, block_bytes: int) -> torch.Tensor:
 
 
 def check_pool(pool: object, num_blocks: int, block_bytes: int) -> torch.Tensor:
-    """``pool`` if it can be the primary pool as is: a contiguous CPU ``uint8`` tensor
-    ``(num_blocks, block_bytes)``; else ``ValueError``."""
+    """``pool``, if it can be the primary pool as is.
+
+    It must be a contiguous CPU ``uint8`` tensor ``(num_blocks, block_bytes)``.
+    Raises ``ValueError`` otherwise.
+    """
     if (not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.device.type != "cpu"
             or tuple(pool.shape) != (num_blocks, block_bytes) or not pool.is_contiguous()):
         got = f"{pool.dtype} {tuple(pool.shape)} on {pool.device}" if isinstance(pool, torch.Tensor) \

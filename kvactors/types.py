@@ -1,8 +1,8 @@
 """The value types of the public API (docs/guide.md, "Embedding it").
 
-Every type here is immutable: values cross thread boundaries inside actor
-messages, which pykka passes by reference, so nothing may be mutated after it
-has been sent.
+Every type here is immutable.
+Values cross thread boundaries inside actor messages, which pykka passes by reference.
+So nothing may be mutated after it has been sent.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ OffloadKey: TypeAlias = bytes
 class ReqContext:
     """One attempt of one request.
 
-    A preempted request comes back with ``attempt + 1``; the two attempts are
-    different identities with separate state. Equality and hashing use
-    ``(req_id, attempt)`` only, so ``params`` may hold unhashable values.
+    A preempted request comes back with ``attempt + 1``.
+    The two attempts are different identities with separate state.
+    Equality and hashing use ``(req_id, attempt)`` only, so ``params`` may hold unhashable values.
     """
 
     req_id: str
@@ -39,7 +39,7 @@ class ReqContext:
 
     @property
     def identity(self) -> tuple[str, int]:
-        """``(req_id, attempt)``: the key of every per-request state."""
+        """``(req_id, attempt)``, the key of every per-request state."""
         return (self.req_id, self.attempt)
 
     def __str__(self) -> str:
@@ -70,8 +70,8 @@ class LoadStoreSpec:
 class PrepareStoreOutput:
     """What ``prepare_store`` allocated.
 
-    ``store_spec`` has one row per key of ``keys_to_store``, in that order; keys
-    already present in the pool are left out of ``keys_to_store``.
+    ``store_spec`` has one row per key of ``keys_to_store``, in that order.
+    Keys already present in the pool are left out of ``keys_to_store``.
     """
 
     keys_to_store: list[OffloadKey]
@@ -92,8 +92,8 @@ class OffloadingEvent:
 class TransferJob:
     """Work handed to a secondary tier.
 
-    A store copies ``pool[block_ids]`` into the tier under ``keys``; a promotion
-    (``is_promotion``) loads ``keys`` from the tier into those rows.
+    A store copies ``pool[block_ids]`` into the tier under ``keys``.
+    A promotion (``is_promotion``) loads ``keys`` from the tier into those rows.
     """
 
     job_id: int
@@ -107,13 +107,13 @@ class TransferJob:
 class JobResult:
     """A tier's report that a job ended.
 
-    ``successful_keys=None``: every key of the job follows ``success``. A
-    tuple: the job ended for each key on its own: those keys succeeded, the
-    job's other keys failed (as vLLM's ``JobResult.successful_keys``), whatever
-    ``success`` says. How the runtime reads a report that does not fit its job
-    (a key the job does not have, a value that is not a tuple of keys, a
-    ``success`` that is not a bool) is :func:`kvactors.core.outcomes.key_outcomes`:
-    every key failed.
+    With ``successful_keys=None``, every key of the job follows ``success``.
+    With a tuple, the job ended for each key on its own, whatever ``success`` says.
+    The keys in the tuple succeeded, and the job's other keys failed, as with vLLM's ``JobResult.successful_keys``.
+    A report may not fit its job.
+    It may name a key the job does not have, hold a value that is not a tuple of keys,
+    or have a ``success`` that is not a bool.
+    The runtime then takes every key of the job as failed (:func:`kvactors.core.outcomes.key_outcomes`).
     """
 
     job_id: int

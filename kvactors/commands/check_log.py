@@ -1,15 +1,19 @@
 """``kvactors check-log FILE``: verify the lifecycle contract from a JSON-lines event log alone.
 
-The rules are :mod:`kvactors.logcheck.replay`'s, the verdict
-:mod:`kvactors.logcheck.check`'s; this module is the command line (and keeps
-the names older callers import from here: ``check_events``, ``check_file``,
-``read_events``, ``Event``, ``Violation``, ``describe``).
+The rules are :mod:`kvactors.logcheck.replay`'s, and the verdict is :mod:`kvactors.logcheck.check`'s.
+This module is the command line.
+It also keeps the names older callers import from here:
+``check_events``, ``check_file``, ``read_events``, ``Event``, ``Violation``, ``describe``.
 
-Exit status: 0 ``OK``; 1 ``VIOLATION``; 3 ``INCONCLUSIVE`` (nothing broken in
-what was read, but the log does not prove the contract: empty, no manager, a
-manager that never stopped, events lost or unknown); 2 if the file cannot be
-read or is not an event log, or for a bad option (one line
-``kvactors check-log: error: ...``).
+Exit status:
+
+* 0 for ``OK``.
+* 1 for ``VIOLATION``.
+* 3 for ``INCONCLUSIVE``.
+  Nothing is broken in what was read, but the log does not prove the contract.
+  The log may be empty, name no manager, hold a manager that never stopped, or have events lost or unknown.
+* 2 if the file cannot be read or is not an event log, or for a bad option.
+  A bad option prints one line, ``kvactors check-log: error: ...``.
 """
 
 from __future__ import annotations

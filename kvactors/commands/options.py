@@ -1,16 +1,17 @@
 """Option types and checks shared by the ``kvactors`` commands.
 
-Each ``type=`` function here turns one command-line string into a value or
-raises :class:`argparse.ArgumentTypeError`, so a bad value is reported at parse
-time (``kvactors <command>: error: argument --x: ...``, exit status 2) before
-anything starts. The type functions create nothing: checks that need to touch
-the file system for real (create a directory, write a probe file) run in
-:func:`prepare_dir`, which the commands call before starting a run and which
-removes what it created if the run does not go ahead.
+Each ``type=`` function here turns one command-line string into a value,
+or raises :class:`argparse.ArgumentTypeError`.
+So a bad value is reported at parse time, before anything starts.
+The report is ``kvactors <command>: error: argument --x: ...``, with exit status 2.
+The type functions create nothing.
+Checks that need to touch the file system for real (create a directory, write a probe file)
+run in :func:`prepare_dir`.
+The commands call it before starting a run.
+It removes what it created if the run does not go ahead.
 
-Combinations of options (and sizes that cannot be allocated) are checked by the
-commands after parsing; they raise :class:`OptionError`, which the commands
-print the same way.
+The commands check combinations of options (and sizes that cannot be allocated) after parsing.
+Those checks raise :class:`OptionError`, which the commands print the same way.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from typing import NoReturn
 
 
 class Termination:
-    """SIGTERM (a service manager's stop, ``kill``) taken as Ctrl-C: the handler raises
-    ``KeyboardInterrupt``, so a command stops what it started as for Ctrl-C, and
-    :meth:`status` makes it exit 143 rather than 130. Installed by ``kvactors.cli.main``
-    for the length of one command (main thread only)."""
+    """SIGTERM (a service manager's stop, ``kill``) taken as Ctrl-C.
+
+    The handler raises ``KeyboardInterrupt``, so a command stops what it started as for Ctrl-C.
+    :meth:`status` makes it exit 143 rather than 130.
+    ``kvactors.cli.main`` installs it for the length of one command, on the main thread only.
+    """
 
     def __init__(self) -> None:
         self.seen = False
@@ -48,7 +51,7 @@ class Termination:
 TERMINATION = Termination()
 
 
-#: Largest size accepted for any byte count (1 PiB): larger is a typo, not a plan.
+#: Largest size accepted for any byte count (1 PiB). A larger one is a typo, not a plan.
 MAX_SIZE = 1 << 50
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
@@ -67,10 +70,11 @@ class OptionError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose error is one line on stderr, ``PROG: error: MESSAGE``, and exit status 2.
+    """An argument parser whose error is one line on stderr, and exit status 2.
 
-    argparse's own ``error`` prints the whole usage first; a user who typed one
-    bad value needs the one line (``--help`` has the rest).
+    The line is ``PROG: error: MESSAGE``.
+    argparse's own ``error`` prints the whole usage first.
+    A user who typed one bad value needs the one line, and ``--help`` has the rest.
     """
 
     def error(self, message: str) -> NoReturn:
@@ -166,7 +170,10 @@ def _existing_ancestor(path: str) -> str:
 
 
 def directory(text: str) -> str:
-    """A ``type=`` for a directory that exists or can be created: its absolute path. Creates nothing."""
+    """A ``type=`` for a directory that exists or can be created. Creates nothing.
+
+    Returns its absolute path.
+    """
     if not text.strip():
         raise argparse.ArgumentTypeError("the directory name is empty")
     path = os.path.abspath(os.path.expanduser(text))
@@ -185,7 +192,10 @@ def directory(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """A ``type=`` for a file to write (its directory exists or can be created): its absolute path."""
+    """A ``type=`` for a file to write, whose directory exists or can be created.
+
+    Returns its absolute path.
+    """
     if not text.strip():
         raise argparse.ArgumentTypeError("the file name is empty")
     path = os.path.abspath(os.path.expanduser(text))
@@ -198,14 +208,19 @@ def output_file(text: str) -> str:
 
 
 def check_event_log(path: str | None, source: str, append: bool) -> None:
-    """An existing event log ``path`` (named by ``source``) is written to only with ``--append-log``;
-    raises :class:`OptionError`."""
+    """Check that an existing event log ``path`` (named by ``source``) is written to only with ``--append-log``.
+
+    Raises :class:`OptionError` otherwise.
+    """
     if path is not None and os.path.exists(path) and not append:
         raise OptionError(f"{source} {path}: the file exists (add --append-log to append to it)")
 
 
 def plot_file(text: str) -> str:
-    """A ``type=`` for ``--plot``: a file whose suffix matplotlib can write (matplotlib must be installed)."""
+    """A ``type=`` for ``--plot``, a file whose suffix matplotlib can write.
+
+    matplotlib must be installed.
+    """
     path = output_file(text)
     try:
         from matplotlib.backend_bases import FigureCanvasBase
@@ -221,10 +236,10 @@ def plot_file(text: str) -> str:
 
 
 def prepare_dir(path: str, option: str, created: list[str]) -> None:
-    """Create ``path`` if needed and write a probe file in it; raises :class:`OptionError`.
+    """Create ``path`` if needed and write a probe file in it. Raises :class:`OptionError` if it cannot.
 
-    The directories this call created are appended to ``created`` (outermost
-    first), so that the caller can remove them when the run does not go ahead.
+    The directories this call created are appended to ``created``, outermost first.
+    So the caller can remove them when the run does not go ahead.
     """
     path = os.path.abspath(path or os.curdir)  # "" (a bare file name's directory) is the current one
     missing = []
@@ -257,7 +272,10 @@ def free_disk(path: str) -> int:
 
 
 def tier_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    """A ``type=`` for a comma-separated list of tier names from ``choices``: no empties, no duplicates."""
+    """A ``type=`` for a comma-separated list of tier names from ``choices``.
+
+    It allows no empties and no duplicates.
+    """
 
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(part.strip() for part in text.split(","))
@@ -277,7 +295,10 @@ def tier_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
 
 def fault_spec(text: str) -> dict[str, float]:
-    """A ``type=`` for fault probabilities: ``none`` or ``fail=0.05,raise=0.01,...`` (see :data:`FAULT_SYNTAX`)."""
+    """A ``type=`` for fault probabilities.
+
+    It takes ``none`` or ``fail=0.05,raise=0.01,...`` (see :data:`FAULT_SYNTAX`).
+    """
     if text.strip().lower() == "none":
         return {}
     values: dict[str, float] = {}
@@ -322,9 +343,9 @@ def redis_url(text: str) -> str:
 
 
 def available_memory() -> int | None:
-    """Bytes of memory this process can still allocate, as far as the system says (None: unknown).
+    """Bytes of memory this process can still allocate, as far as the system says, or None if unknown.
 
-    ``MemAvailable`` from ``/proc/meminfo``, lowered by a cgroup v2 limit when one applies.
+    It is ``MemAvailable`` from ``/proc/meminfo``, lowered by a cgroup v2 limit when one applies.
     """
     found: list[int] = []
     try:

@@ -1,4 +1,7 @@
-"""What a command run leaves on a shared server, and its cleanup: a Redis namespace of the run."""
+"""What a command run leaves on a shared server, and its cleanup.
+
+That is a Redis namespace of the run.
+"""
 
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """``kvactors stress``: the random workload on real threads, checked against the contract.
 
-N frontend threads each run the workload of :mod:`kvactors.testing.workload`
-(random call orders, preemption, resets, misuse, stores failed, late or never
-completed) against one :class:`~kvactors.TieringManager` on pykka threads,
-with tiers that fail, raise, stall, are slow, end jobs per key, report sloppily or get
-stuck (``--faults``), each recorded and fault-injected by the transparent
-:mod:`kvactors.testing.tiers` wrappers. Every wait has a bound: a
-reply that does not come is a *hang*, reported with the stacks of every
-thread, never waited on forever. At the end the runtime must settle to no
-state, no pin, no job, and the contract must hold (the same checks as the
-deterministic exploration). Exit status 1 on any violation, leak or hang.
+N frontend threads each run the workload of :mod:`kvactors.testing.workload`.
+It has random call orders, preemption, resets, misuse, and stores failed, late or never completed.
+The threads run against one :class:`~kvactors.TieringManager` on pykka threads.
+Its tiers fail, raise, stall, are slow, end jobs per key, report sloppily or get stuck (``--faults``).
+Each tier is recorded and fault-injected by the transparent :mod:`kvactors.testing.tiers` wrappers.
+
+Every wait has a bound.
+A reply that does not come is a *hang*, reported with the stacks of every thread, never waited on forever.
+At the end the runtime must settle to no state, no pin and no job.
+The contract must hold, under the same checks as the deterministic exploration.
+Exit status 1 on any violation, leak or hang.
 """
 
 from __future__ import annotations
@@ -100,11 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_stress(args: argparse.Namespace, state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One run; the summary. Raises ``OptionError`` for bad combinations (before anything starts).
+    """One run. Returns the summary.
 
-    Everything it starts is stopped and every temporary directory removed when it
-    returns or raises (``KeyboardInterrupt`` included). ``state["hung"]`` is set
-    when a thread may still be stuck (the caller should not wait for it at exit).
+    Raises ``OptionError`` for bad combinations, before anything starts.
+    Everything it starts is stopped, and every temporary directory removed, when it returns or raises
+    (``KeyboardInterrupt`` included).
+    ``state["hung"]`` is set when a thread may still be stuck.
+    The caller should then not wait for it at exit.
     """
     from kvactors.commands.stress_run import run_planned
 

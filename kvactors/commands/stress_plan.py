@@ -1,8 +1,9 @@
 """What a ``kvactors stress`` run is: its options, their combinations checked (:func:`plan`).
 
-Apart from :mod:`kvactors.commands.stress` (the command: options, run, verdict) and
-:mod:`kvactors.commands.stress_run` (the run itself), which both use it: checking a
-plan starts nothing and imports neither the runtime nor torch.
+:mod:`kvactors.commands.stress` (the command: options, run, verdict) uses it.
+So does :mod:`kvactors.commands.stress_run` (the run itself).
+It is apart from both, so that checking a plan starts nothing.
+It imports neither the runtime nor torch.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class Plan:
 
 
 def plan(args: argparse.Namespace) -> Plan:
-    """Check the combinations of options (raises :class:`~kvactors.commands.options.OptionError`); nothing starts."""
+    """Check the combinations of options. Nothing starts.
+
+    Raises :class:`~kvactors.commands.options.OptionError` for a bad combination.
+    """
     tiers = list(args.tiers)
     if (args.disk_dir is not None or args.disk_bytes is not None) and "disk" not in tiers:
         tiers.append("disk")

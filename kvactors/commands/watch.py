@@ -1,8 +1,8 @@
 """Calls with a bound: a call that does not return in time is a *hang*, reported with every thread's stack.
 
-:class:`Watch` runs each call on a thread of its own (the caller waits at most
-``bound_s``) and keeps the hang reports; it is for a command's few control
-calls (``stats()``, ``stop()``), never one per request.
+:class:`Watch` runs each call on a thread of its own, and the caller waits at most ``bound_s``.
+It keeps the hang reports.
+It is for a command's few control calls (``stats()``, ``stop()``), never one per request.
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ def all_stacks() -> str:
 
 
 class Watch:
-    """Runs calls with a bound; a call that does not return in time is a hang."""
+    """Runs calls with a bound.
+
+    A call that does not return in time is a hang.
+    """
 
     def __init__(self, bound_s: float) -> None:
         self.bound_s = bound_s

@@ -1,15 +1,19 @@
 """Admission to the secondary tiers: which ready blocks of the pool go to a tier, and when.
 
-Plain values and one bounded table, no threads (they live in the primary's actor):
+Plain values and one bounded table, with no threads, as they live in the primary's actor.
 
-* :class:`Admission`, one tier's policy, parsed from the config by :func:`parse_admission`:
-  ``"write_through"`` (every block once it is stored), ``{"min_seen": N}`` (a block once
-  lookups of at least ``N`` distinct requests asked for it; the attempts of one request count
-  once), ``"write_back"`` (a block when the pool is about to evict it);
-* :class:`SeenTable`, the distinct requests that asked for each key, for ``min_seen``: a
-  bounded LRU (:func:`seen_table_size`), so its memory never grows with the traffic; a key
-  that falls out of it starts again from zero (it may then be admitted later, or written twice:
-  never lost data, only bytes).
+* :class:`Admission` is one tier's policy, parsed from the config by :func:`parse_admission`.
+
+  - ``"write_through"`` admits every block once it is stored.
+  - ``{"min_seen": N}`` admits a block once lookups of at least ``N`` distinct requests asked for it.
+    The attempts of one request count once.
+  - ``"write_back"`` admits a block when the pool is about to evict it.
+
+* :class:`SeenTable` holds the distinct requests that asked for each key, for ``min_seen``.
+  It is a bounded LRU (:func:`seen_table_size`), so its memory never grows with the traffic.
+  A key that falls out of it starts again from zero.
+  It may then be admitted later, or written twice.
+  That costs only bytes, never lost data.
 """
 
 from __future__ import annotations
@@ -55,9 +59,13 @@ WRITE_BACK = Admission("write_back")
 
 
 def parse_admission(value: Any, where: str = "admission") -> Admission:
-    """``"write_through"``, ``"write_back"``, ``{"min_seen": N}`` (``N`` an int >= 1), or an
-    :class:`Admission`, as an :class:`Admission`. A bad value raises ``ValueError`` (a ``TypeError``
-    for a value of the wrong type) naming ``where``; ``{"min_seen": 1}`` is write-through."""
+    """An :class:`Admission` from ``"write_through"``, ``"write_back"``, ``{"min_seen": N}`` or an :class:`Admission`.
+
+    ``N`` is an int >= 1.
+    ``{"min_seen": 1}`` is write-through.
+    A bad value raises ``ValueError`` naming ``where``.
+    A value of the wrong type raises ``TypeError``.
+    """
     if isinstance(value, Admission):
         return value
     if isinstance(value, str):
@@ -81,18 +89,21 @@ def parse_admission(value: Any, where: str = "admission") -> Admission:
 
 
 def seen_table_size(num_blocks: int) -> int:
-    """Entries of the seen-count table for a pool of ``num_blocks``: 4 per block, within
-    [:data:`SEEN_TABLE_MIN`, :data:`SEEN_TABLE_MAX`]."""
+    """Entries of the seen-count table for a pool of ``num_blocks``.
+
+    That is 4 per block, within [:data:`SEEN_TABLE_MIN`, :data:`SEEN_TABLE_MAX`].
+    """
     return max(SEEN_TABLE_MIN, min(SEEN_TABLE_MAX, 4 * num_blocks))
 
 
 class SeenTable:
     """How many distinct requests asked for each key (up to ``cap``), for the latest ``size`` keys.
 
-    ``see(keys, req_id)`` records one request's lookup; the attempts of one request have the
-    same ``req_id`` and count once. Counts stop growing at ``cap`` (the largest ``min_seen`` of
-    the tiers): no entry holds more than ``cap`` request ids. ``mark(key, tier)`` remembers that
-    a key went to a tier, so that it is not sent twice while its entry lives.
+    ``see(keys, req_id)`` records one request's lookup.
+    The attempts of one request have the same ``req_id`` and count once.
+    Counts stop growing at ``cap``, the largest ``min_seen`` of the tiers.
+    So no entry holds more than ``cap`` request ids.
+    ``mark(key, tier)`` remembers that a key went to a tier, so that it is not sent twice while its entry lives.
 
     Not thread-safe: one table lives inside one actor.
     """
@@ -122,7 +133,10 @@ class SeenTable:
         return entry
 
     def see(self, keys: Iterable[OffloadKey], req_id: str) -> list[tuple[OffloadKey, int]]:
-        """Record that ``req_id`` asked for ``keys``: each key's count after it, in order (each key once)."""
+        """Record that ``req_id`` asked for ``keys``.
+
+        Returns each key's count after it, in order, each key once.
+        """
         counts = []
         for key in dict.fromkeys(keys):
             seen = self._entry(key)[0]
@@ -132,7 +146,10 @@ class SeenTable:
         return counts
 
     def count(self, key: OffloadKey) -> int:
-        """The distinct requests that asked for ``key`` (0 if it is not in the table); no recency change."""
+        """The distinct requests that asked for ``key``, or 0 if it is not in the table.
+
+        Recency does not change.
+        """
         entry = self._entries.get(key)
         return 0 if entry is None else len(entry[0])
 
@@ -141,8 +158,11 @@ class SeenTable:
         return entry is not None and tier in entry[1]
 
     def mark(self, key: OffloadKey, tier: str) -> None:
-        """``key`` went to ``tier`` (a no-op for a key not in the table: it is not sent again
-        unless it is asked for again, which adds it)."""
+        """Record that ``key`` went to ``tier``.
+
+        It is a no-op for a key not in the table.
+        Such a key is not sent again unless it is asked for again, which adds it.
+        """
         entry = self._entries.get(key)
         if entry is not None:
             entry[1].add(tier)

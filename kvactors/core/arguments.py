@@ -1,14 +1,16 @@
-"""Checks of the public calls' arguments: a clear ``ValueError`` at the caller.
+"""Checks of the public calls' arguments, which raise a clear ``ValueError`` at the caller.
 
-Every public method of :class:`~kvactors.TieringManager` and
-:class:`~kvactors.TransferEngine` checks its arguments with these before it
-queues anything or changes any state, non-blocking methods included (their
-misuse that only the actors can see, such as a key never prepared, is counted
-as a ``contract_violation`` instead). The checks are strict on purpose: a
-truthy string is not a flag (``success="False"`` would otherwise be a
-success), ``True`` is not an int, and a timeout is a finite number.
+Every public method of :class:`~kvactors.TieringManager` and :class:`~kvactors.TransferEngine`
+checks its arguments with these before it queues anything or changes any state.
+Non-blocking methods do too.
+Their misuse that only the actors can see, such as a key never prepared, is counted as a
+``contract_violation`` instead.
+The checks are strict on purpose.
+A truthy string is not a flag, as ``success="False"`` would otherwise be a success.
+``True`` is not an int.
+A timeout is a finite number.
 
-Pure functions; any thread.
+Pure functions, for any thread.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def check_ctx(ctx: object, name: str = "ctx") -> ReqContext:
 def check_keys(keys: Iterable[OffloadKey], name: str = "keys") -> tuple[OffloadKey, ...]:
     """``keys`` as a tuple of non-empty ``bytes``.
 
-    The empty key ``b""`` is refused: a key names a block by its content (in
-    vLLM, a prefix hash), which is never empty, and the tiers derive names
-    from it (a file named by its hex, a Redis key ``namespace:hex``).
+    The empty key ``b""`` is refused.
+    A key names a block by its content (in vLLM, a prefix hash), which is never empty.
+    The tiers derive names from it, such as a file named by its hex or a Redis key ``namespace:hex``.
     """
     if isinstance(keys, bytes | bytearray | memoryview | str):
         raise ValueError(f"{name} must be a sequence of bytes keys, not a single key")
@@ -76,8 +78,13 @@ def check_int(value: object, name: str, *, minimum: int = 1, maximum: int | None
 
 
 def check_timeout(value: Any, name: str, *, allow_none: bool = True, allow_zero: bool = True) -> float | None:
-    """``value`` as seconds: a finite ``int``/``float`` (not ``True``), ``>= 0`` (``> 0`` unless
-    ``allow_zero``) and at most :data:`MAX_TIMEOUT_S`; or ``None`` where ``allow_none``."""
+    """``value`` as seconds.
+
+    It must be a finite ``int`` or ``float``, not ``True``.
+    It must be ``>= 0``, and ``> 0`` unless ``allow_zero``.
+    It must be at most :data:`MAX_TIMEOUT_S`.
+    It may be ``None`` where ``allow_none``.
+    """
     if value is None and allow_none:
         return None
     if not isinstance(value, int | float) or isinstance(value, bool):

@@ -1,13 +1,15 @@
 """Back-pressure: a bound on the bytes of cascades queued for each secondary tier.
 
-A cascade (a block on its way from the pool to a tier, write-back included) is *queued*
-from the moment it is accepted until its tier reports it (or it fails, times out, or is
-dropped unsent). Past a tier's bound, new cascades to it are dropped (the block stays in
-the pool) and counted. Each *episode* (from the first drop to the first cascade accepted
-after it) is reported once, at its start and at its end: the caller logs
-``cascades_dropped`` and ``cascades_resumed``.
+A cascade is a block on its way from the pool to a tier, write-back included.
+It is *queued* from the moment it is accepted until its tier reports it.
+It also stops being queued when it fails, times out, or is dropped unsent.
+Past a tier's bound, new cascades to it are dropped and counted.
+The block stays in the pool.
+An *episode* runs from the first drop to the first cascade accepted after it.
+Each episode is reported once at its start and once at its end.
+The caller logs ``cascades_dropped`` and ``cascades_resumed``.
 
-Plain class, no threads (it lives in the primary's actor).
+Plain class, with no threads, as it lives in the primary's actor.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ class _TierQueue:
 
 @dataclass(slots=True)
 class Verdict:
-    """:meth:`Backpressure.admit`'s answer: whether the cascade is accepted, and whether an
-    episode started (``started``) or ended (``resumed``, with the cascades it dropped)."""
+    """:meth:`Backpressure.admit`'s answer.
+
+    It says whether the cascade is accepted.
+    It says whether an episode started (``started``) or ended (``resumed``, with the cascades it dropped).
+    """
 
     accepted: bool
     started: bool = False
@@ -60,8 +65,10 @@ class Backpressure:
         self._tiers = {tier: _TierQueue(limit) for tier, limit in self.limits.items()}
 
     def admit(self, tier: str, job_id: int, nbytes: int, blocks: int) -> Verdict:
-        """A cascade of ``nbytes`` (``blocks`` blocks) to ``tier``, job ``job_id``: accepted (and
-        counted as queued) if the tier's queued bytes stay within its bound, else dropped."""
+        """Admit a cascade of ``nbytes`` (``blocks`` blocks) to ``tier``, job ``job_id``, or drop it.
+
+        It is accepted, and counted as queued, if the tier's queued bytes stay within its bound.
+        """
         queue = self._tiers[tier]
         if queue.queued + nbytes > queue.limit:
             queue.dropped += 1
@@ -78,8 +85,11 @@ class Backpressure:
         return Verdict(True)
 
     def ended(self, job_id: int) -> bool:
-        """A job ended (reported, failed, timed out or dropped unsent): its bytes are no longer
-        queued. ``False`` for a job that is not an accepted cascade (a promotion)."""
+        """Note that a job ended, so that its bytes are no longer queued.
+
+        It ended when it was reported, failed, timed out or was dropped unsent.
+        Returns ``False`` for a job that is not an accepted cascade, such as a promotion.
+        """
         entry = self._jobs.pop(job_id, None)
         if entry is None:
             return False
@@ -103,8 +113,11 @@ class Backpressure:
         return len(self._jobs)
 
     def figures(self, tiers: Iterable[str]) -> dict[str, int]:
-        """The ``stats()`` keys: ``cascades_dropped`` (all tiers), ``cascades_dropped.<tier>``,
-        ``cascade_bytes_queued.<tier>``, ``cascade_blocks_dropped.<tier>``."""
+        """The ``stats()`` keys.
+
+        They are ``cascades_dropped`` (all tiers), ``cascades_dropped.<tier>``,
+        ``cascade_bytes_queued.<tier>`` and ``cascade_blocks_dropped.<tier>``.
+        """
         out: dict[str, int] = {"cascades_dropped": sum(q.dropped for q in self._tiers.values())}
         for tier in tiers:
             queue = self._tiers[tier]

@@ -1,10 +1,10 @@
 """A deadline queue: items that expire at a time, with O(log n) add and lazy removal.
 
-Most deadlines never fire (a job reports, a lookup is answered, long before its
-timeout), so removal only forgets the item and leaves its heap entry for later;
-the heap is rebuilt from the live entries once the dead ones outnumber them
-(amortized O(1) a removal), so it holds at most ``2 * live + COMPACT_SLACK``
-entries instead of every deadline of the last timeout's worth of traffic.
+Most deadlines never fire, as a job reports, or a lookup is answered, long before its timeout.
+So removal only forgets the item and leaves its heap entry for later.
+The heap is rebuilt from the live entries once the dead ones outnumber them, amortized O(1) a removal.
+So it holds at most ``2 * live + COMPACT_SLACK`` entries,
+instead of every deadline of the last timeout's worth of traffic.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ COMPACT_SLACK = 64
 
 
 class DeadlineQueue(Generic[T]):
-    """Items with deadlines; :meth:`pop_expired` returns those whose time has come.
+    """Items with deadlines. :meth:`pop_expired` returns those whose time has come.
 
-    Removal is lazy (the heap entry is skipped later, or dropped when the heap is
-    rebuilt), so :meth:`discard` is O(1) amortized. Not thread-safe; times are
-    whatever clock the owner uses.
+    Removal is lazy.
+    The heap entry is skipped later, or dropped when the heap is rebuilt.
+    So :meth:`discard` is O(1) amortized.
+    Not thread-safe.
+    Times are whatever clock the owner uses.
     """
 
     __slots__ = ("_deadlines", "_heap", "_seq")

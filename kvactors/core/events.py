@@ -1,13 +1,15 @@
 """The events a tier keeps for the next ``take_events``, bounded.
 
-``take_events`` is optional for a caller: vLLM's scheduler asks every step, a
-frontend that never asks must not make the runtime grow without bound. So an
-:class:`EventBuffer` keeps at most ``max_keys`` keys; past that it drops its
-oldest events whole and counts them. The events are notifications (what a
-consumer mirrors, e.g. vLLM's prefix-cache events), never the data: dropping
-them loses no block.
+``take_events`` is optional for a caller.
+vLLM's scheduler asks every step, but a frontend that never asks must not make the runtime grow without bound.
+So an :class:`EventBuffer` keeps at most ``max_keys`` keys.
+Past that, it drops its oldest events whole and counts them.
+The events are notifications, never the data.
+A consumer mirrors them, as vLLM's prefix-cache events do.
+Dropping them loses no block.
 
-A plain class: no threads, no locks. Not thread-safe: its owner locks.
+A plain class, with no threads and no locks.
+Not thread-safe: its owner locks.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ MAX_PENDING_EVENT_KEYS = 1 << 20
 
 
 class EventBuffer:
-    """Events of one tier since the last :meth:`take`, oldest first, at most ``max_keys`` keys
-    (one event larger than that is kept alone). ``on_overflow(buffer)`` is called when an
-    overflow begins: at the first drop since the last :meth:`take`."""
+    """Events of one tier since the last :meth:`take`, oldest first, at most ``max_keys`` keys.
+
+    One event larger than that is kept alone.
+    ``on_overflow(buffer)`` is called when an overflow begins, at the first drop since the last :meth:`take`.
+    """
 
     __slots__ = ("_events", "_keys", "_on_overflow", "_overflowing", "dropped_events", "dropped_keys", "max_keys",
                  "tier")
@@ -77,7 +81,7 @@ class EventBuffer:
         return began
 
     def take(self) -> list[OffloadingEvent]:
-        """The events kept, oldest first; the buffer is empty after."""
+        """The events kept, oldest first. The buffer is empty after."""
         events = list(self._events)
         self._events.clear()
         self._keys = 0
@@ -86,8 +90,11 @@ class EventBuffer:
 
 
 def warn_on_overflow(log: EventLogger, *, pool: bool = False) -> Callable[[EventBuffer], None]:
-    """An ``on_overflow`` that logs one warning per overflow: ``events_dropped`` (a tier's
-    component log) or, with ``pool``, ``pool_events_dropped`` (the primary's lifecycle log)."""
+    """An ``on_overflow`` that logs one warning per overflow.
+
+    The warning is ``events_dropped``, on a tier's component log.
+    With ``pool``, it is ``pool_events_dropped``, on the primary's lifecycle log.
+    """
     detail = "take_events was not called for too long"
 
     def warn(buffer: EventBuffer) -> None:

@@ -1,7 +1,8 @@
 """Requests' load pins, booked per key on the rows they were taken on.
 
-Plain data, no threads: part of :class:`~kvactors.core.pool.BlockPool`'s state
-(one pool lives inside one actor; nothing here is thread-safe).
+Plain data, with no threads.
+It is part of :class:`~kvactors.core.pool.BlockPool`'s state.
+One pool lives inside one actor, and nothing here is thread-safe.
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ class LoadPins:
         return self.taken - self.owed
 
     def release(self, count: int) -> dict[int, int] | None:
-        """``count`` more releases arrived: ``{row: pins to release}`` now, or ``None``
-        while they must be owed (the pins lie on several rows and some are still out).
+        """Note that ``count`` more releases arrived.
 
-        Usually every pin lies on one row, and the releases apply at once. When they
-        lie on several rows, a release does not say which copy ended, so releases are
-        owed until every pin of the key is released; then each row loses its pins.
+        Returns ``{row: pins to release}`` now, or ``None`` while the releases must be owed.
+        They are owed while the pins lie on several rows and some are still out.
+
+        Usually every pin lies on one row, and the releases apply at once.
+        When the pins lie on several rows, a release does not say which copy ended.
+        So releases are owed until every pin of the key is released.
+        Then each row loses its pins.
         """
         self.owed += count
         if len(self.rows) == 1:
@@ -62,13 +66,13 @@ class LoadPins:
 class LoadPinBook:
     """Every request's load pins, in two books that never share a ``(owner, key)``.
 
-    ``single[owner][key] == row``: ``owner`` holds exactly one pin of ``key``, on
-    ``row`` (the common case: no object per pin). ``multi[(owner, key)]``: a
-    :class:`LoadPins` for a key pinned more than once by ``owner`` (again on the
-    same row, or on a new row after a reset detached the old one). A key moves
-    from ``single`` to ``multi`` at its second pin and stays there until every
-    pin of it is released. Either book answers the same as one book of
-    :class:`LoadPins` would (the general path is that book).
+    ``single[owner][key] == row`` means that ``owner`` holds exactly one pin of ``key``, on ``row``.
+    That is the common case, with no object per pin.
+    ``multi[(owner, key)]`` is a :class:`LoadPins` for a key pinned more than once by ``owner``.
+    The later pins lie on the same row, or on a new row after a reset detached the old one.
+    A key moves from ``single`` to ``multi`` at its second pin.
+    It stays there until every pin of it is released.
+    Either book answers the same as one book of :class:`LoadPins` would, as the general path is that book.
     """
 
     __slots__ = ("multi", "single")
@@ -105,11 +109,11 @@ class LoadPinBook:
             del self.single[owner]
 
     def take(self, owner: PinOwner, keys: Sequence[OffloadKey]) -> list[int]:
-        """Release one pin of each key given (see :meth:`BlockPool.unpin_load`): the rows
-        that lose a pin now, once per pin (releases owed add none).
+        """Release one pin of each key given (see :meth:`BlockPool.unpin_load`).
 
-        Raises :class:`PoolError` (nothing changed) if ``owner`` does not hold that many
-        unreleased pins on a key.
+        Returns the rows that lose a pin now, once per pin.
+        Releases that are owed add none.
+        Raises :class:`PoolError`, with nothing changed, if ``owner`` does not hold that many unreleased pins on a key.
         """
         mine = self.single.get(owner)
         if mine is not None:
@@ -164,7 +168,7 @@ class LoadPinBook:
             pins.outstanding for (who, _), pins in self.multi.items() if who == owner)
 
     def entries(self) -> Iterator[tuple[PinOwner, OffloadKey, dict[int, int], int]]:
-        """``(owner, key, {row: pins}, owed)`` for every pinned key, both books."""
+        """``(owner, key, {row: pins}, owed)`` for every pinned key, in both books."""
         for owner, mine in self.single.items():
             for key, row in mine.items():
                 yield owner, key, {row: 1}, 0

@@ -1,18 +1,20 @@
 """The supervisor's lookup book: one lookup's fan-out over the secondary tiers, and its answers.
 
-A secondary lookup asks every tier that is not stuck about the keys the
-primary missed (each key once). It is **open** while some tier it asked has
-not answered; it **resolves** once every tier asked answered, or was found
-stuck, or its deadline passed, or a reset or a stop cut it short (each of
-these resolves it once: it leaves the book then). Resolving combines the
-answers (:func:`~kvactors.core.lookups.resolve_lookup`): a tier's ``HIT`` for
-a key the promotion quarantine blocks is taken as ``MISS`` first. A lookup
-whose resolution starts promotions stays in the book as **allocating** until
-the primary has allocated them (what a barrier waits behind).
+A secondary lookup asks every tier that is not stuck about the keys the primary missed, each key once.
+It is **open** while some tier it asked has not answered.
+It **resolves** once every tier asked answered or was found stuck.
+It also resolves when its deadline passed, or when a reset or a stop cut it short.
+Each of these resolves it once, and it leaves the book then.
+Resolving combines the answers (:func:`~kvactors.core.lookups.resolve_lookup`).
+A tier's ``HIT`` for a key the promotion quarantine blocks is first taken as ``MISS``.
+A lookup whose resolution starts promotions stays in the book as **allocating**
+until the primary has allocated them.
+A barrier waits behind such lookups.
 
-No threads, no I/O, no logging: the supervisor's actor owns one book and is
-its only caller. Times are the owner's clock. ``R`` is the owner's reply type,
-carried along untouched.
+No threads, no I/O, no logging.
+The supervisor's actor owns one book and is its only caller.
+Times are the owner's clock.
+``R`` is the owner's reply type, carried along untouched.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ class PendingLookup(Generic[R]):
     answers: dict[str, Answer] = field(default_factory=dict)
 
     def answer(self, tier: str, results: Answer) -> bool:
-        """``tier`` answered; ``False`` (and nothing changes) if it is not waited for."""
+        """Note that ``tier`` answered.
+
+        Returns ``False``, and nothing changes, if the tier is not waited for.
+        """
         if tier not in self.waiting:
             return False
         self.answers[tier] = results
@@ -56,9 +61,13 @@ class PendingLookup(Generic[R]):
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
-    """A lookup resolved: the answer (the primary's, with the tiers' verdicts at the
-    missing positions), the promotions to allocate (tier -> keys, each once, in key
-    order; empty: answer at once), and how many ``HIT`` s the quarantine ignored."""
+    """A lookup resolved.
+
+    ``results`` is the answer: the primary's, with the tiers' verdicts at the missing positions.
+    ``plan`` holds the promotions to allocate, tier -> keys, each key once, in key order.
+    An empty plan means answer at once.
+    ``hits_ignored`` counts the ``HIT`` s the quarantine ignored.
+    """
 
     results: list[LookupResult]
     plan: dict[str, tuple[OffloadKey, ...]]
@@ -66,7 +75,7 @@ class Resolution:
 
 
 class LookupBook(Generic[R]):
-    """Open and allocating lookups, and their deadlines; see the module docstring."""
+    """Open and allocating lookups, and their deadlines (see the module docstring)."""
 
     __slots__ = ("_allocating", "_deadlines", "_open", "tier_order", "timeout_s")
 
@@ -80,7 +89,7 @@ class LookupBook(Generic[R]):
         self._allocating: dict[int, ReqContext] = {}
 
     def __len__(self) -> int:
-        """Lookups in flight: open or allocating."""
+        """Lookups in flight, open or allocating."""
         return len(self._open) + len(self._allocating)
 
     def __contains__(self, lookup_id: object) -> bool:
@@ -107,10 +116,14 @@ class LookupBook(Generic[R]):
 
     def begin(self, lookup_id: int, ctx: ReqContext, keys: tuple[OffloadKey, ...], missing: tuple[int, ...],
               results: Sequence[LookupResult], reply: R, skip: Iterable[str] = ()) -> PendingLookup[R]:
-        """A lookup's fan-out: it waits for every tier but those in ``skip`` (stuck: not
-        asked). Not in the book yet: the owner asks the tiers (recording inline answers
-        with :meth:`PendingLookup.answer`), then calls :meth:`wait` or :meth:`resolve`.
-        ``ValueError`` if ``lookup_id`` is in the book, or ``missing`` does not index ``keys``."""
+        """A lookup's fan-out, which waits for every tier but those in ``skip``.
+
+        The tiers in ``skip`` are stuck, and are not asked.
+        The lookup is not in the book yet.
+        The owner asks the tiers, recording inline answers with :meth:`PendingLookup.answer`.
+        Then it calls :meth:`wait` or :meth:`resolve`.
+        Raises ``ValueError`` if ``lookup_id`` is in the book, or ``missing`` does not index ``keys``.
+        """
         if lookup_id in self:
             raise ValueError(f"lookup {lookup_id} is already in the book")
         if any(not 0 <= i < len(keys) for i in missing) or len(results) != len(keys):
@@ -123,7 +136,10 @@ class LookupBook(Generic[R]):
                              {tier: None for tier in self.tier_order if tier in skipped})
 
     def wait(self, pending: PendingLookup[R], now: float) -> float:
-        """``pending`` still waits for a tier's message: open it, with its deadline (returned)."""
+        """Open ``pending``, which still waits for a tier's message, with its deadline.
+
+        Returns the deadline.
+        """
         if not pending.waiting:
             raise ValueError(f"lookup {pending.lookup_id} waits for no tier: resolve it")
         due = now + self.timeout_s
@@ -132,18 +148,25 @@ class LookupBook(Generic[R]):
         return due
 
     def answered(self, lookup_id: int, tier: str, results: Answer) -> PendingLookup[R] | None:
-        """``tier``'s message answered ``lookup_id``: the lookup if that was the last answer
-        it waited for (resolve it), else ``None`` (also for an answer too late for its lookup,
-        or from a tier found stuck meanwhile: it is ignored)."""
+        """Note that ``tier``'s message answered ``lookup_id``.
+
+        Returns the lookup if that was the last answer it waited for, and the owner then resolves it.
+        Returns ``None`` otherwise.
+        It also returns ``None`` for an answer too late for its lookup, or from a tier found stuck meanwhile.
+        Such an answer is ignored.
+        """
         pending = self._open.get(lookup_id)
         if pending is None or not pending.answer(tier, results) or pending.waiting:
             return None
         return pending
 
     def tier_stuck(self, tier: str) -> list[PendingLookup[R]]:
-        """``tier`` is stuck: no open lookup waits for it any more. Returns those it
-        was the last wait of (resolve them); it counts as failed there (its keys are a
-        ``MISS`` unless another tier has them)."""
+        """Note that ``tier`` is stuck, so no open lookup waits for it any more.
+
+        Returns the lookups it was the last wait of, and the owner resolves them.
+        The tier counts as failed there.
+        So its keys are a ``MISS`` unless another tier has them.
+        """
         done = []
         for pending in self._open.values():
             if tier in pending.waiting:
@@ -159,9 +182,12 @@ class LookupBook(Generic[R]):
 
     def resolve(self, pending: PendingLookup[R], *, promote: bool = True,
                 blocked: Callable[[str, OffloadKey], bool] | None = None) -> Resolution:
-        """``pending`` resolves: it leaves the open lookups; with promotions, it is
-        allocating until :meth:`allocated`. ``blocked(tier, key)``: the quarantine
-        (a blocked ``HIT`` is taken as ``MISS``). Sets ``pending.results``."""
+        """Resolve ``pending``, which leaves the open lookups. Sets ``pending.results``.
+
+        With promotions, it is allocating until :meth:`allocated`.
+        ``blocked(tier, key)`` is the quarantine.
+        A blocked ``HIT`` is taken as ``MISS``.
+        """
         self._open.pop(pending.lookup_id, None)
         self._deadlines.discard(pending.lookup_id)
         ignored = _ignore_blocked(pending, blocked) if promote and blocked is not None else 0
@@ -173,12 +199,15 @@ class LookupBook(Generic[R]):
                           ignored)
 
     def allocated(self, lookup_id: int) -> ReqContext | None:
-        """The primary allocated ``lookup_id``'s promotions: it leaves the book."""
+        """Note that the primary allocated ``lookup_id``'s promotions.
+
+        The lookup leaves the book.
+        """
         return self._allocating.pop(lookup_id, None)
 
 
 def _ignore_blocked(pending: PendingLookup[R], blocked: Callable[[str, OffloadKey], bool]) -> int:
-    """Take each ``HIT`` that ``blocked`` refuses as ``MISS``; returns how many."""
+    """Take each ``HIT`` that ``blocked`` refuses as ``MISS``. Returns how many."""
     hit, miss = LookupResult.HIT, LookupResult.MISS
     ignored = 0
     for tier, answer in list(pending.answers.items()):

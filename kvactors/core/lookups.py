@@ -1,7 +1,8 @@
 """Combining the secondary tiers' answers to one lookup: which keys to promote, what to answer.
 
-A plain function, no threads: the supervisor calls it once every tier answered
-(or the lookup's deadline passed, or a reset or a stop cut it short).
+A plain function, with no threads.
+The supervisor calls it once every tier answered.
+It also calls it when the lookup's deadline passed, or when a reset or a stop cut the lookup short.
 """
 
 from __future__ import annotations
@@ -23,18 +24,21 @@ def resolve_lookup(
 ) -> tuple[list[LookupResult], dict[str, list[OffloadKey]]]:
     """The answer to a lookup, and the promotions it starts.
 
-    ``results``: the primary's answer (``MISS`` at the ``missing`` positions);
-    ``asked``: the missing keys, de-duplicated, as the tiers were asked;
-    ``answers``: per tier, one result per asked key, or ``None`` if the tier
-    failed or is stuck (a tier absent from ``answers`` did not answer in time).
+    ``results``
+        The primary's answer, with ``MISS`` at the ``missing`` positions.
+    ``asked``
+        The missing keys, de-duplicated, as the tiers were asked.
+    ``answers``
+        Per tier, one result per asked key, or ``None`` if the tier failed or is stuck.
+        A tier absent from ``answers`` did not answer in time.
 
-    Per key, the first tier in ``tier_order`` that answers ``HIT`` promotes it
-    (when ``promote``; the key stays at the primary's answer until the promotion
-    is allocated). Without a hit, ``RETRY`` if some tier did not answer in time
-    or said ``RETRY``, else ``MISS``: a failed tier's answer is a miss (asking
-    again would wait on it for every request, for nothing). A hit that is not
-    promoted is a ``RETRY``.
-    Returns the results (a new list) and the plan: tier -> keys, in key order.
+    Per key, the first tier in ``tier_order`` that answers ``HIT`` promotes it, when ``promote``.
+    The key stays at the primary's answer until the promotion is allocated.
+    Without a hit, the key is ``RETRY`` if some tier did not answer in time or said ``RETRY``.
+    Otherwise it is ``MISS``.
+    A failed tier's answer is a miss, because asking again would wait on it for every request, for nothing.
+    A hit that is not promoted is a ``RETRY``.
+    Returns the results (a new list) and the plan, tier -> keys, in key order.
     """
     out = list(results)
     if len(answers) == len(tier_order) and all(

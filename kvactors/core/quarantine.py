@@ -1,16 +1,17 @@
 """Which keys a tier is not asked to promote again for a while.
 
-A tier whose lookup answers ``HIT`` for a key that it then fails to load
-(a file it cannot read, a value it cannot decode, a job it never reports)
-would otherwise be asked to promote that key on every lookup, forever. After
-each failed promotion of a key from a tier, that tier's ``HIT`` for the key is
-ignored (taken as ``MISS``; another tier may still promote it) for a back-off
-that doubles with each consecutive failure, from ``base_s`` up to ``max_s``;
-a successful promotion of the key from that tier clears it. At most
-``capacity`` pairs are remembered (the oldest failure is forgotten first), so
-the memory is bounded whatever the tiers do.
+A tier's lookup may answer ``HIT`` for a key that the tier then fails to load.
+The cause may be a file it cannot read, a value it cannot decode, or a job it never reports.
+Without a quarantine, the tier would be asked to promote that key on every lookup, forever.
+After each failed promotion of a key from a tier, that tier's ``HIT`` for the key is ignored for a back-off.
+It is taken as ``MISS``, and another tier may still promote the key.
+The back-off doubles with each consecutive failure, from ``base_s`` up to ``max_s``.
+A successful promotion of the key from that tier clears it.
+At most ``capacity`` pairs are remembered, and the oldest failure is forgotten first.
+So the memory is bounded whatever the tiers do.
 
-Not thread-safe: one lives inside the supervisor. Times are the owner's clock.
+Not thread-safe: one lives inside the supervisor.
+Times are the owner's clock.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ CAPACITY = 16384
 
 
 class PromotionQuarantine:
-    """Back-offs per ``(tier, key)``; see the module docstring."""
+    """Back-offs per ``(tier, key)`` (see the module docstring)."""
 
     __slots__ = ("_entries", "base_s", "capacity", "max_s")
 
@@ -50,7 +51,10 @@ class PromotionQuarantine:
         return bool(self._entries)
 
     def failed(self, tier: str, key: OffloadKey, now: float) -> float:
-        """A promotion of ``key`` from ``tier`` failed: block it. Returns the back-off, seconds."""
+        """Block ``key`` at ``tier``, after a promotion of it from there failed.
+
+        Returns the back-off, in seconds.
+        """
         pair = (tier, key)
         strikes = self._entries.pop(pair, (0, 0.0))[0] + 1
         backoff = min(self.base_s * 2.0 ** min(strikes - 1, 64), self.max_s)
@@ -60,7 +64,7 @@ class PromotionQuarantine:
         return backoff
 
     def succeeded(self, tier: str, key: OffloadKey) -> None:
-        """A promotion of ``key`` from ``tier`` succeeded: forget its failures."""
+        """Forget the failures of ``key`` at ``tier``, after a promotion of it from there succeeded."""
         self._entries.pop((tier, key), None)
 
     def blocked(self, tier: str, key: OffloadKey, now: float) -> bool:

@@ -1,20 +1,27 @@
 """A request's own controls, read from its ``params`` (vLLM's ``kv_transfer_params``).
 
-Parsed as vLLM 0.33 parses them (``vllm/distributed/kv_transfer/kv_connector/v1/offloading/
-scheduler.py``: ``_parse_tier_filter``, ``RequestOffloadState.__post_init__``), so that a router's
-setting means the same with kvactors as with vLLM's own tiering:
+They are parsed as vLLM 0.33 parses them, so that a router's setting means the same
+with kvactors as with vLLM's own tiering.
+vLLM's parsing is in ``vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``,
+in ``_parse_tier_filter`` and ``RequestOffloadState.__post_init__``.
 
-* ``kv_load_tiers``: a list of ``{"medium": "CPU" | "STORAGE", "locality": "LOCAL" | "REMOTE"}``
-  (either key may be left out: it then matches any tier; case-insensitive). The request loads
-  only from tiers that some entry matches; the primary pool always takes part. Not a list: ignored
-  (every tier). An entry that is not a mapping, or names an unknown medium or locality, is skipped;
-  if every entry was skipped, the value is ignored (every tier); ``[]`` means no secondary tier.
-* ``max_load_tokens`` / ``max_offload_tokens``: an ``int >= 0`` (not a ``bool``); anything else
-  is ignored.
+* ``kv_load_tiers`` is a list of ``{"medium": "CPU" | "STORAGE", "locality": "LOCAL" | "REMOTE"}``.
 
-A value ignored, or an entry skipped, is reported with its reason (:attr:`RequestControls.ignored`):
-the caller logs ``request_param_ignored``. Nothing here raises for a request's values: a bad value
-is never an engine failure.
+  - Either key may be left out, and it then matches any tier.
+  - Matching is case-insensitive.
+  - The request loads only from tiers that some entry matches.
+    The primary pool always takes part.
+  - A value that is not a list is ignored, which means every tier.
+  - An entry that is not a mapping, or names an unknown medium or locality, is skipped.
+  - If every entry was skipped, the value is ignored, which means every tier.
+  - ``[]`` means no secondary tier.
+
+* ``max_load_tokens`` and ``max_offload_tokens`` take an ``int >= 0``, not a ``bool``.
+  Anything else is ignored.
+
+A value ignored, or an entry skipped, is reported with its reason (:attr:`RequestControls.ignored`).
+The caller logs ``request_param_ignored``.
+Nothing here raises for a request's values, because a bad value is never an engine failure.
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ KV_LOAD_TIERS = "kv_load_tiers"
 
 @dataclass(frozen=True, slots=True)
 class TierMatcher:
-    """One ``kv_load_tiers`` entry: ``None`` matches any medium (locality)."""
+    """One ``kv_load_tiers`` entry.
+
+    ``None`` matches any medium, or any locality.
+    """
 
     medium: str | None = None
     locality: str | None = None
@@ -42,8 +52,12 @@ class TierMatcher:
 
 @dataclass(frozen=True, slots=True)
 class RequestControls:
-    """What a request's params ask for. ``load_tiers``: ``None`` for every tier, else the matchers
-    (empty: no secondary tier). ``ignored``: ``(param, reason)`` for each value ignored or skipped."""
+    """What a request's params ask for.
+
+    ``load_tiers`` is ``None`` for every tier, else the matchers.
+    Empty matchers mean no secondary tier.
+    ``ignored`` holds ``(param, reason)`` for each value ignored or skipped.
+    """
 
     load_tiers: tuple[TierMatcher, ...] | None = None
     max_load_tokens: int | None = None
@@ -65,7 +79,10 @@ def _upper(value: Any, allowed: Sequence[str]) -> str | None:
 
 
 def parse_load_tiers(raw: Any) -> tuple[tuple[TierMatcher, ...] | None, list[tuple[str, str]]]:
-    """``kv_load_tiers`` as vLLM parses it: the matchers (``None``: every tier) and what was ignored."""
+    """``kv_load_tiers`` as vLLM parses it.
+
+    Returns the matchers (``None`` for every tier) and what was ignored.
+    """
     ignored: list[tuple[str, str]] = []
     if raw is None:
         return None, ignored
@@ -103,8 +120,11 @@ def _tokens(params: Mapping[str, Any], name: str, ignored: list[tuple[str, str]]
 
 
 def parse_request_params(params: Mapping[str, Any] | None) -> RequestControls:
-    """A request's controls from its params (``None``, or a mapping that does not name them: none).
-    Never raises for the values inside."""
+    """A request's controls from its params.
+
+    ``None``, or a mapping that does not name them, gives no controls.
+    Never raises for the values inside.
+    """
     if not params or not isinstance(params, Mapping):
         return NO_CONTROLS
     load_tiers, ignored = parse_load_tiers(params.get(KV_LOAD_TIERS))

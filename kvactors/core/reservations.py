@@ -1,28 +1,29 @@
 """Blocks kept for the request that waits for them: which keys each attempt holds, until when.
 
-A request that waits for promotions (blocks coming back from a secondary
-tier) must find, once they are ready, both them and the ready blocks before
-them still in the pool: otherwise other requests' promotions and stores evict
-them first, the request promotes them again, and under pool pressure the pool
-thrashes while nobody loads anything (issue 26: 14,250 promotions for 12
-loads). So the primary *reserves* those blocks for the requester, with a pin
-of the requester's own (:func:`reservation_owner`), until the first of:
+A request may wait for promotions, blocks coming back from a secondary tier.
+Once they are ready, it must find both them and the ready blocks before them still in the pool.
+Otherwise other requests' promotions and stores evict them first, and the request promotes them again.
+Under pool pressure the pool then thrashes while nobody loads anything.
+Issue 26 saw 14,250 promotions for 12 loads.
+So the primary *reserves* those blocks for the requester,
+with a pin of the requester's own (:func:`reservation_owner`).
+The reservation lasts until the first of these.
 
-* the requester pins the key for a load (``prepare_load``): its load pin
-  takes over the protection;
-* the requester finishes (``on_request_finished``), or the cache is reset;
-* the reservation's deadline passes (the lookup deadline): a request that
-  never comes back for its blocks cannot keep them from everyone else.
+* The requester pins the key for a load (``prepare_load``), and its load pin takes over the protection.
+* The requester finishes (``on_request_finished``), or the cache is reset.
+* The reservation's deadline (the lookup deadline) passes.
+  A request that never comes back for its blocks cannot keep them from everyone else.
 
-A reservation is granted whole, at one moment (the lookup that starts the
-promotions, then each promotion as it ends), and never waits for more room:
-a promotion the pool cannot hold now is not started and its key is a miss.
-So no request holds part of the pool while waiting for another part, and
-the pool cannot deadlock on partial grants.
+A reservation is granted whole, at one moment.
+That moment is the lookup that starts the promotions, then each promotion as it ends.
+A reservation never waits for more room.
+A promotion the pool cannot hold now is not started, and its key is a miss.
+So no request holds part of the pool while waiting for another part.
+And the pool cannot deadlock on partial grants.
 
-This book only records who holds which key until when; the pins themselves
-live in the :class:`~kvactors.core.pool.BlockPool`. Plain data, no threads:
-one book lives inside one actor.
+This book only records who holds which key until when.
+The pins themselves live in the :class:`~kvactors.core.pool.BlockPool`.
+Plain data, with no threads. One book lives inside one actor.
 """
 
 from __future__ import annotations
@@ -35,16 +36,19 @@ from kvactors.types import OffloadKey
 
 
 def reservation_owner(identity: Identity) -> PinOwner:
-    """The pool pin owner of ``identity``'s reservations: apart from its load pins."""
+    """The pool pin owner of ``identity``'s reservations.
+
+    It is apart from the owner of its load pins.
+    """
     return (identity[0], identity[1], "reserved")
 
 
 class Reservations:
     """The keys reserved for each request attempt, and each attempt's deadline.
 
-    One deadline per attempt, moved later by each grant of a key it did not
-    hold: the blocks of one request are wanted together, so they are kept
-    together.
+    There is one deadline per attempt.
+    Each grant of a key the attempt did not hold moves it later.
+    The blocks of one request are wanted together, so they are kept together.
     """
 
     __slots__ = ("_deadlines", "_keys")
@@ -58,15 +62,18 @@ class Reservations:
         return sum(len(keys) for keys in self._keys.values())
 
     def __bool__(self) -> bool:
-        """Whether any attempt holds a reservation. O(1): asked on every load."""
+        """Whether any attempt holds a reservation. O(1), as it is asked on every load."""
         return bool(self._keys)
 
     def held_by(self, identity: Identity) -> frozenset[OffloadKey]:
         return frozenset(self._keys.get(identity, ()))
 
     def grant(self, identity: Identity, keys: Iterable[OffloadKey], deadline: float) -> list[OffloadKey]:
-        """Reserve ``keys`` for ``identity`` until ``deadline``; the keys it did not hold
-        already (each key is reserved at most once per attempt), in order."""
+        """Reserve ``keys`` for ``identity`` until ``deadline``.
+
+        Returns the keys it did not hold already, in order.
+        Each key is reserved at most once per attempt.
+        """
         mine = self._keys.setdefault(identity, set())
         new = [key for key in dict.fromkeys(keys) if key not in mine]
         if new:
@@ -77,7 +84,7 @@ class Reservations:
         return new
 
     def release(self, identity: Identity, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """End the reservations of ``keys`` that ``identity`` holds; those keys, in order."""
+        """End the reservations of ``keys`` that ``identity`` holds. Returns those keys, in order."""
         mine = self._keys.get(identity)
         if not mine:
             return []
@@ -89,16 +96,16 @@ class Reservations:
         return ended
 
     def release_all(self, identity: Identity) -> list[OffloadKey]:
-        """End every reservation of ``identity``; its keys."""
+        """End every reservation of ``identity``. Returns its keys."""
         self._deadlines.discard(identity)
         return sorted(self._keys.pop(identity, ()))
 
     def expire(self, now: float) -> list[tuple[Identity, list[OffloadKey]]]:
-        """End the reservations whose deadline is ``<= now``: ``(identity, keys)`` each."""
+        """End the reservations whose deadline is ``<= now``. Returns ``(identity, keys)`` for each."""
         return [(identity, sorted(self._keys.pop(identity, ()))) for identity in self._deadlines.pop_expired(now)]
 
     def clear(self) -> list[tuple[Identity, list[OffloadKey]]]:
-        """End every reservation: ``(identity, keys)`` each."""
+        """End every reservation. Returns ``(identity, keys)`` for each."""
         ended = [(identity, sorted(keys)) for identity, keys in self._keys.items()]
         self._keys.clear()
         self._deadlines.clear()

@@ -1,19 +1,21 @@
 """Which secondary tiers owe the supervisor an answer, and which of them are stuck.
 
-A tier's actor runs its plugin's calls one at a time; a plugin stuck inside one
-(a ``submit_store`` blocked on a dead NFS mount, say) answers nothing after it.
-The supervisor sends a tier *probes*, messages its actor answers when it gets
-to them (a gather: events, barrier, shutdown; a lookup), and tells this watch
-about each probe sent and each answer received.
+A tier's actor runs its plugin's calls one at a time.
+A plugin stuck inside one answers nothing after it.
+A ``submit_store`` blocked on a dead NFS mount is such a case.
+The supervisor sends a tier *probes*, messages its actor answers when it gets to them.
+A probe is a gather (events, barrier, shutdown) or a lookup.
+The supervisor tells this watch about each probe sent and each answer received.
 
-A tier is **stuck** when it owes at least one answer and has given none for
-``stuck_after_s``: any answer, to any probe, is progress and restarts its
-clock, so a tier that is busy but moving is never stuck. A stuck tier
-**recovers** with its next answer. The watch only keeps the books; what a
-stuck tier means (calls answered without it) is the supervisor's.
+A tier is **stuck** when it owes at least one answer and has given none for ``stuck_after_s``.
+Any answer, to any probe, is progress and restarts its clock.
+So a tier that is busy but moving is never stuck.
+A stuck tier **recovers** with its next answer.
+The watch only keeps the books.
+What a stuck tier means (calls answered without it) is the supervisor's to decide.
 
-Not thread-safe: one owner (the supervisor's actor). Times are the owner's
-clock (virtual in a simulation).
+Not thread-safe: it has one owner, the supervisor's actor.
+Times are the owner's clock, virtual in a simulation.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class _Tier:
 
 
 class TierWatch:
-    """Probes owed per tier, and the stuck verdict; see the module docstring."""
+    """Probes owed per tier, and the stuck verdict (see the module docstring)."""
 
     __slots__ = ("_tiers", "found_stuck", "recovered", "stuck_after_s")
 
@@ -43,17 +45,22 @@ class TierWatch:
         self.recovered = 0  # times a stuck tier answered again
 
     def asked(self, tier: str, probe: Hashable, now: float) -> None:
-        """``probe`` was sent to ``tier``; it owes an answer from now on."""
+        """Note that ``probe`` was sent to ``tier``.
+
+        The tier owes an answer from now on.
+        """
         state = self._tiers[tier]
         if not state.owed and not state.stuck:
             state.silent_since = now  # the clock runs only while something is owed
         state.owed.add(probe)
 
     def answered(self, tier: str, probe: Hashable, now: float) -> float | None:
-        """``tier`` answered ``probe`` (one it owes or not: any answer is progress).
+        """Note that ``tier`` answered ``probe``.
 
-        Returns how long it had been silent if this answer ends a stuck spell
-        (the tier recovered), else ``None``."""
+        The probe may be one it owes or not, as any answer is progress.
+        Returns how long the tier had been silent if this answer ends a stuck spell (the tier recovered).
+        Returns ``None`` otherwise.
+        """
         state = self._tiers[tier]
         state.owed.discard(probe)
         silent = now - state.silent_since
@@ -76,7 +83,10 @@ class TierWatch:
         return found
 
     def next_deadline(self) -> float | None:
-        """When :meth:`due` may next find a tier stuck (``None``: nothing owed)."""
+        """When :meth:`due` may next find a tier stuck.
+
+        ``None`` means nothing is owed.
+        """
         deadlines = [state.silent_since + self.stuck_after_s for state in self._tiers.values()
                      if state.owed and not state.stuck]
         return min(deadlines) if deadlines else None

@@ -1,11 +1,11 @@
 """``kvactors check-log``'s engine: the lifecycle contract, verified from an event log alone.
 
-* :mod:`~kvactors.logcheck.reader`: the JSON lines, streamed;
-* :mod:`~kvactors.logcheck.replay`: the rules, over one manager's events (a plain class), made of
-  :mod:`~kvactors.logcheck.lifetimes` (a request's finishes), :mod:`~kvactors.logcheck.jobs` (stores, pins,
-  jobs) and :mod:`~kvactors.logcheck.state` (what is live);
-* :mod:`~kvactors.logcheck.check`: managers, ``seq`` order and the verdict;
-* :mod:`~kvactors.logcheck.model`: violations, the verdict, the result.
+* :mod:`~kvactors.logcheck.reader` streams the JSON lines.
+* :mod:`~kvactors.logcheck.replay` holds the rules, over one manager's events, in a plain class.
+  It is made of :mod:`~kvactors.logcheck.lifetimes` (a request's finishes),
+  :mod:`~kvactors.logcheck.jobs` (stores, pins, jobs) and :mod:`~kvactors.logcheck.state` (what is live).
+* :mod:`~kvactors.logcheck.check` handles managers, ``seq`` order and the verdict.
+* :mod:`~kvactors.logcheck.model` defines violations, the verdict and the result.
 
 The event names are :mod:`kvactors.log_schema`'s.
 """

@@ -1,25 +1,28 @@
 """The checker: events of any number of managers in, a :class:`CheckResult` out.
 
-:class:`LogChecker` routes each event to its manager's
-:class:`~kvactors.logcheck.replay.ManagerReplay` (a manager is ``(pid,
-manager)``: several processes and managers may share a file, their lines
-interleaved). Within one file a manager's lines are in ``seq`` order (the sink
-stamps ``seq`` and writes the line under one lock) and numbered 0, 1, 2, ...
-with no gap, from ``manager_started`` to ``manager_stopped``; the checker
-relies on that to stream: it holds one replay per manager still running and
-frees it at ``manager_stopped``.
+:class:`LogChecker` routes each event to its manager's :class:`~kvactors.logcheck.replay.ManagerReplay`.
+A manager is ``(pid, manager)``.
+Several processes and managers may share a file, with their lines interleaved.
+Within one file a manager's lines are in ``seq`` order, because the sink stamps ``seq`` and writes the line under
+one lock.
+They are numbered 0, 1, 2, ... with no gap, from ``manager_started`` to ``manager_stopped``.
+The checker relies on that to stream.
+It holds one replay per manager still running and frees it at ``manager_stopped``.
 
-What makes the verdict ``INCONCLUSIVE`` rather than ``OK`` (each is listed in
-``CheckResult.inconclusive``): no event at all, or none of any manager; a
-manager that never stopped (the obligations checked at the stop were not);
-a manager whose start is not in the log (not checked at all); a gap in a
-manager's ``seq`` (events lost), a ``seq`` going back (lines duplicated or
-reordered: those lines are not replayed); an unreadable line other than a
-truncated last one; an event name the schema does not know (a rule it feeds
-may be switched off); an event lacking a field its rule reads. A violation
-found in what was read makes the verdict ``VIOLATION`` in any case.
+Each of these makes the verdict ``INCONCLUSIVE`` rather than ``OK``, and is listed in ``CheckResult.inconclusive``:
 
-Threading: none; one checker is used by one thread.
+* No event at all, or none of any manager.
+* A manager that never stopped. The obligations checked at the stop were not checked.
+* A manager whose start is not in the log. It is not checked at all.
+* A gap in a manager's ``seq``, which means events were lost.
+* A ``seq`` going back, which means lines were duplicated or reordered. Those lines are not replayed.
+* An unreadable line other than a truncated last one.
+* An event name the schema does not know. A rule it feeds may be switched off.
+* An event lacking a field its rule reads.
+
+A violation found in what was read makes the verdict ``VIOLATION`` in any case.
+
+Threading: none. One checker is used by one thread.
 """
 
 from __future__ import annotations
@@ -125,7 +128,10 @@ class LogChecker:
         manager.replay = None  # every state of this manager is freed
 
     def result(self, stats: ReadStats | None = None) -> CheckResult:
-        """The verdict over everything fed; what could not be proven is listed in ``inconclusive``."""
+        """The verdict over everything fed.
+
+        What could not be proven is listed in ``inconclusive``.
+        """
         out = self.out
         notes = out.inconclusive
         if stats is not None:
@@ -177,7 +183,7 @@ def _manager_key(event: Event) -> ManagerKey | None:
 
 
 def check_events(events: Iterable[Event]) -> CheckResult:
-    """Check parsed events in any order: each manager's are replayed sorted by ``seq``."""
+    """Check parsed events in any order. Each manager's events are replayed sorted by ``seq``."""
     by_manager: dict[ManagerKey, list[Event]] = {}
     checker = LogChecker()
     for event in events:
@@ -193,7 +199,10 @@ def check_events(events: Iterable[Event]) -> CheckResult:
 
 
 def check_stream(stream: BinaryIO) -> CheckResult:
-    """Check a JSON-lines log as it is read (memory bounded by the live requests); raises :class:`LogReadError`."""
+    """Check a JSON-lines log as it is read, in memory bounded by the live requests.
+
+    Raises :class:`LogReadError` if the input is not a log.
+    """
     stats = ReadStats()
     checker = LogChecker()
     for event in iter_events(stream, stats):
@@ -202,6 +211,9 @@ def check_stream(stream: BinaryIO) -> CheckResult:
 
 
 def check_file(path: str) -> CheckResult:
-    """Check the log at ``path``; raises ``OSError`` if it cannot be opened, :class:`LogReadError` if not a log."""
+    """Check the log at ``path``.
+
+    Raises ``OSError`` if it cannot be opened, and :class:`LogReadError` if it is not a log.
+    """
     with open(path, "rb") as stream:
         return check_stream(stream)

@@ -1,8 +1,12 @@
-"""The rules of stores, load pins and jobs: no submit after the finish, every pin and job released once,
-a cascade for each completed store, a promotion allocated before anything else. See
-:mod:`kvactors.logcheck.replay` for the whole contract.
+"""The rules of stores, load pins and jobs.
 
-Threading: none (part of one manager's replay).
+No submit comes after the finish.
+Every pin and job is released once.
+Each completed store has a cascade.
+A promotion is allocated before anything else.
+See :mod:`kvactors.logcheck.replay` for the whole contract.
+
+Threading: none, as this is part of one manager's replay.
 """
 
 from __future__ import annotations
@@ -41,8 +45,11 @@ class JobRules(ReplayState):
         return job
 
     def _same_job(self, job: Job, event: Event) -> None:
-        """Every event of a job names its tier, its kind, and its request and its number of keys where
-        it names them: a line that names others would let a job pass as another's."""
+        """Check that every event of a job names the job's tier and kind.
+
+        Where an event names the job's request and number of keys, they must match too.
+        A line that names others would let a job pass as another's.
+        """
         first = job.events[0] if job.events else None
         if event["tier"] != job.tier:
             self.violation("one-job", f"{job.kind} job {event['job_id']} of tier {job.tier} named with tier "
@@ -100,8 +107,8 @@ class JobRules(ReplayState):
 
     def on_store_completed(self, event: Event) -> None:
         self._stores_done(event, event["live"])
-        # What became ready cascades: a key written again that one of its writes failed does not,
-        # whatever the call said (logs without ``stored``: every live key of a success).
+        # What became ready cascades. A key written again that one of its writes failed does not,
+        # whatever the call said. Logs without ``stored`` count every live key of a success.
         stored = event.get("stored")
         if stored is not None and (stored > event["live"] or (stored and not event["success"])):
             self.violation("failure-not-success", f"store_completed made {stored} block(s) ready of "
@@ -287,7 +294,10 @@ class JobRules(ReplayState):
         pass  # a tier reported a job it was not given (the tier's bug); nothing of the contract changes
 
     def stop_jobs(self, stopped: Event) -> None:
-        """At the stop: every job ended (one timed out may still be stuck at its tier), every pin released."""
+        """Check at the stop that every job ended and every pin was released.
+
+        A job that timed out may still be stuck at its tier.
+        """
         for job_id, job in self.jobs.items():
             if job.state != "timed_out":  # one timed out may still be stuck at its tier: its report never came
                 self.violation("pin-released-once", f"{job.kind} job {job_id} never ended "

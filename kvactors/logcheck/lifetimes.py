@@ -1,8 +1,13 @@
-"""The rules of a request's lifetime: one finish at the primary, the supervisor and every tier, in order;
-finalize only after the finish and the stores; the stop's roll call; what the runtime says of the caller's
-finishes and refused calls. See :mod:`kvactors.logcheck.replay` for the whole contract.
+"""The rules of a request's lifetime.
 
-Threading: none (part of one manager's replay).
+* One finish comes at the primary, the supervisor and every tier, in order.
+* Finalize comes only after the finish and the stores.
+* The stop's roll call names what is still live.
+* What the runtime says of the caller's finishes and refused calls must agree with the replay.
+
+See :mod:`kvactors.logcheck.replay` for the whole contract.
+
+Threading: none, as this is part of one manager's replay.
 """
 
 from __future__ import annotations
@@ -152,7 +157,10 @@ class LifetimeRules(ReplayState):
                            f"pending at the stop, the log {req.pending_stores}", *req.store_events, event)
 
     def stop_lifetimes(self, stopped: Event) -> None:
-        """At the stop: every lifetime finalized, or named in the roll call and consistent with the log."""
+        """Check at the stop that every lifetime was finalized.
+
+        A lifetime named in the roll call may instead be live, if it is consistent with the log.
+        """
         for req in self.current.values():
             if req.roll_call is None:
                 self.violation("one-finish", "request neither finalized nor named at the stop as still held "

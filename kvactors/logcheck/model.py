@@ -31,9 +31,13 @@ class Violation:
 
 
 class Verdict(enum.Enum):
-    """``OK`` (exit 0): every rule held over a log that covers each manager from start to stop.
-    ``VIOLATION`` (exit 1): some rule is broken. ``INCONCLUSIVE`` (exit 3): no rule is broken in what
-    could be read, but the log does not prove the contract held (see ``CheckResult.inconclusive``)."""
+    """The checker's verdict.
+
+    ``OK`` (exit 0): every rule held over a log that covers each manager from start to stop.
+    ``VIOLATION`` (exit 1): some rule is broken.
+    ``INCONCLUSIVE`` (exit 3): no rule is broken in what could be read, but the log does not prove
+    that the contract held (see ``CheckResult.inconclusive``).
+    """
 
     OK = 0
     VIOLATION = 1
@@ -48,8 +52,8 @@ class Verdict(enum.Enum):
 class CheckResult:
     """The outcome of one check.
 
-    ``violations`` keeps the first ``keep`` violations found (``violation_count`` counts all);
-    ``errors`` the first unreadable lines' messages (``unreadable`` counts all);
+    ``violations`` keeps the first ``keep`` violations found, and ``violation_count`` counts all.
+    ``errors`` keeps the first unreadable lines' messages, and ``unreadable`` counts all.
     ``inconclusive`` says, one line each, what the log could not prove.
     """
 

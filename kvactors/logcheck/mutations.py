@@ -1,18 +1,23 @@
 """Systematic single mutations of a good log, and the share the checker catches.
 
-For every *contract event* of every manager (in turn, not a sample), four
-mutations: **delete** it, **duplicate** it (the copy right after it), **move**
-it just before the previous event of the same request or job (*earlier*), or
-just after the next one (*later*); events of no request (``manager_started``,
-``cache_reset``, ...) move past their neighbour. ``seq`` is renumbered after
-each mutation, so the checker cannot tell a mutated log by its numbering alone
-(without renumbering every mutation is caught by the ``seq`` check; that figure
-is reported apart). A mutation is caught when the verdict is not ``OK`` (most are
-``VIOLATION``; deleting ``manager_stopped`` is ``INCONCLUSIVE``: the stop is not proven).
+Every *contract event* of every manager gets four mutations in turn, not a sample.
 
-Some mutations cannot be caught, because the mutated log is one the runtime
-could have written: :data:`UNCATCHABLE` names each class, with the reason; they
-are left out of the score (and counted).
+* **delete** removes it.
+* **duplicate** puts a copy right after it.
+* **move earlier** puts it just before the previous event of the same request or job.
+* **move later** puts it just after the next one.
+
+Events of no request (``manager_started``, ``cache_reset``, ...) move past their neighbour.
+``seq`` is renumbered after each mutation, so the checker cannot tell a mutated log by its numbering alone.
+Without renumbering, every mutation is caught by the ``seq`` check.
+That figure is reported apart.
+A mutation is caught when the verdict is not ``OK``.
+Most are ``VIOLATION``.
+Deleting ``manager_stopped`` is ``INCONCLUSIVE``, because the stop is not proven.
+
+Some mutations cannot be caught, because the mutated log is one the runtime could have written.
+:data:`UNCATCHABLE` names each class, with the reason.
+They are left out of the score, and counted.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from kvactors.logcheck.check import check_events
 from kvactors.logcheck.model import Event, Verdict
 from kvactors.types import PRIMARY_TIER_NAME
 
-#: Events a rule reads; the others record a caller's misuse or a tier's failure, or are notes.
+#: Events a rule reads. The others record a caller's misuse or a tier's failure, or are notes.
 CONTRACT_EVENTS = frozenset({
     "manager_started", "manager_stopped", "request_started", "request_finished", "request_finish_seen",
     "store_prepared", "store_rejected", "store_completed", "load_prepared", "load_completed", "promotion_allocated",
@@ -55,8 +60,8 @@ _PRIMARY = {"request_started", "request_finished", "finish_ignored", "call_rejec
             "cache_reset", "request_active_at_stop"}
 _TIER = {"tier_finish_received", "tier_submit_received"}
 
-#: (earlier, later): when both concern one job (or one request at one tier), the runtime logs them in this
-#: order, on two threads: a message from one to the other lies between.
+#: (earlier, later) pairs. When both concern one job (or one request at one tier), the runtime logs them in
+#: this order, on two threads, with a message from one to the other between them.
 CAUSAL = {
     *((f"{kind}_submitted", "tier_submit_received") for kind in ("cascade", "promotion")),
     *(("tier_submit_received", f"{kind}_completed") for kind in ("cascade", "promotion")),
@@ -95,7 +100,7 @@ _CONCURRENT = ("logged by two actors with no message between them: the runtime m
 
 
 def emitter(event: Event) -> str:
-    """The actor that logs ``event`` (a tier's events: that tier's actor)."""
+    """The actor that logs ``event``. A tier's events are logged by that tier's actor."""
     name = event["event"]
     if name in _TIER:
         return f"tier:{event.get('tier')}"
@@ -242,7 +247,10 @@ def _neighbour(events: list[Event], mutation: Mutation) -> Event:
 
 
 def score(managers: list[list[Event]], *, raw_every: int = 0) -> Score:
-    """Try every mutation of every manager's events; ``raw_every``: also try every N-th without renumbering."""
+    """Try every mutation of every manager's events.
+
+    With ``raw_every``, also try every N-th mutation without renumbering.
+    """
     out = Score()
     for events in managers:
         base = check_events(events)

@@ -1,11 +1,11 @@
 """Reading an event log: one JSON object per line, streamed, never the whole file in memory.
 
-A line that is not a JSON object with a string ``event`` is *unreadable* (counted,
-the check goes on). A last line cut short without its newline is what a crash
-leaves: it is counted apart (``truncated``) and does not by itself make the log
-inconclusive. Input that is not a text log at all (binary data, text that is
-not UTF-8, a line longer than :data:`MAX_LINE_BYTES`) stops the read with
-:class:`LogReadError`, whose message is one line.
+A line that is not a JSON object with a string ``event`` is *unreadable*.
+It is counted, and the check goes on.
+A last line cut short without its newline is what a crash leaves.
+It is counted apart (``truncated``), and does not by itself make the log inconclusive.
+Input that is not a text log at all stops the read with :class:`LogReadError`, whose message is one line.
+Such input is binary data, text that is not UTF-8, or a line longer than :data:`MAX_LINE_BYTES`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import BinaryIO
 
 from kvactors.logcheck.model import Event
 
-#: The longest line accepted (an event is well under a kilobyte; a handler's traceback a few).
+#: The longest line accepted. An event is well under a kilobyte, and a handler's traceback a few.
 MAX_LINE_BYTES = 1 << 20
 _KEPT_ERRORS = 20
 
 
 class LogReadError(Exception):
-    """The input is not a JSON-lines event log; the message is one line."""
+    """The input is not a JSON-lines event log. The message is one line."""
 
 
 @dataclass
@@ -40,7 +40,10 @@ class ReadStats:
 
 
 def iter_events(stream: BinaryIO, stats: ReadStats, max_line: int = MAX_LINE_BYTES) -> Iterator[Event]:
-    """Yield the events of ``stream`` in file order; count what could not be read in ``stats``."""
+    """Yield the events of ``stream`` in file order.
+
+    What could not be read is counted in ``stats``.
+    """
     loads = json.loads
     number = 0
     while True:

@@ -1,45 +1,57 @@
 """The contract's rules, replayed over one manager's events in ``seq`` order.
 
-:class:`ManagerReplay` is a plain class (no I/O, no threads): :meth:`feed` one
-event at a time, then :meth:`stop` at ``manager_stopped``. It keeps state only
-for what is live: request lifetimes not yet finalized (or finalized but still
-owed a tier's receipt), jobs not yet ended (or timed out and owed their late
-report) and load pins not yet released. Memory is bounded by those, not by the
-log's length.
+:class:`ManagerReplay` is a plain class, with no I/O and no threads.
+:meth:`feed` it one event at a time, then call :meth:`stop` at ``manager_stopped``.
+It keeps state only for what is live.
+That is request lifetimes not yet finalized (or finalized but still owed a tier's receipt),
+jobs not yet ended (or timed out and owed their late report), and load pins not yet released.
+Memory is bounded by those, not by the log's length.
 
-Every rule is an obligation checked at the latest at ``manager_stopped``:
+Every rule is an obligation checked at the latest at ``manager_stopped``.
 
-* **one finish**: one ``request_finished`` per lifetime, then one
-  ``request_finish_seen`` (the supervisor); per secondary tier one
-  ``tier_finalized`` and, after it, one ``tier_finish_received``; a
-  ``request_finalized`` only after ``request_finished`` and every tier's
-  ``tier_finalized``;
-* **the stop's roll call**: at the stop the primary names every request it still
-  holds (``request_active_at_stop``, with ``finished`` and ``pending_stores``).
-  A lifetime started and neither finalized nor named there lost its finish
-  events; one named must match what the log says of it; a finished one with
-  nothing pending at the stop (no store pending, no job in flight) must have
-  been finalized;
-* **no submit after finish**: no ``store_prepared``/``store_rejected``/
-  ``load_prepared`` after ``request_finished``; no job submitted to a tier after
-  its ``tier_finalized``; no ``tier_submit_received`` at a tier after its
-  ``tier_finish_received``;
-* **finalize only when nothing can submit**: at ``tier_finalized`` no primary
-  store pending (the checker counts them and the primary's own count, logged
-  with ``request_finished``/``request_active_at_stop``, must agree), no
-  promotion or cascade allocated or queued but not submitted;
-* **every pin released once**: load pins never released more than taken and
-  none left at the stop; every job ends once (completed after its tier
-  received it, dropped before it was submitted, or timed out and then
-  reported late once); a promotion is allocated before anything else;
-* **one job**: every event of a job names the same tier, kind, request and
-  number of keys (a line that names others would pass one job off as another);
-* **no state after finalize**: nothing creates state for a lifetime that is
-  not live; a store completion still counted as pending for none;
-* the runtime's own alarms and what it says of the caller's calls
-  (``call_rejected``/``finish_ignored`` must agree with the replayed state).
+**One finish.**
+Each lifetime has one ``request_finished``, then one ``request_finish_seen`` (the supervisor).
+Each secondary tier has one ``tier_finalized`` and, after it, one ``tier_finish_received``.
+A ``request_finalized`` comes only after ``request_finished`` and every tier's ``tier_finalized``.
 
-Threading: none; one instance per manager, used by one thread.
+**The stop's roll call.**
+At the stop the primary names every request it still holds
+(``request_active_at_stop``, with ``finished`` and ``pending_stores``).
+A lifetime started and neither finalized nor named there lost its finish events.
+One named must match what the log says of it.
+A finished one with nothing pending at the stop (no store pending, no job in flight) must have been finalized.
+
+**No submit after finish.**
+No ``store_prepared``, ``store_rejected`` or ``load_prepared`` comes after ``request_finished``.
+No job is submitted to a tier after its ``tier_finalized``.
+No ``tier_submit_received`` comes at a tier after its ``tier_finish_received``.
+
+**Finalize only when nothing can submit.**
+At ``tier_finalized`` no primary store is pending.
+The checker counts them, and the primary's own count must agree.
+The primary logs its count with ``request_finished`` and ``request_active_at_stop``.
+No promotion or cascade is allocated or queued but not submitted.
+
+**Every pin released once.**
+Load pins are never released more than taken, and none is left at the stop.
+Every job ends once.
+It is completed after its tier received it, dropped before it was submitted,
+or timed out and then reported late once.
+A promotion is allocated before anything else.
+
+**One job.**
+Every event of a job names the same tier, kind, request and number of keys.
+A line that names others would pass one job off as another.
+
+**No state after finalize.**
+Nothing creates state for a lifetime that is not live.
+No store completion is still counted as pending for such a lifetime.
+
+**The runtime's own word.**
+The runtime's own alarms are checked too.
+What it says of the caller's calls (``call_rejected``, ``finish_ignored``) must agree with the replayed state.
+
+Threading: none. One instance serves one manager, used by one thread.
 """
 
 from __future__ import annotations
@@ -56,7 +68,7 @@ __all__ = ["Identity", "ManagerReplay"]
 
 
 class ManagerReplay(LifetimeRules, JobRules):
-    """The rules for one manager; see the module docstring. ``report`` receives each violation.
+    """The rules for one manager (see the module docstring). ``report`` receives each violation.
 
     ``handlers`` maps each lifecycle event name to its rule, the method ``on_<name>``.
     """
@@ -112,7 +124,7 @@ class ManagerReplay(LifetimeRules, JobRules):
     # ------------------------------------------------------------ at the stop
 
     def stop(self, stopped: Event) -> None:
-        """The obligations that must hold once the manager stopped; frees every state."""
+        """Check the obligations that must hold once the manager stopped, and free every state."""
         self.stop_lifetimes(stopped)
         self.stop_jobs(stopped)
         self.current.clear()

@@ -1,15 +1,15 @@
 """Event logs to test and measure the checker on: real runs, and big logs made from them.
 
-* :func:`sim_log`: the seed explorer's runs (:func:`kvactors.testing.explore.explore_one`);
-* :func:`thread_log`: a :class:`~kvactors.TieringManager` on real threads with a
-  ``MemoryTier``, whose workload leaves some requests unfinished and some
-  stores never completed at the stop (so the stop's roll call is exercised);
-* :func:`big_log`: a log of any length made from a real one's event patterns:
-  the real log's managers repeated, each copy with fresh ``manager`` numbers,
-  ``req_id`` and ``job_id`` values, several copies interleaved line by line as
-  managers sharing one file are. Lines are yielded, never held.
+* :func:`sim_log` gives the seed explorer's runs (:func:`kvactors.testing.explore.explore_one`).
+* :func:`thread_log` runs a :class:`~kvactors.TieringManager` on real threads with a ``MemoryTier``.
+  Its workload leaves some requests unfinished and some stores never completed at the stop.
+  So the stop's roll call is exercised.
+* :func:`big_log` makes a log of any length from a real one's event patterns.
+  It repeats the real log's managers, each copy with fresh ``manager`` numbers, ``req_id`` and ``job_id`` values.
+  Several copies are interleaved line by line, as managers sharing one file are.
+  Lines are yielded, never held.
 
-Threading: :func:`thread_log` starts and stops its own threads; the rest is plain.
+Threading: :func:`thread_log` starts and stops its own threads. The rest is plain.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ def sim_log(path: str | Path, seeds: range = range(40)) -> Path:
 
 
 def thread_log(path: str | Path, *, threads: int = 4, requests: int = 30, seed: int = 0) -> Path:
-    """Run a real-thread workload with ``event_log=path``; some requests (at least each client's last) are
-    left live at the stop."""
+    """Run a real-thread workload with ``event_log=path``.
+
+    Some requests, at least each client's last, are left live at the stop.
+    """
     from kvactors import LifecycleError, LookupResult, MemoryTier, ReqContext, TieringManager
 
     manager = TieringManager.start(num_blocks=48, block_bytes=64, secondary_tiers=[MemoryTier(capacity_blocks=96)],
@@ -111,8 +113,11 @@ def _renamed(event: Event, copy: int, manager: int) -> Event:
 
 
 def big_log(template: list[Event], events: int, *, interleave: int = 4, seed: int = 0) -> Iterator[str]:
-    """JSON lines of about ``events`` events: ``template``'s managers, copied with fresh identities, up to
-    ``interleave`` copies at a time sharing the file (lines interleaved, each manager's in ``seq`` order)."""
+    """JSON lines of about ``events`` events, made of ``template``'s managers copied with fresh identities.
+
+    Up to ``interleave`` copies at a time share the file.
+    Their lines are interleaved, each manager's in ``seq`` order.
+    """
     managers = [group for group in by_manager(template) if group and group[0]["event"] == "manager_started"]
     if not managers:
         raise ValueError("the template has no complete manager")

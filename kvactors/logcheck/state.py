@@ -1,7 +1,10 @@
-"""What :class:`~kvactors.logcheck.replay.ManagerReplay` holds for one manager: the live lifetimes, jobs
-and pins, and the helpers the rules share (:mod:`~kvactors.logcheck.lifetimes`, :mod:`~kvactors.logcheck.jobs`).
+"""What :class:`~kvactors.logcheck.replay.ManagerReplay` holds for one manager.
 
-Threading: none; one instance per manager, used by one thread.
+It holds the live lifetimes, jobs and pins.
+It also holds the helpers that the rules of :mod:`~kvactors.logcheck.lifetimes` and
+:mod:`~kvactors.logcheck.jobs` share.
+
+Threading: none. One instance serves one manager, used by one thread.
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ class Job:
 
 
 class ReplayState:
-    """One manager's live state and the report of violations; the rules are its subclasses' ``on_<event>``."""
+    """One manager's live state and the report of violations.
+
+    The rules are its subclasses' ``on_<event>`` methods.
+    """
 
     def __init__(self, report: Callable[[Violation], None]) -> None:
         self.report = report

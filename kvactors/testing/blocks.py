@@ -1,8 +1,8 @@
 """The bytes a test block holds: :func:`pattern` of its key, and :func:`rows_hold` to check a pool's rows.
 
-Every ready block of a workload of :mod:`kvactors.testing.workload` holds
-``pattern(key)``; a row of a key that must not become ready is filled with
-:data:`JUNK` by the fault tiers, so serving it shows up as wrong bytes.
+Every ready block of a workload of :mod:`kvactors.testing.workload` holds ``pattern(key)``.
+The fault tiers fill a row of a key that must not become ready with :data:`JUNK`.
+So serving it shows up as wrong bytes.
 Thread-safe.
 """
 

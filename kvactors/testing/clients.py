@@ -1,22 +1,22 @@
 """Clients of the seeded scheduler: frontend loops that run only while the scheduler lets them.
 
-A client of a :class:`~kvactors.testing.SimRuntime` is a plain function (a
-frontend thread's loop: it calls :class:`~kvactors.TieringManager`'s public
-methods, blocking ones included). It runs between :meth:`resume` (the
-scheduler hands it the baton) and its next :meth:`pause` (it hands the baton
-back): one client runs at a time, so the seed still fixes the whole
-interleaving.
+A client of a :class:`~kvactors.testing.SimRuntime` is a plain function, a frontend thread's loop.
+It calls :class:`~kvactors.TieringManager`'s public methods, blocking ones included.
+It runs from :meth:`resume`, where the scheduler hands it the baton,
+to its next :meth:`pause`, where it hands the baton back.
+One client runs at a time, so the seed still fixes the whole interleaving.
 
-A blocking call waits through :meth:`SimRuntime.wait
-<kvactors.testing.SimRuntime.wait>`, which on a client pauses it until the
-reply is set (or virtual time passes the bound): the public calls work
-unchanged on the scheduler.
+A blocking call waits through :meth:`SimRuntime.wait <kvactors.testing.SimRuntime.wait>`.
+On a client, that pauses it until the reply is set, or until virtual time passes the bound.
+So the public calls work unchanged on the scheduler.
 
-Two carriers, one behaviour (a seed gives the same run on either):
-:class:`GreenletClient` (a greenlet on the scheduler's thread: a switch costs
-about a microsecond) where ``greenlet`` is installed (the ``test`` extra), else
-:class:`ThreadClient` (a real thread and two locks: a switch is a thread
-hand-off, tens of microseconds on a loaded machine).
+Two carriers give one behaviour, as a seed gives the same run on either.
+
+* :class:`GreenletClient` is a greenlet on the scheduler's thread, where a switch costs about a microsecond.
+  It is used where ``greenlet`` is installed (the ``test`` extra).
+* :class:`ThreadClient` is used otherwise.
+  It is a real thread and two locks.
+  A switch is a thread hand-off, tens of microseconds on a loaded machine.
 """
 
 from __future__ import annotations
@@ -35,12 +35,17 @@ except ImportError:  # pragma: no cover - the test extra installs it
 
 
 class ClientCancelled(BaseException):
-    """Raised in a parked client that its scheduler gives up on (not an ``Exception``:
-    the client's own ``except Exception`` lets it through)."""
+    """Raised in a parked client that its scheduler gives up on.
+
+    It is not an ``Exception``, so the client's own ``except Exception`` lets it through.
+    """
 
 
 class Client:
-    """What the scheduler knows of one client; subclasses carry it (a thread, a greenlet)."""
+    """What the scheduler knows of one client.
+
+    Subclasses carry it, on a thread or a greenlet.
+    """
 
     __slots__ = ("_fn", "cancelled", "credit", "deadline", "error", "expect", "finished", "key", "name",
                  "running", "waiting")
@@ -66,9 +71,12 @@ class Client:
                                                            or (self.deadline is not None and now >= self.deadline))
 
     def wait(self, future: Reply[Any] | Future[Any], deadline: float | None, credit: float = 0.0) -> bool:
-        """The client's side of a blocking wait: paused until ``future`` is done or
-        virtual time reaches ``deadline`` (always paused once: a scheduling point).
-        ``credit``: how much slow-machine stall may push ``deadline`` back (its bound)."""
+        """The client's side of a blocking wait.
+
+        The client is paused until ``future`` is done or virtual time reaches ``deadline``.
+        It is always paused once, as the wait is a scheduling point.
+        ``credit`` is how much slow-machine stall may push ``deadline`` back, its bound.
+        """
         self.waiting, self.deadline, self.credit = future, deadline, credit
         try:
             self.pause()
@@ -77,7 +85,10 @@ class Client:
         return future.done()
 
     def start(self) -> object:
-        """Create its carrier (parked until :meth:`resume`); returns the key :func:`current` gives in it."""
+        """Create the client's carrier, parked until :meth:`resume`.
+
+        Returns the key that :func:`current` gives in it.
+        """
         raise NotImplementedError
 
     def resume(self) -> None:
@@ -89,7 +100,10 @@ class Client:
         raise NotImplementedError
 
     def cancel(self) -> None:
-        """End a parked client: its pause raises :class:`ClientCancelled`, which unwinds it."""
+        """End a parked client.
+
+        Its pause raises :class:`ClientCancelled`, which unwinds it.
+        """
         if self.finished or not self.started:
             self.finished = True
             return
@@ -119,10 +133,13 @@ class Client:
 
 
 class ThreadClient(Client):
-    """A client on a real thread. Two locks, both held while nothing is handed over:
-    ``_go`` (released by :meth:`resume`: the client may run) and ``_back`` (released
-    by the client when it pauses or ends: whoever resumed it goes on). Each client
-    has its own ``_back``, so one that resumes another gets the baton back itself."""
+    """A client on a real thread.
+
+    It has two locks, both held while nothing is handed over.
+    :meth:`resume` releases ``_go``, and the client may then run.
+    The client releases ``_back`` when it pauses or ends, and whoever resumed it then goes on.
+    Each client has its own ``_back``, so one that resumes another gets the baton back itself.
+    """
 
     __slots__ = ("_back", "_go", "_thread")
 
@@ -167,7 +184,10 @@ class ThreadClient(Client):
 
 
 class GreenletClient(Client):
-    """A client as a greenlet on the scheduler's thread; it pauses into whoever resumed it."""
+    """A client as a greenlet on the scheduler's thread.
+
+    It pauses into whoever resumed it.
+    """
 
     __slots__ = ("_glet",)
 

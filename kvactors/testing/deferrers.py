@@ -1,9 +1,9 @@
 """Where a test tier's later work runs: a :class:`Deferrer`.
 
-On a :class:`~kvactors.testing.SimRuntime` (:class:`SimDeferrer`) deferred work
-is a task the scheduler runs at a step of its choosing, and delays are virtual
-time; on threads (:class:`ThreadDeferrer`) a small fixed pool of worker threads
-runs it (never a thread per job).
+On a :class:`~kvactors.testing.SimRuntime` (:class:`SimDeferrer`), deferred work is a task
+the scheduler runs at a step of its choosing.
+Delays there are virtual time.
+On threads (:class:`ThreadDeferrer`), a small fixed pool of worker threads runs it, never a thread per job.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class _TaskActor(rt.Actor):
 
 
 class SimDeferrer:
-    """Deferred tasks of a :class:`~kvactors.testing.SimRuntime`; delays are virtual time."""
+    """Deferred tasks of a :class:`~kvactors.testing.SimRuntime`. Delays are virtual time."""
 
     def __init__(self, runtime: object) -> None:
         self.runtime = runtime
@@ -58,7 +58,10 @@ class SimDeferrer:
             self.runtime.call_later(delay_s, self._ref, _RunTask(label, task))  # type: ignore[attr-defined]
 
     def hang(self, seconds: float) -> float:
-        """The actor is stuck from the moment the call returns; what the call started happens after the thaw."""
+        """Leave the actor stuck from the moment the call returns.
+
+        What the call started happens after the thaw.
+        """
         return seconds if self.runtime.hang_current(seconds) else 0.0  # type: ignore[attr-defined]
 
 

@@ -1,29 +1,33 @@
 """Fault injection as one layer over any tier: :class:`FaultTier`.
 
-:class:`FaultTier` wraps a tier (the in-memory test tier, a ``DiskTier``, a
-``RedisTier``, one of yours) and draws, per job, from a seeded RNG what
-happens to it (:class:`Faults`): it may fail (reported ``success=False``),
-``submit_*`` may raise, it may stall (never reported: its deadline fires), or
-be slow (reported after a delay, possibly after its deadline); it may end per
-key (``partial``: some keys succeed, the others fail, named in
-``JobResult.successful_keys``), or its report may be one a sloppy tier makes
-(``lie``: a key of another job named, a list for a tuple, a key named twice,
-``success=True`` naming only some keys, the report sent twice, a report for a
-job that does not exist). Every row of a promotion's key that must not become
-ready is filled with :data:`~kvactors.testing.blocks.JUNK` first, so serving
-it shows up as wrong bytes. A store's report is made per key or sloppy only
-when the inner tier can forget the keys it leaves out (a ``discard(keys)``
-method, as :class:`~kvactors.testing.tiers.DeferredMemoryTier` has): a store's
-report must say what the tier holds. With ``Faults.hang``, a call that is not
-inline may leave the tier's actor *stuck in it* for ``hang_s`` (see
-:meth:`~kvactors.testing.deferrers.Deferrer.hang`); the report of a job
-submitted by a stuck call comes after the thaw. ``lookup_raise``: a lookup
-raises (the runtime answers ``RETRY``).
+:class:`FaultTier` wraps a tier: the in-memory test tier, a ``DiskTier``, a ``RedisTier``, or one of yours.
+Per job, it draws from a seeded RNG what happens to the job (:class:`Faults`).
 
-The layer is transparent (a :class:`~kvactors.tiers.wrapper.DelegatingTier`):
-the runtime takes the same paths with it as with the bare inner tier.
-Threading: the inner tier's; the layer's own state is under one lock (reports
-come from any thread).
+* The job may fail, reported ``success=False``.
+* ``submit_*`` may raise.
+* The job may stall, never reported, so that its deadline fires.
+* The job may be slow, reported after a delay, possibly after its deadline.
+* The job may end per key (``partial``).
+  Some keys succeed, and the others fail, named in ``JobResult.successful_keys``.
+* The report may be one a sloppy tier makes (``lie``).
+  It may name a key of another job, give a list for a tuple, or name a key twice.
+  It may be ``success=True`` naming only some keys, be sent twice, or be a report for a job that does not exist.
+
+Every row of a promotion's key that must not become ready is filled with
+:data:`~kvactors.testing.blocks.JUNK` first.
+So serving it shows up as wrong bytes.
+A store's report is made per key or sloppy only when the inner tier can forget the keys it leaves out.
+That takes a ``discard(keys)`` method, as :class:`~kvactors.testing.tiers.DeferredMemoryTier` has.
+A store's report must say what the tier holds.
+With ``Faults.hang``, a call that is not inline may leave the tier's actor *stuck in it* for ``hang_s``
+(see :meth:`~kvactors.testing.deferrers.Deferrer.hang`).
+The report of a job submitted by a stuck call comes after the thaw.
+With ``lookup_raise``, a lookup raises, and the runtime answers ``RETRY``.
+
+The layer is transparent, as a :class:`~kvactors.tiers.wrapper.DelegatingTier`.
+The runtime takes the same paths with it as with the bare inner tier.
+Threading is the inner tier's.
+The layer's own state is under one lock, because reports come from any thread.
 """
 
 from __future__ import annotations
@@ -78,8 +82,11 @@ LIES = ("stranger", "list", "duplicate", "success_some", "twice", "unknown_job")
 
 @dataclass(frozen=True, slots=True)
 class ReportPlan:
-    """How a job of a fault tier is reported: ``results`` (sent in order) and ``ready``, the
-    keys the runtime may make ready (or count as stored) from them."""
+    """How a job of a fault tier is reported.
+
+    ``results`` are sent in order.
+    ``ready`` holds the keys the runtime may make ready (or count as stored) from them.
+    """
 
     results: tuple[JobResult, ...]
     ready: frozenset[OffloadKey]
@@ -127,7 +134,10 @@ def draw_mode(faults: Faults, rng: random.Random) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Planned:
-    """A job's fate, drawn at its submit: ``plan`` (partial, lie) replaces a successful report."""
+    """A job's fate, drawn at its submit.
+
+    For ``partial`` and ``lie``, ``plan`` replaces a successful report.
+    """
 
     mode: str
     job: TransferJob
@@ -136,10 +146,14 @@ class _Planned:
 
 
 class FaultTier(DelegatingTier):
-    """``inner`` with faults injected (see the module docstring); draws from ``Random(f"{seed}/{name}")``.
+    """``inner`` with faults injected (see the module docstring).
 
-    ``stalled`` (job ids never reported), ``extra_reports`` (reports the runtime must
-    count as unexpected), ``jobs`` and ``hangs`` say what it did.
+    It draws from ``Random(f"{seed}/{name}")``.
+    These say what it did:
+
+    * ``stalled``, the ids of jobs never reported;
+    * ``extra_reports``, reports the runtime must count as unexpected;
+    * ``jobs`` and ``hangs``.
     """
 
     def __init__(self, inner: SecondaryTier, *, deferrer: Deferrer, faults: Faults = Faults(), seed: int = 0,
@@ -169,7 +183,10 @@ class FaultTier(DelegatingTier):
     # ------------------------------------------------------------ calls
 
     def _maybe_hang(self, call: str) -> float:
-        """Perhaps get stuck in ``call`` (never in an inline one: that promise is kept)."""
+        """Perhaps get stuck in ``call``.
+
+        It never gets stuck in an inline call, so that promise is kept.
+        """
         if not self.faults.hang or call in self.inline_calls or self._hang_rng.random() >= self.faults.hang:
             return 0.0
         with self._lock:
@@ -231,7 +248,10 @@ class FaultTier(DelegatingTier):
     # ------------------------------------------------------------ reports
 
     def _inner_report(self, result: JobResult) -> None:
-        """The inner tier's report (any thread): the planned fate of its job applied to it."""
+        """The inner tier's report, from any thread.
+
+        The planned fate of its job is applied to it.
+        """
         with self._lock:
             planned = self._planned.pop(result.job_id, None) if isinstance(result, JobResult) else None
         if planned is None:  # not a job of ours (the inner tier's own sloppiness): the runtime judges it

@@ -1,20 +1,27 @@
 """Explore the mailbox itself: senders that claim or tell, a colocated guest, a stop at any moment.
 
-:func:`explore` (``explore.py``) drives the whole runtime through the
-manager, and stops it only once every client is done. This explores what
-that cannot reach, on the same :class:`~kvactors.actors.mailbox.Mailbox`
-and :class:`~kvactors.testing.SimRuntime`: a stop (``close``) that lands
-while a caller holds a claim, while the actor's thread owns the mailbox, or
-while messages wait. Per seed, a few client threads each send numbered
-messages the way the manager does (claim the idle actor and run the message
-here, or tell it), pausing between them; the host's handler tells a
-colocated guest now and then (a message put during a claim, as the primary
-tells the supervisor); a task stops the host at a seed-chosen step.
+:func:`explore` (``explore.py``) drives the whole runtime through the manager.
+It stops the runtime only once every client is done.
+This module explores what that cannot reach, on the same :class:`~kvactors.actors.mailbox.Mailbox`
+and :class:`~kvactors.testing.SimRuntime`.
+That is a stop (``close``) that lands while a caller holds a claim,
+while the actor's thread owns the mailbox, or while messages wait.
 
-The check, once everything settled: every message accepted (told without
-``ActorStoppedError``, or claimed) was handled exactly once, each sender's
-in the order sent, never two handlers at once, none after ``on_stop``, and
-``on_stop`` ran once per actor.
+Per seed, a few client threads each send numbered messages the way the manager does.
+They claim the idle actor and run the message here, or they tell it.
+They pause between messages.
+Now and then the host's handler tells a colocated guest.
+That is a message put during a claim, as the primary tells the supervisor.
+A task stops the host at a seed-chosen step.
+
+The check runs once everything settled.
+
+* Every message accepted was handled exactly once.
+  A message is accepted when it was told without ``ActorStoppedError``, or claimed.
+* Each sender's messages were handled in the order sent.
+* No two handlers ran at once.
+* No handler ran after ``on_stop``.
+* ``on_stop`` ran once per actor.
 """
 
 from __future__ import annotations
@@ -92,7 +99,7 @@ def _sender(runtime: SimRuntime, ref: SimActorRef, index: int, count: int,
 
 
 def explore_mailbox_one(seed: int, *, trace: bool = False) -> list[str]:
-    """One seed: the violations found (empty: none)."""
+    """Run one seed. Returns the violations found, empty when there are none."""
     rng = random.Random(f"mailbox/{seed}")
     runtime = SimRuntime(seed, time_jump_chance=0.0, claim_chance=rng.choice((0.3, 0.7, 1.0)), trace=trace)
     book = _Book()
@@ -152,7 +159,10 @@ class MailboxReport:
 
 
 def explore_mailbox(seeds: Iterable[int]) -> MailboxReport:
-    """Run :func:`explore_mailbox_one` for every seed; the failing ones, with what they found."""
+    """Run :func:`explore_mailbox_one` for every seed.
+
+    Returns the failing seeds, with what they found.
+    """
     failures = {}
     runs = 0
     for seed in seeds:

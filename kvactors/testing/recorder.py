@@ -1,27 +1,28 @@
 """Recording what reached a tier: :class:`RecordedTier`, over any tier, into a :class:`TierRecord`.
 
-:class:`RecordedTier` wraps a tier (the in-memory test tier, a ``DiskTier``, a
-``RedisTier``, one of yours; a :class:`~kvactors.testing.faults.FaultTier`
-under it when faults are wanted) and forwards every call unchanged, noting on
-the way, per tier and request attempt, what a tier can see of the contract:
+:class:`RecordedTier` wraps a tier: the in-memory test tier, a ``DiskTier``, a ``RedisTier``, or one of yours.
+A :class:`~kvactors.testing.faults.FaultTier` goes under it when faults are wanted.
+It forwards every call unchanged.
+On the way it notes, per tier and request attempt, what a tier can see of the contract.
 
-* at most one ``on_request_finished`` per ``(req_id, attempt)`` (and when the
-  first came: the finalize latency);
-* no ``submit_store``/``submit_load`` after it;
-* with ``rows_check`` (e.g. :func:`~kvactors.testing.blocks.rows_hold`): the
-  pool rows of a store hold the block's bytes both when the job is submitted
-  and when its report passes (the last moment the tier may read them: a row
-  reused while a tier reads it shows up as a mismatch);
-* which tier promoted (``submit_load``) each key last, and when (the per-tier
-  hit attribution), and the blocks cascaded to each tier;
-* every request attempt it saw (in any call that names one).
+* At most one ``on_request_finished`` comes per ``(req_id, attempt)``.
+  When the first came gives the finalize latency.
+* No ``submit_store`` or ``submit_load`` comes after it.
+* With ``rows_check`` (e.g. :func:`~kvactors.testing.blocks.rows_hold`), the pool rows of a store
+  hold the block's bytes both when the job is submitted and when its report passes.
+  The report is the last moment the tier may read them.
+  A row reused while a tier reads it shows up as a mismatch.
+* Which tier promoted (``submit_load``) each key last, and when, gives the per-tier hit attribution.
+  The blocks cascaded to each tier are noted too.
+* Every request attempt it saw, in any call that names one, is noted.
 
-Violations are strings, per tier, in :attr:`RecordedTier.violations` (all of
-a shared record's in :attr:`TierRecord.violations`). The wrapper is
-transparent (a :class:`~kvactors.tiers.wrapper.DelegatingTier`): the runtime
-takes the same paths with it as with the bare inner tier, so it records only
-the hooks the inner tier has. Threading: the inner tier's; the record is
-thread-safe (tier actors and their I/O threads call it concurrently).
+Violations are strings, per tier, in :attr:`RecordedTier.violations`.
+A shared record holds all of its tiers' violations in :attr:`TierRecord.violations`.
+The wrapper is transparent, as a :class:`~kvactors.tiers.wrapper.DelegatingTier`.
+The runtime takes the same paths with it as with the bare inner tier.
+So it records only the hooks the inner tier has.
+Threading is the inner tier's.
+The record is thread-safe, because tier actors and their I/O threads call it concurrently.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ RowsCheck = Callable[[torch.Tensor, Sequence[OffloadKey], Sequence[int]], list[i
 
 
 class TierRecord:
-    """What the recorded tiers saw; one may be shared by several tiers. Thread-safe."""
+    """What the recorded tiers saw. Thread-safe.
+
+    One record may be shared by several tiers.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -56,7 +60,10 @@ class TierRecord:
         self.cascaded_blocks: Counter[str] = Counter()
 
     def finished(self, tier: str) -> dict[Identity, int]:
-        """``on_request_finished`` calls per request attempt at ``tier`` (live: read it once the run settled)."""
+        """``on_request_finished`` calls per request attempt at ``tier``.
+
+        The value is live, so read it once the run settled.
+        """
         with self._lock:
             return self._finished.setdefault(tier, {})
 
@@ -118,9 +125,10 @@ class TierRecord:
 
 
 class RecordedTier(DelegatingTier):
-    """``inner``, recorded into ``record`` (a new one if not given); see the module docstring.
+    """``inner``, recorded into ``record`` (see the module docstring).
 
-    ``keep_calls``: also keep each call as a line in :attr:`calls` (a trace).
+    A new record is made if none is given.
+    With ``keep_calls``, each call is also kept as a line in :attr:`calls`, a trace.
     """
 
     def __init__(self, inner: SecondaryTier, *, record: TierRecord | None = None,
@@ -208,7 +216,10 @@ class RecordedTier(DelegatingTier):
         self.inner.submit_load(job)
 
     def _inner_report(self, result: JobResult) -> None:
-        """A report on its way to the runtime (any thread): the store's rows must still hold their blocks."""
+        """A report on its way to the runtime, from any thread.
+
+        The store's rows must still hold their blocks.
+        """
         with self._lock:
             job = self._reading.pop(result.job_id, None) if isinstance(result, JobResult) else None
         if job is not None:

@@ -1,8 +1,9 @@
 """The scheduler's mailboxes and refs: the shared :class:`~kvactors.actors.mailbox.Mailbox`, as seeds run it.
 
-What a mailbox and a ref need of the scheduler that owns them is :class:`SimHost`
-(:class:`~kvactors.testing.scheduler.SimRuntime` is one): this module does not import
-the scheduler, the scheduler imports it. Not thread-safe, as the scheduler.
+:class:`SimHost` is what a mailbox and a ref need of the scheduler that owns them.
+:class:`~kvactors.testing.scheduler.SimRuntime` is one.
+This module does not import the scheduler, and the scheduler imports it.
+Not thread-safe, as the scheduler is not.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class SimHost(Protocol):
         ...
 
     def preempt_claimer(self) -> None:
-        """A claimer may be preempted between its claim and the handler: maybe let others run first."""
+        """Maybe let others run first, between a claimer's claim and its handler.
+
+        A claimer may be preempted there.
+        """
         ...
 
 
@@ -58,9 +62,10 @@ class SimMailbox(Mailbox):
 
 
 class SimActorRef:
-    """An actor's ref in a :class:`SimRuntime`: its mailbox, shared with the actors colocated on it.
+    """An actor's ref in a :class:`SimRuntime`.
 
-    Made before its actor, and bound to it once at its start (``actor``: unset until then).
+    Its mailbox is shared with the actors colocated on it.
+    It is made before its actor and bound to it once, at the actor's start (``actor`` is unset until then).
     """
 
     __slots__ = ("actor", "colocated", "mailbox", "name", "runtime")
@@ -83,8 +88,10 @@ class SimActorRef:
         self.mailbox.put(self.actor, message, self.name)
 
     def claim(self) -> bool:
-        """Granted when the mailbox is idle and the seed says so: on threads a
-        claim of an idle actor can fail too (another caller's turn)."""
+        """Grant the claim when the mailbox is idle and the seed says so.
+
+        On threads, a claim of an idle actor can fail too, when it is another caller's turn.
+        """
         box = self.mailbox
         if box.closed:
             return False

@@ -1,28 +1,27 @@
 """Test tiers that check the contract from below, and where their work runs.
 
-The toolkit is three pieces that stack over any tier:
+The toolkit is three pieces that stack over any tier.
 
-* :class:`~kvactors.testing.recorder.RecordedTier` records what reached the
-  tier and checks it (no submit after finish, one finish, rows unchanged while
-  read, per-tier hit attribution, finalize times) into a
-  :class:`~kvactors.testing.recorder.TierRecord`;
-* :class:`~kvactors.testing.faults.FaultTier` injects faults drawn per job
-  from a seeded RNG (:class:`~kvactors.testing.faults.Faults`);
-* :class:`DeferredMemoryTier`, an in-memory tier whose job completions happen
-  *later, elsewhere* (a :class:`~kvactors.testing.deferrers.Deferrer`): on a
-  :class:`~kvactors.testing.SimRuntime` deferred tasks the scheduler runs at
-  random steps, on threads a small fixed pool of worker threads.
+* :class:`~kvactors.testing.recorder.RecordedTier` records what reached the tier and checks it,
+  into a :class:`~kvactors.testing.recorder.TierRecord`.
+  It checks for no submit after finish, one finish and rows unchanged while read.
+  It records per-tier hit attribution and finalize times.
+* :class:`~kvactors.testing.faults.FaultTier` injects faults drawn per job from a seeded RNG
+  (:class:`~kvactors.testing.faults.Faults`).
+* :class:`DeferredMemoryTier` is an in-memory tier whose job completions happen *later, elsewhere*,
+  on a :class:`~kvactors.testing.deferrers.Deferrer`.
+  On a :class:`~kvactors.testing.SimRuntime` they are deferred tasks the scheduler runs at random steps.
+  On threads they run on a small fixed pool of worker threads.
 
-Both wrappers are transparent: the runtime takes the same paths with them as
-with the bare tier under them. ``RecordedTier(FaultTier(DiskTier(...), ...),
-rows_check=rows_hold)`` is what ``kvactors stress --tiers disk`` runs;
-:class:`RecordingTier` is that stack over a :class:`DeferredMemoryTier` (the
-explorer's and stress's memory tier). Its ``hooks`` argument chooses the hooks
-the memory tier declares, so the explorer takes the paths with and without
-``on_new_request``. Violations are collected as strings in ``violations``.
+Both wrappers are transparent.
+The runtime takes the same paths with them as with the bare tier under them.
+``RecordedTier(FaultTier(DiskTier(...), ...), rows_check=rows_hold)`` is what ``kvactors stress --tiers disk`` runs.
+:class:`RecordingTier` is that stack over a :class:`DeferredMemoryTier`, the explorer's and stress's memory tier.
+Its ``hooks`` argument chooses the hooks the memory tier declares.
+So the explorer takes the paths with and without ``on_new_request``.
+Violations are collected as strings in ``violations``.
 
-The names the workloads use (``pattern``, ``rows_hold``, the deferrers,
-``Faults``) are importable from here too.
+The names the workloads use (``pattern``, ``rows_hold``, the deferrers, ``Faults``) are importable from here too.
 """
 
 from __future__ import annotations
@@ -61,16 +60,19 @@ __all__ = [
 
 
 class DeferredMemoryTier(SecondaryTier):
-    """An in-memory LRU tier of ``capacity_blocks`` keys; every job ends on ``deferrer``, reported ok.
+    """An in-memory LRU tier of ``capacity_blocks`` keys.
 
-    A store holds its keys once its job ended (the bytes are not kept: a load
-    writes :func:`~kvactors.testing.blocks.pattern` of each key); a load of a key
-    it no longer holds fails, its rows filled with junk. ``discard(keys)`` lets a
-    :class:`~kvactors.testing.faults.FaultTier` above make a store's report per
-    key. It declares the ``hooks`` it is given, every hook by default.
+    Every job ends on ``deferrer``, reported ok.
+    A store holds its keys once its job ended.
+    The bytes are not kept, as a load writes :func:`~kvactors.testing.blocks.pattern` of each key.
+    A load of a key the tier no longer holds fails, and its rows are filled with junk.
+    ``discard(keys)`` lets a :class:`~kvactors.testing.faults.FaultTier` above make a store's report per key.
+    The tier declares the ``hooks`` it is given, every hook by default.
     A hook declared is inline only where ``inline_calls`` names it.
-    Threading: calls on the tier's actor (or inline); jobs end on the
-    deferrer's threads; one lock around the key set.
+
+    Threading: calls come on the tier's actor, or inline.
+    Jobs end on the deferrer's threads.
+    One lock guards the key set.
     """
 
     def __init__(self, *, name: str, capacity_blocks: int, deferrer: Deferrer, max_inflight_jobs: int = 16,

@@ -1,26 +1,25 @@
 """A random workload of frontend clients, for the simulation and for real threads.
 
-A client stands for one frontend thread. It drives a
-:class:`~kvactors.TieringManager` through its public methods only (blocking
-ones included: its registry of live requests and its argument checks are on
-the path). The same client therefore runs
+A client stands for one frontend thread.
+It drives a :class:`~kvactors.TieringManager` through its public methods only, blocking ones included.
+So the manager's registry of live requests and its argument checks are on the path.
+The same client therefore runs in two places.
 
-* on a :class:`~kvactors.testing.SimRuntime` (``runtime.spawn_client(name,
-  client.run)``), as a thread that runs only while the scheduler lets it:
-  the manager's waits go through the runtime, which hands the baton back
-  until the reply is there, and the seed decides when the client goes on;
-* on a real thread (:func:`drive`), where a client that makes no progress
-  for a bound (a call that does not return) is a *hang*.
+* On a :class:`~kvactors.testing.SimRuntime` (``runtime.spawn_client(name, client.run)``),
+  it is a thread that runs only while the scheduler lets it.
+  The manager's waits go through the runtime, which hands the baton back until the reply is there.
+  The seed decides when the client goes on.
+* On a real thread (:func:`drive`), a client that makes no progress for a bound is a *hang*.
+  That is a call that does not return.
 
-Copies between the "device" and the pool are work of other threads: a
-:class:`~kvactors.testing.tiers.Deferrer` runs them later. A store's copy writes
-``pattern(key)`` into its rows and completes the store (or fails it, or
-completes it after its deadline, or never); a load's copy checks that the
-pinned rows still hold ``pattern(key)`` and then unpins.
+Copies between the "device" and the pool are work of other threads.
+A :class:`~kvactors.testing.tiers.Deferrer` runs them later.
+A store's copy writes ``pattern(key)`` into its rows and completes the store.
+It may instead fail it, complete it after its deadline, or never complete it.
+A load's copy checks that the pinned rows still hold ``pattern(key)``, and then unpins.
 
-Everything the workload sees that breaks the contract is appended to
-:attr:`Env.violations`; deliberate misuse, which the runtime must reject and
-count, is counted in :attr:`Env.expected_misuse`.
+Everything the workload sees that breaks the contract is appended to :attr:`Env.violations`.
+Deliberate misuse, which the runtime must reject and count, is counted in :attr:`Env.expected_misuse`.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from kvactors.types import LookupResult, OffloadKey, PrepareStoreOutput, ReqCont
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """The shape of a workload; :meth:`draw` picks one per seed."""
+    """The shape of a workload. :meth:`draw` picks one per seed."""
 
     clients: int = 4
     requests: int = 4  # per client
@@ -144,10 +143,11 @@ def key_of(n: int) -> OffloadKey:
 
 
 class WorkloadClient:
-    """One frontend thread's behaviour; :meth:`run` is its loop.
+    """One frontend thread's behaviour. :meth:`run` is its loop.
 
-    Thread-safe as far as :func:`drive` needs: ``beats`` (the calls made so
-    far) is read by the driving thread under ``beat``."""
+    It is thread-safe as far as :func:`drive` needs.
+    The driving thread reads ``beats``, the calls made so far, under ``beat``.
+    """
 
     def __init__(self, env: Env, index: int) -> None:
         self.env = env
@@ -173,7 +173,10 @@ class WorkloadClient:
                 self.beat.notify_all()
 
     def late_call(self, method: Callable[..., None], *args: Any) -> None:
-        """A completion from a copy thread: after ``stop()`` it has nowhere to go."""
+        """A completion from a copy thread.
+
+        After ``stop()`` it has nowhere to go.
+        """
         with contextlib.suppress(ManagerStoppedError):
             method(*args)
         self.env.count()
@@ -241,7 +244,10 @@ class WorkloadClient:
             self.reload(ctx, hits)
 
     def store(self, ctx: ReqContext, keys: tuple[OffloadKey, ...] | None = None, *, at_once: bool = False) -> None:
-        """Store ``keys`` (random ones by default); ``at_once``: the copy succeeds on this thread."""
+        """Store ``keys``, random ones by default.
+
+        With ``at_once``, the copy succeeds on this thread.
+        """
         keys = self.some_keys() if keys is None else keys
         self.calling()
         try:
@@ -288,7 +294,11 @@ class WorkloadClient:
             self.unexpected("reset_cache", ctx, exc)
 
     def reload(self, ctx: ReqContext, keys: tuple[OffloadKey, ...]) -> None:
-        """Load ``keys`` again while their first load's copy runs: maybe a reset, a store, the load."""
+        """Load ``keys`` again while their first load's copy runs.
+
+        It may reset the cache first.
+        It then stores them and loads them.
+        """
         if self.rng.random() < 0.5:
             self.reset(ctx)
         self.store(ctx, keys, at_once=True)  # ready again before the lookup: the load can pin it
@@ -376,20 +386,24 @@ class WorkloadClient:
 
 
 def make_clients(env: Env) -> list[WorkloadClient]:
-    """One client per ``env.config.clients``; run each with :func:`drive` or ``spawn_client(name, c.run)``."""
+    """One client per ``env.config.clients``.
+
+    Run each with :func:`drive` or ``spawn_client(name, c.run)``.
+    """
     return [WorkloadClient(env, index) for index in range(env.config.clients)]
 
 
 class Hang(Exception):
-    """A client made no call within the bound: the call it is in hangs."""
+    """A client made no call within the bound. The call it is in hangs."""
 
 
 def drive(client: WorkloadClient, bound_s: float) -> None:
     """Run ``client`` on a thread of its own, watched from the calling one.
 
-    ``Hang`` if it makes no call for ``bound_s`` (it is stuck in one: the
-    thread is left behind, a daemon); an exception of the client is raised
-    here, its traceback kept."""
+    Raises ``Hang`` if the client makes no call for ``bound_s``, because it is stuck in one.
+    The thread is then left behind, as a daemon.
+    An exception of the client is raised here, with its traceback kept.
+    """
     errors: list[BaseException] = []
     client.watched = True
 

@@ -25,48 +25,50 @@ HOOKS: frozenset[Hook] = frozenset(get_args(Hook))
 """The optional hooks a tier may declare in :attr:`SecondaryTier.hooks`."""
 
 ReportFn = Callable[[JobResult], None]
-"""Reports that a job ended. Thread-safe: may be called from any thread, once per job."""
+"""Reports that a job ended, once per job. Thread-safe: it may be called from any thread."""
 
 
 class SecondaryTier(abc.ABC):
-    """A storage tier below the primary (CPU) pool: local disk, Redis, ...
+    """A storage tier below the primary (CPU) pool, such as local disk or Redis.
 
     Preconditions (the runtime guarantees):
 
     * Each tier instance is owned by one actor. Every method is called on that
-      actor's thread, one call at a time, never concurrently, in the order sent;
-      except that the methods named in :attr:`inline_calls` may instead run on the
-      thread that sends them (the supervisor's, or a caller's that claimed it),
-      still one call at a time with every other method and after every call sent
-      before.
-    * :meth:`attach` comes first, once; :meth:`drain` then :meth:`shutdown` come
-      last, once.
+      actor's thread, one call at a time, never concurrently, in the order sent.
+      The exception: the methods named in :attr:`inline_calls` may instead run on
+      the thread that sends them (the supervisor's, or a caller's that claimed it).
+      They still run one call at a time with every other method, after every call
+      sent before.
+    * :meth:`attach` comes first, once.
+    * :meth:`drain` then :meth:`shutdown` come last, once.
     * After ``on_request_finished(ctx)`` no ``submit_store``/``submit_load`` for
       ``ctx`` follows.
-    * At most :attr:`max_inflight_jobs` jobs are submitted and not yet reported;
-      a job's pool rows are not reused before the job is reported (or, if its
+    * At most :attr:`max_inflight_jobs` jobs are submitted and not yet reported.
+    * A job's pool rows are not reused before the job is reported (or, if its
       deadline passed, before its late report).
 
     The tier is responsible for:
 
-    * Reporting every submitted job exactly once, through :meth:`report`, which
-      may be called from any thread (its own I/O workers, typically); a job
-      reported twice, or after its deadline, is logged and ignored.
+    * Reporting every submitted job exactly once, through :meth:`report`.
+      :meth:`report` may be called from any thread (typically the tier's own I/O
+      workers). A job reported twice, or after its deadline, is logged and ignored.
     * Never touching a job's pool rows after reporting it.
-    * Its own threads, and their safety: anything they share with the methods
+    * Its own threads, and their safety. Anything they share with the methods
       above is the tier's to lock. :meth:`take_events` may be called while the
       tier's workers run.
-    * Failure: an exception raised by any method is this tier's failure, not the
-      runtime's. The job it concerned is reported failed, the request
-      lifecycle still completes, and other tiers and requests are unaffected.
+    * Its failures. An exception raised by any method is this tier's failure, not
+      the runtime's. The job it concerned is reported failed, and the request
+      lifecycle still completes. Other tiers and requests are unaffected.
 
-    ``on_request_finished`` does not mean that the request's data is persisted;
-    reports of jobs submitted before it may still be made.
+    ``on_request_finished`` does not mean that the request's data is persisted.
+    Reports of jobs submitted before it may still be made.
     """
 
     medium: ClassVar[str] = "STORAGE"
-    """Where this tier keeps its blocks, in vLLM's words (``"CPU"`` or ``"STORAGE"``): a
-    request's ``kv_load_tiers`` loads only from tiers it matches (:mod:`kvactors.core.request_params`)."""
+    """Where this tier keeps its blocks, in vLLM's words (``"CPU"`` or ``"STORAGE"``).
+
+    A request's ``kv_load_tiers`` loads only from tiers it matches (:mod:`kvactors.core.request_params`).
+    """
 
     locality: ClassVar[str] = "LOCAL"
     """``"LOCAL"`` (this machine) or ``"REMOTE"`` (shared over the network), as :attr:`medium`."""
@@ -76,17 +78,20 @@ class SecondaryTier(abc.ABC):
     wait in the supervisor's queue (they still hold their request open)."""
 
     inline_calls: ClassVar[frozenset[str]] = frozenset()
-    """The methods of this tier that return promptly: no I/O and no waiting
-    on the calling thread (work handed to the tier's own threads is fine).
-    Any of ``INLINE_CALLS``. While this tier's actor is idle, the runtime
-    may call them on the thread that sends them (the supervisor's, which may
-    be a caller's that claimed it: a serving frontend, vLLM's scheduler)
-    instead of handing them to the actor's thread: still one call at a time
-    with every other method, after every call sent before. A hook the tier
-    does not declare in :attr:`hooks` counts as inline. Leave out whatever can block (a
-    network round trip, a blocking write): it would stall that thread and the
-    primary tier (once: a call that took longer than 0.25 s is never run
-    inline again)."""
+    """The methods of this tier that return promptly, any of ``INLINE_CALLS``.
+
+    Such a method does no I/O and does not wait on the calling thread.
+    Work handed to the tier's own threads is fine.
+    While this tier's actor is idle, the runtime may call them on the thread that sends them
+    instead of handing them to the actor's thread.
+    That thread is the supervisor's, which may be a caller's that claimed it (a serving frontend,
+    vLLM's scheduler).
+    An inline call is still one call at a time with every other method, after every call sent before.
+    A hook the tier does not declare in :attr:`hooks` counts as inline.
+    Leave out whatever can block (a network round trip, a blocking write).
+    It would stall that thread and the primary tier.
+    That happens once at most, as a call that took longer than 0.25 s is never run inline again.
+    """
 
     hooks: ClassVar[frozenset[str]] = frozenset()
     """The optional hooks this tier implements: any of ``HOOKS``.
@@ -126,11 +131,15 @@ class SecondaryTier(abc.ABC):
         the primary pool, ``uint8`` rows ``(num_blocks, block_bytes)``, alive until
         after :meth:`shutdown`.
 
-        The tier is responsible for: keeping both (the base class does; call
-        ``super().attach``), raising ``ValueError`` for a pool it cannot use, and
-        returning promptly: ``start`` waits for it as for a constructor, so I/O
-        that may hang (a server, a network mount) belongs in the jobs, which
-        have deadlines. ``report(JobResult)`` may then be called from any thread.
+        The tier is responsible for:
+
+        * Keeping both. The base class does, so call ``super().attach``.
+        * Raising ``ValueError`` for a pool it cannot use.
+        * Returning promptly. ``start`` waits for it as for a constructor.
+          I/O that may hang (a server, a network mount) belongs in the jobs,
+          which have deadlines.
+
+        ``report(JobResult)`` may then be called from any thread.
         """
         self.pool = pool
         self._report = report
@@ -143,8 +152,11 @@ class SecondaryTier(abc.ABC):
         return int(self.pool.shape[1])
 
     def report(self, result: JobResult) -> None:
-        """Report that a job ended. Thread-safe: may be called from any thread,
-        once per job; ``RuntimeError`` before :meth:`attach`."""
+        """Report that a job ended, once per job.
+
+        Thread-safe: it may be called from any thread.
+        It raises ``RuntimeError`` before :meth:`attach`.
+        """
         if self._report is None:
             raise RuntimeError(f"tier {self.name!r} is not attached")
         self._report(result)
@@ -154,76 +166,92 @@ class SecondaryTier(abc.ABC):
         """One result per key: ``HIT`` if the tier can load it, else ``MISS``
         (or ``RETRY`` when it cannot tell now).
 
-        Preconditions: on the actor's thread (or the sender's, if inline); ``keys``
-        may repeat and may be empty.
+        Preconditions: it runs on the actor's thread (or the sender's, if inline).
+        ``keys`` may repeat and may be empty.
 
-        The tier is responsible for: answering in order, one result per key, within
-        a bound;
-        a ``HIT`` that a later load cannot serve is a failed load, never bad bytes.
+        The tier is responsible for answering in order, one result per key, within
+        a bound. A ``HIT`` that a later load cannot serve must be a failed load,
+        never bad bytes.
         """
 
     @abc.abstractmethod
     def submit_store(self, job: TransferJob) -> None:
         """Copy ``pool[job.block_ids]`` into the tier under ``job.keys``; report when done.
 
-        Preconditions: the job's request has not finished (see the class); ``job.keys``
-        and ``job.block_ids`` have one row per key; the rows stay pinned (unchanged)
-        until the job is reported (or its deadline passed and its late report came).
+        Preconditions:
 
-        The tier is responsible for: returning promptly if it names this method in
-        :attr:`inline_calls`; reporting exactly once (``successful_keys`` for a job
-        that ended per key: exactly those keys are stored); not reading the rows
-        after the report.
+        * The job's request has not finished (see the class).
+        * ``job.keys`` and ``job.block_ids`` have one row per key.
+        * The rows stay pinned (unchanged) until the job is reported, or until its
+          deadline passed and its late report came.
+
+        The tier is responsible for:
+
+        * Returning promptly if it names this method in :attr:`inline_calls`.
+        * Reporting exactly once. For a job that ended per key, ``successful_keys``
+          names exactly the keys that are stored.
+        * Not reading the rows after the report.
         """
 
     @abc.abstractmethod
     def submit_load(self, job: TransferJob) -> None:
         """Copy the tier's data for ``job.keys`` into ``pool[job.block_ids]``; report when done.
 
-        Preconditions: as :meth:`submit_store`; the rows are the tier's to write
-        until the report, and nobody reads them before it.
+        Preconditions: as :meth:`submit_store`.
+        The rows are the tier's to write until the report, and nobody reads them before it.
 
-        The tier is responsible for: reporting ``success=False`` if any key is
-        missing or fails verification:
-        the rows are then discarded, never served. A job may end per key:
-        ``JobResult(..., successful_keys=(...))`` makes only those keys' rows
-        ready; the others are discarded. A tier should also forget a key it
-        cannot load (a later ``lookup`` then says ``MISS``); the runtime backs
-        off promoting it from this tier meanwhile.
+        The tier is responsible for reporting ``success=False`` if any key is
+        missing or fails verification. The rows are then discarded, never served.
+        A job may end per key. ``JobResult(..., successful_keys=(...))`` makes only
+        those keys' rows ready, and the others are discarded.
+        A tier should also forget a key it cannot load, so that a later ``lookup``
+        says ``MISS``. The runtime backs off promoting it from this tier meanwhile.
         """
 
     def on_new_request(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
         """First sight of a request attempt.
 
-        Preconditions: before any submit for ``ctx``.
-        The tier is responsible for: returning promptly (it may run inline)."""
+        Preconditions: it comes before any submit for ``ctx``.
+
+        The tier is responsible for returning promptly, as it may run inline.
+        """
 
     def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
-        """No submit for ``ctx`` follows; reports of earlier jobs still may.
+        """No submit for ``ctx`` follows, but reports of earlier jobs still may.
 
-        Preconditions: once per attempt, after its last submit.
-        The tier is responsible for: not taking it as "persisted"; returning promptly."""
+        Preconditions: it comes once per attempt, after its last submit.
+
+        The tier is responsible for:
+
+        * Not taking it as "persisted".
+        * Returning promptly.
+        """
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:  # noqa: B027
-        """Recency hint: ``keys`` were used (present or not). Best effort: the tier
-        is responsible for not raising and, as it may run inline, for not blocking."""
+        """A recency hint that ``keys`` were used, present or not.
+
+        It is best effort. The tier is responsible for not raising.
+        As it may run inline, the tier is also responsible for not blocking.
+        """
 
     def take_events(self) -> list[OffloadingEvent]:
         """Blocks stored or removed at this tier since the last call, in order.
 
-        Preconditions: on the actor's thread, while the tier's workers may run.
-        The tier is responsible for: returning each event once (thread-safe against
-        its own workers)."""
+        Preconditions: it runs on the actor's thread, while the tier's workers may run.
+
+        The tier is responsible for returning each event once.
+        That must be thread-safe against its own workers.
+        """
         return []
 
     def drain(self, timeout: float | None) -> None:  # noqa: B027
         """Return when every submitted job has been reported, or ``timeout`` passed.
 
-        Preconditions: on the actor's thread, just before :meth:`shutdown`; no submit
-        follows. ``None`` means no bound (the runtime always passes one).
+        Preconditions: it runs on the actor's thread, just before :meth:`shutdown`.
+        No submit follows. ``None`` means no bound (the runtime always passes one).
 
-        The tier is responsible for: returning within ``timeout``; jobs still queued
-        may be reported as failed.
+        The tier is responsible for returning within ``timeout``.
+        It may report jobs still queued as failed.
         """
 
     def shutdown(self) -> None:  # noqa: B027
@@ -233,9 +261,12 @@ class SecondaryTier(abc.ABC):
         (whose timeout may have passed). No other method follows, but a second call is
         possible from a user's cleanup.
 
-        The tier is responsible for: returning within a bound of its own; reporting
-        (failed) every job still unreported by the time it returns, exactly once;
-        being idempotent.
+        The tier is responsible for:
+
+        * Returning within a bound of its own.
+        * Reporting every job still unreported by the time it returns, as failed,
+          exactly once.
+        * Being idempotent.
         """
 
     def __repr__(self) -> str:

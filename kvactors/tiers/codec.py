@@ -48,9 +48,9 @@ def encode(key: OffloadKey, payload: bytes | memoryview) -> bytes:
 def decode_header(header: bytes | memoryview) -> tuple[int, int]:
     """``(key length, payload length)`` from the first ``HEADER_SIZE`` bytes of a record.
 
-    Checks the magic only: it lets a reader size its buffer (or find a record's
-    key) before :func:`decode` verifies the whole record. Raises
-    ``CorruptRecordError`` when the header is short or the magic is wrong.
+    It checks the magic only.
+    That lets a reader size its buffer (or find a record's key) before :func:`decode` verifies the whole record.
+    Raises ``CorruptRecordError`` when the header is short or the magic is wrong.
     """
     if len(header) < HEADER_SIZE:
         raise CorruptRecordError(f"header truncated: {len(header)} bytes")
@@ -63,11 +63,11 @@ def decode_header(header: bytes | memoryview) -> tuple[int, int]:
 def verify_split(
     head: bytes | memoryview, payload: bytes | memoryview, key: OffloadKey, payload_size: int
 ) -> None:
-    """Verify a record read in two parts: ``head`` (header and key) and ``payload``.
+    """Verify a record read in two parts, ``head`` (header and key) and ``payload``.
 
-    The same checks as :func:`decode`, for readers that put the payload
-    straight into its destination buffer. Raises ``CorruptRecordError``: the
-    caller must then treat ``payload`` as garbage.
+    It makes the same checks as :func:`decode`, for readers that put the payload
+    straight into its destination buffer.
+    Raises ``CorruptRecordError``, and the caller must then treat ``payload`` as garbage.
     """
     # One header unpack, a key comparison without copying, one streaming hash:
     # this runs once per block loaded, on the bytes in place.
@@ -90,10 +90,10 @@ def verify_split(
 
 
 def decode(record: bytes | memoryview, key: OffloadKey, payload_size: int) -> memoryview:
-    """Verify ``record`` against ``key`` and the expected size; return the payload.
+    """Verify ``record`` against ``key`` and the expected size, and return the payload.
 
-    Raises ``CorruptRecordError`` on any mismatch: the caller must then treat
-    the block as missing, never serve its bytes.
+    Raises ``CorruptRecordError`` on any mismatch.
+    The caller must then treat the block as missing, and never serve its bytes.
     """
     view = memoryview(record)
     key_len, _ = decode_header(view)

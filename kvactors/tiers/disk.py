@@ -1,21 +1,24 @@
 """``DiskTier``: blocks in group files in one local directory.
 
-The file formats are :mod:`kvactors.tiers.disk_group` (``KVA3``: the blocks of one
-store in one file, written under a temporary name and renamed once complete) and,
-read only, :mod:`kvactors.tiers.disk_files` (``KVA2``: one file per block, written by
-earlier versions). The index (key -> file and slot, LRU order, bytes used) is a
-:class:`~kvactors.tiers.disk_index.DiskIndex` in memory; it is rebuilt from the
-directory when a tier is constructed, so blocks survive a restart of the process.
+The tier writes :mod:`kvactors.tiers.disk_group` files (``KVA3``).
+Such a file holds the blocks of one store.
+It is written under a temporary name and renamed once complete.
+The tier also reads, but no longer writes, :mod:`kvactors.tiers.disk_files` files (``KVA2``).
+Those hold one block per file and were written by earlier versions.
+
+The index is a :class:`~kvactors.tiers.disk_index.DiskIndex` in memory.
+It maps each key to its file and slot, and keeps the LRU order and the bytes used.
+It is rebuilt from the directory when a tier is constructed, so blocks survive a restart of the process.
 Lookups never touch the disk.
 
-Threading: the tier's methods are called on its actor's thread (or, for its
-``inline_calls``, on the thread that sends them), one at a time; the file I/O
-runs on the workers of a :class:`~kvactors.tiers.runner.JobRunner`,
-concurrently with those methods and with each other. One lock guards the
-index, the byte accounting, the pins and the event list; it is held for index
-updates and for the cheap metadata calls that must agree with the index
-(``os.replace`` of a finished file, ``os.unlink`` of a file whose last key left),
-never for reading or writing block data.
+Threading: the tier's methods are called on its actor's thread, one at a time.
+Its ``inline_calls`` may instead run on the thread that sends them.
+The file I/O runs on the workers of a :class:`~kvactors.tiers.runner.JobRunner`,
+concurrently with those methods and with each other.
+One lock guards the index, the byte accounting, the pins and the event list.
+It is held for index updates and for the cheap metadata calls that must agree with the index.
+Those are the ``os.replace`` of a finished file and the ``os.unlink`` of a file whose last key left.
+It is never held for reading or writing block data.
 """
 
 from __future__ import annotations
@@ -64,65 +67,77 @@ _SHUTDOWN_DRAIN_S = 1.0
 class DiskTier(SecondaryTier):
     """A bounded secondary tier in one directory on local disk.
 
-    ``root`` is created if missing (mode 0700; a file in its place or on its path is a
-    ``ValueError``); files are created with mode 0600.
-    Each store job (each worker's chunk of it) writes its new blocks into one
-    group file (:mod:`kvactors.tiers.disk_group`: a checksummed table of its keys,
-    then the payloads). ``capacity_bytes`` bounds the bytes of the tier's files;
-    storing past it evicts the least recently used blocks (stored, loaded, touched
-    or hit by a lookup) first, never one being loaded, and a block larger than the
-    capacity fails its store. Once attached, the tier's files (finished or being
-    written) never exceed the capacity (unless, at a restart, files it can neither
-    read nor remove hold more than that: then stores fail until room comes back,
-    and no block is evicted for room it cannot make). A file's bytes are freed when
-    its last block leaves the tier (the file is deleted then): until that, the slots
-    of blocks that left it (failed, replaced) still count, so a file kept by one
-    recently used block holds the room of all its blocks. Eviction therefore takes
-    whole files, the least recently used first (a file is as recent as its most
-    recent block): evicting a block alone would free nothing.
+    ``root`` is created if missing, with mode 0700.
+    A file in its place or on its path is a ``ValueError``.
+    Files are created with mode 0600.
 
-    ``io_workers`` threads (named ``kvactors-disk-<name>-N``; default: one more than the
-    usable CPUs, at most 4: :data:`DEFAULT_IO_WORKERS`) do the I/O; ``submit_store``/``submit_load``
-    return at once and every job is reported exactly once, from a worker (or from
-    the thread that shut the tier down, for a job cancelled by :meth:`shutdown`).
-    ``fsync=True`` makes a store durable before it is reported (the file and the
-    directory entry are synced); the default leaves that to the OS, which survives
-    a crash of the process but not of the machine.
+    Each store job writes its new blocks into one group file per worker's chunk of it.
+    A group file (:mod:`kvactors.tiers.disk_group`) holds a checksummed table of its keys, then the payloads.
 
-    A new tier on the same ``root`` finds the blocks stored before (recency
-    then follows the files' modification times), in group files and in the
-    one-file-per-block ``KVA2`` files of earlier versions; files that are not
-    valid (a table that fails its checksum or disagrees with the file's size, a
-    temporary file left by a crash) are deleted. A file it cannot read at all
-    (``EIO``, ``EACCES``) is left alone, unindexed, and its bytes count against the
-    capacity. A restart with a smaller capacity evicts at :meth:`attach`, once the
-    blocks of another size are gone. A block dropped from a file that still held
-    other blocks may reappear after a restart (its bytes are still there; they are
-    verified when loaded, as always, so a bad one fails again and leaves). Names
-    sort in the order files were made, so of two copies of a block the newer one
-    wins, even when both files carry one modification time. A block whose bytes
-    are missing, short or fail their checksum fails the load and is removed from
-    the tier: a later lookup is a miss, and bad bytes are never reported as a
-    success. So does a block whose read fails for any other reason (an I/O error,
-    a directory or a symlink where its file was, a file it may not open, a file
-    whose table changed); the other blocks of the same file still load if their
-    own bytes verify.
+    ``capacity_bytes`` bounds the bytes of the tier's files.
+    Storing past it evicts the least recently used blocks first.
+    A block counts as used when it is stored, loaded, touched or hit by a lookup.
+    A block being loaded is never evicted.
+    A block larger than the capacity fails its store.
+    Once attached, the tier's files (finished or being written) never exceed the capacity.
+    The exception is a restart where files the tier can neither read nor remove hold more than that.
+    Stores then fail until room comes back, and no block is evicted for room it cannot make.
 
-    Jobs end per key: a key that fails (its read or write, or the directory
-    sync of ``fsync=True``) fails alone, the job's other keys are still done,
-    and the report names the keys that succeeded (``JobResult.successful_keys``).
-    After a store, exactly the keys reported successful are in the tier: a
-    store larger than the room fails the keys it evicted itself to store its
-    others. A store whose directory sync fails takes out only the blocks it
-    wrote (a block another job stored meanwhile is that job's and stays).
+    A file's bytes are freed when its last block leaves the tier, which deletes the file.
+    Until then, the slots of blocks that left it (failed, replaced) still count.
+    So a file kept by one recently used block holds the room of all its blocks.
+    Eviction therefore takes whole files, the least recently used first, because evicting a block alone would free
+    nothing.
+    A file is as recent as its most recent block.
 
-    One live tier per directory: two tiers (or processes) sharing a root keep
-    separate indexes and would evict and clean up each other's files.
+    ``io_workers`` threads do the I/O.
+    They are named ``kvactors-disk-<name>-N``.
+    The default is one more than the usable CPUs, at most 4 (:data:`DEFAULT_IO_WORKERS`).
+    ``submit_store`` and ``submit_load`` return at once.
+    Every job is reported exactly once, from a worker.
+    A job cancelled by :meth:`shutdown` is reported from the thread that shut the tier down.
+    ``fsync=True`` makes a store durable before it is reported, by syncing the file and the directory entry.
+    The default leaves that to the OS, which survives a crash of the process but not of the machine.
 
-    Events: ``take_events`` returns the keys stored (``removed=False``) and
-    removed (evicted or dropped as corrupt, ``removed=True``) since the last
-    call, in the order they happened. Blocks found or discarded when a tier
-    opens its directory produce no events.
+    A new tier on the same ``root`` finds the blocks stored before.
+    It reads both group files and the one-file-per-block ``KVA2`` files of earlier versions.
+    Recency then follows the files' modification times.
+    Files that are not valid are deleted.
+    Those are a file whose table fails its checksum or disagrees with the file's size, and a temporary file left by a
+    crash.
+    A file the tier cannot read at all (``EIO``, ``EACCES``) is left alone, unindexed.
+    Its bytes count against the capacity.
+    A restart with a smaller capacity evicts at :meth:`attach`, once the blocks of another size are gone.
+    A block dropped from a file that still held other blocks may reappear after a restart, because its bytes are still
+    there.
+    Its bytes are verified when loaded, as always, so a bad one fails again and leaves.
+    Names sort in the order files were made.
+    So of two copies of a block the newer one wins, even when both files carry one modification time.
+
+    A block whose bytes are missing, short or fail their checksum fails the load and is removed from the tier.
+    A later lookup is then a miss, and bad bytes are never reported as a success.
+    A block whose read fails for any other reason is removed too.
+    Such reasons are an I/O error, a directory or a symlink where its file was, a file it may not open, and a file whose
+    table changed.
+    The other blocks of the same file still load if their own bytes verify.
+
+    Jobs end per key.
+    A key that fails fails alone, and the job's other keys are still done.
+    A key fails when its read or write fails, or when the directory sync of ``fsync=True`` fails.
+    The report names the keys that succeeded (``JobResult.successful_keys``).
+    After a store, exactly the keys reported successful are in the tier.
+    A store larger than the room fails the keys it evicted itself to store its others.
+    A store whose directory sync fails takes out only the blocks it wrote.
+    A block another job stored meanwhile is that job's and stays.
+
+    Keep one live tier per directory.
+    Two tiers (or processes) sharing a root keep separate indexes.
+    They would evict and clean up each other's files.
+
+    Events: ``take_events`` returns the keys stored and removed since the last call, in the order they happened.
+    A stored key has ``removed=False``.
+    A key evicted or dropped as corrupt has ``removed=True``.
+    Blocks found or discarded when a tier opens its directory produce no events.
     """
 
     # The index is in memory, and submits hand their I/O to the workers.
@@ -177,8 +192,12 @@ class DiskTier(SecondaryTier):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the tier's files: those holding blocks, and those that could not be removed
-        yet (tried again before the next eviction). Files being written are not included."""
+        """Bytes of the tier's files.
+
+        These are the files holding blocks, and those that could not be removed yet.
+        The tier tries those again before the next eviction.
+        Files being written are not included.
+        """
         with self._lock:
             return self._index.used
 
@@ -192,10 +211,11 @@ class DiskTier(SecondaryTier):
             return key in self._index
 
     def locate(self, key: OffloadKey) -> tuple[str, int, int] | None:
-        """Diagnostics (and tests): ``(path, offset, length)`` of ``key``'s payload, or None.
+        """``(path, offset, length)`` of ``key``'s payload, or None, for diagnostics and tests.
 
-        The file may hold other blocks too; its format follows from its suffix
-        (``GROUP_SUFFIX``: a group file, ``SUFFIX``: a ``KVA2`` record).
+        The file may hold other blocks too.
+        Its format follows from its suffix.
+        ``GROUP_SUFFIX`` marks a group file, and ``SUFFIX`` marks a ``KVA2`` record.
         """
         with self._lock:
             slot = self._index.get(key)
@@ -209,7 +229,7 @@ class DiskTier(SecondaryTier):
     # ------------------------------------------------------------- restart
 
     def _scan(self) -> None:
-        """Rebuild the index from the directory (constructor only: no other thread yet)."""
+        """Rebuild the index from the directory. Only the constructor calls it, so no other thread runs yet."""
         found, discarded, unreadable, undeleted = scan(self.root, self._unlink_quietly)
         for file, entries in found:  # oldest first: a key in two files ends in the newer one
             if not self._index.add(file, entries, replace=True) and not self._unlink_quietly(file.name):
@@ -227,7 +247,10 @@ class DiskTier(SecondaryTier):
         )
 
     def _unlink_quietly(self, fname: str) -> bool:
-        """Remove a file of the tier; whether it is gone (a failure is logged, not raised)."""
+        """Remove a file of the tier, and return whether it is gone.
+
+        A failure is logged, not raised.
+        """
         try:
             os.unlink(self._path(fname))
         except (FileNotFoundError, NotADirectoryError):
@@ -240,7 +263,7 @@ class DiskTier(SecondaryTier):
     # ------------------------------------------------------------ tier API
 
     def attach(self, pool: torch.Tensor, report: ReportFn) -> None:
-        """Attach to the primary pool; blocks of another block size are deleted."""
+        """Attach to the primary pool. Blocks of another block size are deleted."""
         if pool.device.type != "cpu" or pool.dtype != torch.uint8 or pool.dim() != 2:
             raise ValueError(f"DiskTier needs a 2-D uint8 CPU pool, got {pool.dtype} {tuple(pool.shape)} "
                              f"on {pool.device}")
@@ -275,24 +298,24 @@ class DiskTier(SecondaryTier):
                 self._index.touch(key)
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Keys stored and removed since the last call, in order; thread-safe."""
+        """Keys stored and removed since the last call, in order. Thread-safe."""
         with self._lock:
             return self._events.take()
 
     def submit_store(self, job: TransferJob) -> None:
-        """Write ``pool[job.block_ids]`` under ``job.keys`` on the workers; returns at once.
+        """Write ``pool[job.block_ids]`` under ``job.keys`` on the workers. Returns at once.
 
-        Keys already present are not rewritten (their recency is refreshed).
-        Each key succeeds when it is in the tier; the report names them.
+        Keys already present are not rewritten, and their recency is refreshed.
+        Each key succeeds when it is in the tier, and the report names those keys.
         """
         self._submit(job, load=False)
 
     def submit_load(self, job: TransferJob) -> None:
-        """Read and verify ``job.keys`` into ``pool[job.block_ids]`` on the workers; returns at once.
+        """Read and verify ``job.keys`` into ``pool[job.block_ids]`` on the workers. Returns at once.
 
-        The keys are protected from eviction until their read ends. A key that
-        is missing, cannot be read or fails verification fails alone (the
-        others still load; the report names them) and leaves the tier.
+        The keys are protected from eviction until their read ends.
+        A key that is missing, cannot be read or fails verification fails alone, and leaves the tier.
+        The others still load, and the report names them.
         """
         self._submit(job, load=True)
 
@@ -303,10 +326,11 @@ class DiskTier(SecondaryTier):
     def shutdown(self) -> None:
         """Let submitted jobs finish for up to a second, then stop the workers.
 
-        Jobs still queued then are reported failed (from this thread), jobs running
-        finish and are reported; when this returns no worker runs and every job
-        has been reported. A job submitted afterwards is reported failed at
-        once. Idempotent.
+        Jobs still queued then are reported failed, from this thread.
+        Jobs running finish and are reported.
+        When this returns, no worker runs and every job has been reported.
+        A job submitted afterwards is reported failed at once.
+        Idempotent.
         """
         self._runner.shutdown(_SHUTDOWN_DRAIN_S)
 
@@ -357,11 +381,12 @@ class DiskTier(SecondaryTier):
     # --------------------------------------------------------------- store
 
     def _store_chunk(self, job: TransferJob, lo: int, hi: int, evicted_here: set[OffloadKey]) -> dict[int, str]:
-        """Store keys ``lo:hi`` of the job in one group file (or a few: see ``plan_groups``).
+        """Store keys ``lo:hi`` of the job in one group file, or a few (see ``plan_groups``).
 
         A group whose write fails is retried one key per file, so that a key fails alone.
-        The keys evicted to make room are added to ``evicted_here`` (the job's, shared by
-        its chunks). Returns the failed positions.
+        The keys evicted to make room are added to ``evicted_here``.
+        That set is the job's, shared by its chunks.
+        Returns the failed positions.
         """
         keys = job.keys
         new: list[int] = []
@@ -405,10 +430,13 @@ class DiskTier(SecondaryTier):
         return failed
 
     def _fail_self_evicted(self, job: TransferJob, evicted_here: set[OffloadKey], failed: dict[int, str]) -> None:
-        """Once every chunk of a store ended: a job larger than the room evicts its own keys
-        (one chunk's, to store another's) to store its later ones; those are not in the tier
-        because of this store, so they are not reported stored. (A key another job evicts
-        afterwards was stored: that is a cache at work.)"""
+        """Fail the keys that a store evicted itself, once every chunk of the store ended.
+
+        A job larger than the room evicts its own keys (one chunk's, to store another's) to store its later ones.
+        Those keys are not in the tier because of this store, so they are not reported stored.
+        A key another job evicts afterwards was stored.
+        That is a cache at work.
+        """
         keys = job.keys
         with self._lock:
             for i, key in enumerate(keys):
@@ -418,11 +446,11 @@ class DiskTier(SecondaryTier):
 
     def _store_group(self, job: TransferJob, positions: list[int],
                      evicted_here: set[OffloadKey] | None = None) -> DiskFile | None:
-        """Write the keys at ``positions`` into one new file; raises if they are not stored.
+        """Write the keys at ``positions`` into one new file. Raises if they are not stored.
 
-        Each key is then in the tier: in this file, or in another job's that won the race.
-        Returns the new file, or ``None`` when every key was another job's. The keys evicted
-        to make room are added to ``evicted_here``.
+        Each key is then in the tier, in this file or in the file of another job that won the race.
+        Returns the new file, or ``None`` when every key was another job's.
+        The keys evicted to make room are added to ``evicted_here``.
         """
         keys = [job.keys[i] for i in positions]
         views = [self._row(job.block_ids[i]) for i in positions]  # zero-copy views of the pinned rows
@@ -462,8 +490,11 @@ class DiskTier(SecondaryTier):
     # ---------------------------------------------------------------- load
 
     def _load_chunk(self, job: TransferJob, lo: int, hi: int) -> dict[int, str]:
-        """Read and verify keys ``lo:hi`` into their rows, one ``open`` per file. A key that fails
-        leaves the tier (its file goes with its last key); returns the failed positions."""
+        """Read and verify keys ``lo:hi`` into their rows, one ``open`` per file.
+
+        A key that fails leaves the tier, and its file goes with its last key.
+        Returns the failed positions.
+        """
         failed: dict[int, str] = {}
         by_file: dict[DiskFile, list[Item]] = {}
         keys, rows = job.keys, job.block_ids
@@ -495,7 +526,7 @@ class DiskTier(SecondaryTier):
         return failed
 
     def _buffer(self, size: int) -> memoryview:
-        """This worker's header buffer, reused across reads: no allocation per block."""
+        """This worker's header buffer, reused across reads so that no block needs an allocation."""
         buf: bytearray | None = getattr(self._tls, "buf", None)
         if buf is None or len(buf) < size:
             buf = bytearray(size)

@@ -1,15 +1,16 @@
 """The ``KVA2`` block files of :class:`~kvactors.tiers.disk.DiskTier`, and its shared file helpers.
 
-Versions before group files (:mod:`kvactors.tiers.disk_group`) wrote one file per
-block, named after its key (``<key hex>.kvb``, or ``h-<blake2b of key>.kvb`` when
-the hex name would be too long), holding one record of :mod:`kvactors.tiers.codec`
-(header, key, payload, XXH3-64 checksum). A tier still finds and reads them (a
-directory survives an upgrade); it no longer writes them. Files appear under their
-final name only once complete (temporary file plus ``os.replace``), so a crash
-leaves either the whole file or a ``.tmp-*`` file that the next tier opening the
-directory deletes.
+Versions before group files (:mod:`kvactors.tiers.disk_group`) wrote one file per block.
+The file is named after its key: ``<key hex>.kvb``, or ``h-<blake2b of key>.kvb`` when
+the hex name would be too long.
+It holds one record of :mod:`kvactors.tiers.codec` (header, key, payload, XXH3-64 checksum).
+A tier still finds and reads them, so a directory survives an upgrade.
+It no longer writes them.
+Files appear under their final name only once complete (temporary file plus ``os.replace``).
+So a crash leaves either the whole file or a ``.tmp-*`` file.
+The next tier opening the directory deletes such a file.
 
-Plain functions on file descriptors and paths: no state, no locks; thread-safe.
+Plain functions on file descriptors and paths, with no state and no locks. Thread-safe.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class DiskTierError(RuntimeError):
 
 
 def file_name(key: OffloadKey) -> str:
-    """The name of the file that holds ``key``: hex of the key, or a hash of it.
+    """The name of the file that holds ``key``, made of the hex of the key or a hash of it.
 
     Only ``[0-9a-f]`` and ``h-`` appear, so no key can steer the path out of
     the tier's directory.
@@ -52,7 +53,7 @@ def file_name(key: OffloadKey) -> str:
 
 
 def describe(exc: BaseException) -> str:
-    """A one-line error for a JobResult: the errno name and the file for OS errors."""
+    """A one-line error for a JobResult. For OS errors it names the errno and the file."""
     if isinstance(exc, OSError) and exc.errno is not None:
         code = errno.errorcode.get(exc.errno, str(exc.errno))
         where = f": {exc.filename}" if exc.filename else ""
@@ -61,11 +62,12 @@ def describe(exc: BaseException) -> str:
 
 
 def open_to_read(path: str) -> int:
-    """A descriptor of the regular file ``path``, opened to read; never waits.
+    """A descriptor of the regular file ``path``, opened to read. Never waits.
 
-    A symlink (``O_NOFOLLOW``), a FIFO, a device or a socket where a tier file was is
-    an ``OSError`` (``EINVAL`` once opened, as an unreadable file), never a wait or a
-    read of something else: the caller fails what it meant to read from it.
+    A symlink (``O_NOFOLLOW``), a FIFO, a device or a socket where a tier file was is an ``OSError``.
+    Once opened, such a file raises ``EINVAL``, as an unreadable file does.
+    It is never a wait or a read of something else.
+    The caller fails what it meant to read from it.
     """
     fd = os.open(path, _OPEN_READ)
     try:
@@ -96,12 +98,14 @@ def read_key(path: str, fname: str, size: int) -> OffloadKey | None:
 
 
 def read_record_into(path: str, key: OffloadKey, head: memoryview, row: memoryview) -> None:
-    """Read ``key``'s record at ``path`` into ``row`` (the payload) and ``head`` (a scratch
-    buffer of ``HEADER_SIZE + len(key) + 1`` bytes), and verify it.
+    """Read ``key``'s record at ``path`` into ``row`` and ``head``, and verify it.
 
-    Straight into the pool row, checked there: no bounce buffer, and a failed check
-    fails the job, whose rows the runtime then discards. The spare byte of ``head``
-    tells a long file without an fstat. ``CorruptRecordError`` if the record is bad.
+    ``row`` takes the payload.
+    ``head`` is a scratch buffer of ``HEADER_SIZE + len(key) + 1`` bytes.
+    The payload goes straight into the pool row and is checked there, with no bounce buffer.
+    A failed check fails the job, whose rows the runtime then discards.
+    The spare byte of ``head`` tells a long file without an fstat.
+    Raises ``CorruptRecordError`` if the record is bad.
     """
     block_bytes = row.nbytes
     head_size = codec.HEADER_SIZE + len(key)
@@ -127,10 +131,10 @@ def fsync_dir(root: str) -> None:
 
 
 def _read_full(fd: int, bufs: list[memoryview], need: int) -> int:
-    """Read ``fd`` into ``bufs`` until at least ``need`` bytes came or the file ends; the bytes read.
+    """Read ``fd`` into ``bufs`` until at least ``need`` bytes came or the file ends. Returns the bytes read.
 
-    One ``readv`` when the file holds ``need`` bytes: a spare buffer beyond
-    ``need`` catches a longer file without a second call to find the end.
+    It takes one ``readv`` when the file holds ``need`` bytes.
+    A spare buffer beyond ``need`` catches a longer file without a second call to find the end.
     """
     got = os.readv(fd, bufs)
     while got < need:

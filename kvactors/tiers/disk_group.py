@@ -8,13 +8,15 @@ Layout (format ``KVA3``, little-endian)::
     zeros  up to the data offset (a multiple of ALIGN)
     data   count payloads of block bytes each, payload i at data offset + i * block bytes
 
-The file is ``data offset + count * block bytes`` bytes long; anything else is not a
-group file. The payloads start on a page boundary, so a block whose size is a multiple
-of the page size maps onto whole page-cache pages. Each key's checksum covers the key
-and its payload: a key fails on its own bytes, the others of the file still verify.
+The file is ``data offset + count * block bytes`` bytes long.
+A file of any other length is not a group file.
+The payloads start on a page boundary.
+So a block whose size is a multiple of the page size maps onto whole page-cache pages.
+Each key's checksum covers the key and its payload.
+So a key fails on its own bytes, and the others of the file still verify.
 A file is written under a temporary name and renamed once complete.
 
-Plain functions on descriptors and paths: no state, no locks; thread-safe.
+Plain functions on descriptors and paths, with no state and no locks. Thread-safe.
 """
 
 from __future__ import annotations
@@ -79,9 +81,11 @@ def group_size(keys: Sequence[OffloadKey], block_bytes: int) -> int:
 
 def plan_groups(keys: Sequence[OffloadKey], positions: Sequence[int], block_bytes: int,
                 capacity: int) -> Iterator[list[int]]:
-    """``positions`` (of ``keys``) split, in order, into groups of at most ``MAX_KEYS`` whose
-    file (:func:`group_size`, exactly) fits ``capacity``; a single key may not (its store
-    then fails)."""
+    """``positions`` (of ``keys``) split, in order, into groups.
+
+    Each group holds at most ``MAX_KEYS`` keys, and its file (:func:`group_size`, exactly) fits ``capacity``.
+    A single key may not fit, and its store then fails.
+    """
     group: list[int] = []
     head = HEAD_BYTES  # the head, the table and its digest so far
     for i in positions:
@@ -169,9 +173,11 @@ def read_table(path: str) -> GroupTable:
 
 
 def write_group(path: str, table: GroupTable, payloads: Sequence[memoryview], *, fsync: bool) -> None:
-    """Create ``path`` (it must not exist, mode 0600): ``table``'s head, padding, then ``payloads``.
+    """Create ``path``, which must not exist, with mode 0600.
 
-    One ``writev`` of the head and the payload views (the pool rows: no copies).
+    It holds ``table``'s head, padding, then ``payloads``.
+    One ``writev`` writes the head and the payload views.
+    The views are the pool rows, so nothing is copied.
     """
     pad = table.offsets[0] - len(table.head_bytes)
     bufs: list[bytes | memoryview] = [table.head_bytes + bytes(pad), *payloads]
@@ -204,8 +210,10 @@ def _skip(bufs: Sequence[bytes | memoryview], skip: int) -> list[memoryview]:
 
 
 def read_run(fd: int, offset: int, rows: Sequence[memoryview], need: int) -> int:
-    """``preadv`` the payloads at ``offset`` (consecutive slots) into ``rows`` (``need`` bytes in
-    all); the bytes read. Fewer than ``need`` means the file ends early (it was truncated).
+    """``preadv`` the payloads at ``offset`` (consecutive slots) into ``rows``. Returns the bytes read.
+
+    ``rows`` take ``need`` bytes in all.
+    Fewer than ``need`` means the file ends early, because it was truncated.
     """
     got = os.preadv(fd, rows, offset)
     while 0 < got < need:  # short read: go on, from where it stopped

@@ -1,15 +1,18 @@
 """The index of a :class:`~kvactors.tiers.disk.DiskTier`: keys, files, LRU order, bytes, pins.
 
-Each key lives in one slot of one file; a file holds one or more slots (a group file)
-or exactly one (a ``KVA2`` block file of an older version). A file's bytes are counted
-from the moment it is reserved until its last live key leaves the index, when it is
-unlinked; slots whose key left (dropped, or stored by another job first) are dead and
-still count until their file goes. So eviction for room takes whole files: a key whose
-file would stay frees nothing. Each file is as recent as its most recent key (stored,
-loaded, touched or hit), and the files are kept in that order: the least recent file is
-found in O(1).
+Each key lives in one slot of one file.
+A group file holds one or more slots.
+A ``KVA2`` block file of an older version holds exactly one.
+A file's bytes are counted from the moment it is reserved until its last live key leaves the index.
+The file is unlinked then.
+Slots whose key left (dropped, or stored by another job first) are dead.
+They still count until their file goes.
+So eviction for room takes whole files, because a key whose file would stay frees nothing.
+Each file is as recent as its most recent key (stored, loaded, touched or hit).
+The files are kept in that order, so the least recent file is found in O(1).
 
-A plain class: no threads, no locks. Not thread-safe: the tier calls it under its lock.
+A plain class with no threads and no locks.
+It is not thread-safe, so the tier calls it under its lock.
 """
 
 from __future__ import annotations
@@ -22,14 +25,20 @@ from kvactors.types import OffloadKey
 
 
 class NoRoomError(RuntimeError):
-    """No room for a file: it is larger than the capacity, or the files that could go (none of
-    their keys pinned) free too little."""
+    """No room for a file.
+
+    Either the file is larger than the capacity, or the files that could go free too little.
+    A file can go when none of its keys is pinned.
+    """
 
 
 @dataclass(slots=True, eq=False)
 class DiskFile:
-    """One file of the tier. ``head`` is a group file's head and table (a reader checks that the
-    file still begins with it); empty for a ``KVA2`` block file (``legacy``)."""
+    """One file of the tier.
+
+    ``head`` is a group file's head and table, and a reader checks that the file still begins with it.
+    It is empty for a ``KVA2`` block file (``legacy``).
+    """
 
     name: str
     size: int
@@ -41,8 +50,11 @@ class DiskFile:
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """Where a key's payload is: its file, the payload's offset, the XXH3-64 of key and payload
-    (0 for a ``KVA2`` file, whose record carries its own)."""
+    """Where a key's payload is: its file, the payload's offset and a checksum.
+
+    The checksum is the XXH3-64 of key and payload.
+    It is 0 for a ``KVA2`` file, whose record carries its own.
+    """
 
     file: DiskFile
     offset: int
@@ -56,12 +68,12 @@ Entry = tuple[OffloadKey, int, int]
 class DiskIndex:
     """Keys -> slots, files in LRU order (least recent first), the bytes of the files, the pins.
 
-    ``unlink(name)`` is called for each file whose last key leaves, at that moment, and says
-    whether the file is gone; its bytes stop counting only then. A file that could not be
-    removed (EBUSY, EPERM, ...) keeps counting and is tried again before the next eviction,
-    so the files on disk never exceed ``capacity``, which bounds ``used + reserved``.
-    Files the tier keeps but cannot read (:meth:`keep_unreadable`) count too, and are never
-    unlinked.
+    ``unlink(name)`` is called for each file whose last key leaves, at that moment.
+    It says whether the file is gone, and the file's bytes stop counting only then.
+    A file that could not be removed (EBUSY, EPERM, ...) keeps counting.
+    It is tried again before the next eviction.
+    So the files on disk never exceed ``capacity``, which bounds ``used + reserved``.
+    Files the tier keeps but cannot read (:meth:`keep_unreadable`) count too, and are never unlinked.
     """
 
     def __init__(self, capacity: int, unlink: Callable[[str], bool]) -> None:
@@ -85,7 +97,7 @@ class DiskIndex:
         return self._slots.get(key)
 
     def touch(self, key: OffloadKey) -> bool:
-        """Make ``key`` (so its file) the most recent; whether it is present."""
+        """Make ``key``, and so its file, the most recent. Returns whether it is present."""
         slot = self._slots.get(key)
         if slot is None:
             return False
@@ -100,12 +112,13 @@ class DiskIndex:
 
     def add(self, file: DiskFile, entries: Iterable[Entry], *, reserved: int = 0,
             replace: bool = False) -> list[OffloadKey]:
-        """Index ``file`` (the most recent now) with the keys of ``entries``; the keys indexed.
+        """Index ``file`` (the most recent now) with the keys of ``entries``. Returns the keys indexed.
 
-        A key already present keeps its slot (``replace=False``: another job stored it first)
-        or moves here (``replace=True``: a restart, files oldest first). ``reserved`` bytes
-        leave the reservation. With no key indexed, nothing else changes (the caller removes
-        the file); otherwise the file's size is counted.
+        With ``replace=False``, a key already present keeps its slot, because another job stored it first.
+        With ``replace=True``, such a key moves here, as at a restart, which adds files oldest first.
+        ``reserved`` bytes leave the reservation.
+        With no key indexed, nothing else changes, and the caller removes the file.
+        Otherwise the file's size is counted.
         """
         added: list[OffloadKey] = []
         for key, offset, checksum in entries:
@@ -124,7 +137,10 @@ class DiskIndex:
         return added
 
     def remove(self, key: OffloadKey) -> bool:
-        """Take ``key`` out; unlink its file if it was the last key there. Whether it was present."""
+        """Take ``key`` out. Returns whether it was present.
+
+        Its file is unlinked if it was the last key there.
+        """
         slot = self._slots.pop(key, None)
         if slot is None:
             return False
@@ -142,21 +158,29 @@ class DiskIndex:
             self._stuck.append((name, size))
 
     def abandon(self, name: str, size: int) -> None:
-        """A reserved file that will not be indexed (its write failed, or another job won):
-        its reservation ends, and its bytes count until it is gone from the disk."""
+        """End the reservation of a reserved file that will not be indexed.
+
+        That happens when its write failed, or another job won.
+        Its bytes count until it is gone from the disk.
+        """
         self.reserved -= size
         self.used += size
         self._drop_file(name, size)
 
     def keep_stuck(self, name: str, size: int) -> None:
-        """A file without keys that could not be removed (a restart's bad file): it counts
-        until it is gone, and is tried again before the next eviction."""
+        """Count a file without keys that could not be removed, such as a restart's bad file.
+
+        It counts until it is gone, and is tried again before the next eviction.
+        """
         self.used += size
         self._stuck.append((name, size))
 
     def keep_unreadable(self, size: int) -> None:
-        """A file of the tier that cannot be read now (a restart found it so): left on disk,
-        never unlinked here, and its bytes count against the capacity."""
+        """Count a file of the tier that cannot be read now, as a restart found it.
+
+        It is left on disk and never unlinked here.
+        Its bytes count against the capacity.
+        """
         self.unreadable += 1
         self.used += size
 
@@ -171,7 +195,7 @@ class DiskIndex:
             self._drop_file(name, size)
 
     def remove_files(self, pred: Callable[[DiskFile], bool]) -> list[OffloadKey]:
-        """Take out every key whose file matches ``pred`` (the files are unlinked); those keys."""
+        """Take out every key whose file matches ``pred``, and unlink those files. Returns those keys."""
         keys = [key for file in list(self._files) if pred(file) for key in list(file.keys)]
         for key in keys:
             self.remove(key)
@@ -200,8 +224,11 @@ class DiskIndex:
         self.reserved += size
 
     def _victims(self, need: int) -> list[DiskFile] | None:
-        """The least recent files without a pinned key that free ``need`` bytes; None if all
-        of them together free less. O(files taken + files skipped for a pin)."""
+        """The least recent files without a pinned key that free ``need`` bytes.
+
+        Returns None if all of them together free less.
+        O(files taken + files skipped for a pin).
+        """
         victims: list[DiskFile] = []
         room = 0
         pins = self._pins
@@ -219,15 +246,18 @@ class DiskIndex:
         self.reserved -= size
 
     def shrink(self) -> list[OffloadKey]:
-        """Evict whole files, least recent first, until the files fit the capacity (a restart
-        with a smaller one); the keys evicted. Files whose unlink failed are tried first."""
+        """Evict whole files, least recent first, until the files fit the capacity. Returns the keys evicted.
+
+        A restart with a smaller capacity needs this.
+        Files whose unlink failed are tried first.
+        """
         evicted: list[OffloadKey] = []
         if self._stuck:
             self._retry_stuck()
         need = self.used + self.reserved - self.capacity
         if need > 0:
-            # None: files the tier cannot read or remove hold the room; evicting every block would
-            # not make it, so none is (the blocks still load; stores fail until room comes back).
+            # None: files the tier cannot read or remove hold the room. Evicting every block would
+            # not make it, so none is evicted. The blocks still load, and stores fail until room comes back.
             for file in self._victims(need) or ():
                 for key in list(file.keys):
                     self.remove(key)
@@ -237,7 +267,7 @@ class DiskIndex:
     # -------------------------------------------------------------- pins
 
     def pin(self, keys: Iterable[OffloadKey]) -> None:
-        """Protect ``keys`` from eviction (counted: each pin needs one unpin)."""
+        """Protect ``keys`` from eviction. Pins are counted, so each pin needs one unpin."""
         self._pins.update(keys)
 
     def unpin(self, keys: Iterable[OffloadKey]) -> None:

@@ -1,9 +1,11 @@
-"""Reading the files of a :class:`~kvactors.tiers.disk.DiskTier`: its directory at a
-restart, and blocks into pool rows (group files and ``KVA2`` block files).
+"""Reading the files of a :class:`~kvactors.tiers.disk.DiskTier`.
 
-Plain functions: no state, no locks; thread-safe. Errors come back as one-line
-reasons per key (what a ``JobResult`` says), never as torn data: a key is
-reported good only once its bytes, in its row, matched its checksum.
+It scans the directory at a restart.
+It reads blocks into pool rows, from group files and ``KVA2`` block files.
+
+Plain functions, with no state and no locks. Thread-safe.
+Errors come back as one-line reasons per key, as a ``JobResult`` says them, never as torn data.
+A key is reported good only once its bytes, in its row, matched its checksum.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from kvactors.tiers.disk_index import DiskFile, Entry, Slot
 from kvactors.types import OffloadKey
 
 VERIFY_BYTES = 2 << 20
-"""A load reads at most this many bytes per ``preadv`` (at least one block) and verifies them
-at once: the bytes are still in the core's cache, and each ``preadv`` gives up the GIL and takes
-it back, which the tier's other workers contend for (fewer, larger reads: docs/performance.md)."""
+"""A load reads at most this many bytes per ``preadv`` (at least one block), and verifies them at once.
+
+The bytes are then still in the core's cache.
+Each ``preadv`` gives up the GIL and takes it back, which the tier's other workers contend for.
+So reads are fewer and larger (docs/performance.md).
+"""
 
 
 Item = tuple[int, Slot, OffloadKey, memoryview]
@@ -34,7 +39,7 @@ class Scan(NamedTuple):
     files: list[tuple[DiskFile, list[Entry]]]
     """The valid files, oldest first."""
     discarded: int
-    """Bad files unlinked (or tried: see ``undeleted``); temporary ones are not counted."""
+    """Bad files unlinked, or tried (see ``undeleted``). Temporary ones are not counted."""
     unreadable: list[int]
     """The sizes of files that could not be read (0 where even the size could not be)."""
     undeleted: list[tuple[str, int]]
@@ -42,13 +47,15 @@ class Scan(NamedTuple):
 
 
 def scan(root: str, unlink: Callable[[str], bool]) -> Scan:
-    """What is in ``root``; ``unlink(name)`` removes a file and says whether it is gone.
+    """What is in ``root``. ``unlink(name)`` removes a file and says whether it is gone.
 
-    Temporary files (a crash mid-write) and files of the tier's suffixes that are not
-    valid (a group table that fails its checksum or disagrees with the file's size, a
-    ``KVA2`` record whose name, header or size disagree) are unlinked. A file that cannot
-    be read at all (``EACCES``, ``EIO``) says nothing of its content: it is left alone,
-    unindexed (a later restart may read it). Other files are left alone.
+    Temporary files, left by a crash mid-write, are unlinked.
+    So are files of the tier's suffixes that are not valid.
+    Such a file is a group table that fails its checksum or disagrees with the file's size,
+    or a ``KVA2`` record whose name, header or size disagree.
+    A file that cannot be read at all (``EACCES``, ``EIO``) says nothing of its content.
+    It is left alone, unindexed, and a later restart may read it.
+    Other files are left alone.
     """
     found: list[tuple[int, str, DiskFile, list[Entry]]] = []
     unreadable: list[int] = []
@@ -114,11 +121,12 @@ def _open_legacy(path: str, fname: str, size: int) -> tuple[DiskFile, list[Entry
 
 
 def load_group(path: str, file: DiskFile, items: list[Item]) -> dict[int, str]:
-    """Read and verify ``items`` (slots of the group ``file`` at ``path``) into their rows:
-    one ``open``; the failed positions and why.
+    """Read and verify ``items`` into their rows, with one ``open``. Returns the failed positions and why.
 
-    The file must still begin with the head it was indexed with and be no longer than
-    it was written; a file cut short fails the keys past the cut only.
+    ``items`` are slots of the group ``file`` at ``path``.
+    The file must still begin with the head it was indexed with.
+    It must be no longer than it was written.
+    A file cut short fails the keys past the cut only.
     """
     try:
         fd = open_to_read(path)
@@ -175,8 +183,10 @@ def _read_verify(fd: int, file: DiskFile, run: Sequence[Item], failed: dict[int,
 
 
 def load_legacy(path: str, name: str, key: OffloadKey, head: memoryview, row: memoryview) -> str | None:
-    """Read and verify the ``KVA2`` record of ``key`` at ``path`` into ``row`` (``head``: a scratch
-    buffer of ``HEADER_SIZE + len(key) + 1`` bytes); None, or why it failed."""
+    """Read and verify the ``KVA2`` record of ``key`` at ``path`` into ``row``. Returns None, or why it failed.
+
+    ``head`` is a scratch buffer of ``HEADER_SIZE + len(key) + 1`` bytes.
+    """
     try:
         read_record_into(path, key, head, row)
     except codec.CorruptRecordError as exc:

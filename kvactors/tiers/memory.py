@@ -18,15 +18,15 @@ from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey,
 class MemoryTier(SecondaryTier):
     """Blocks copied into private tensors, at most ``capacity_blocks`` of them.
 
-    Copies run synchronously on the tier's actor thread (a memory copy is
-    fast, and it keeps this tier free of threads), so each job is reported
-    before ``submit_*`` returns. The least recently stored, loaded, looked-up
-    or touched block is evicted first. The tier's own memory is ordinary RAM,
-    so it holds no checksums: nothing between the copy in and the copy out can
-    corrupt it that would not corrupt the pool as well.
+    Copies run synchronously on the tier's actor thread.
+    A memory copy is fast, and this keeps the tier free of threads.
+    So each job is reported before ``submit_*`` returns.
+    The least recently stored, loaded, looked-up or touched block is evicted first.
+    The tier's own memory is ordinary RAM, so it holds no checksums.
+    Nothing between the copy in and the copy out could corrupt it without corrupting the pool as well.
 
-    Threading: every method runs on the tier's actor; ``take_events`` and
-    ``stats`` may also be called from other threads (a lock guards the state).
+    Threading: every method runs on the tier's actor.
+    ``take_events`` and ``stats`` may also be called from other threads, as a lock guards the state.
     """
 
     # Dict work under a lock. Not the submits: a copy of large blocks takes a while.
@@ -60,8 +60,11 @@ class MemoryTier(SecondaryTier):
             return results
 
     def submit_store(self, job: TransferJob) -> None:
-        """Copy the rows in, key by key; a key that cannot be copied, or that its own job
-        evicts (capacity below the job's size), fails alone, and is not in the tier."""
+        """Copy the rows in, key by key.
+
+        A key that cannot be copied fails alone, and is not in the tier.
+        So does a key that its own job evicts, when the capacity is below the job's size.
+        """
         assert self.pool is not None
         stored, evicted = [], []
         failed: dict[OffloadKey, str] = {}
@@ -87,7 +90,7 @@ class MemoryTier(SecondaryTier):
         self.report(_result(job, failed))
 
     def submit_load(self, job: TransferJob) -> None:
-        """Copy the blocks present into their rows; a key no longer here fails alone."""
+        """Copy the blocks present into their rows. A key no longer here fails alone."""
         assert self.pool is not None
         failed: dict[OffloadKey, str] = {}
         with self._lock:

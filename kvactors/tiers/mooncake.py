@@ -1,5 +1,7 @@
-"""``MooncakeTier``: a secondary tier on a Mooncake Store (kvcache-ai/Mooncake), shared by
-processes and machines."""
+"""``MooncakeTier``: a secondary tier on a Mooncake Store (kvcache-ai/Mooncake).
+
+The store is shared by processes and machines.
+"""
 
 from __future__ import annotations
 
@@ -44,7 +46,10 @@ BUFFER_TOO_SMALL = -600
 
 
 def _slot_bytes(keys: Sequence[OffloadKey], block_bytes: int) -> int:
-    """Bytes of a staging buffer per record: the longest header and key, the payload, rounded up to 64."""
+    """Bytes of a staging buffer per record.
+
+    That is the longest header and key plus the payload, rounded up to 64.
+    """
     return -(-(codec.HEADER_SIZE + max(len(k) for k in keys) + block_bytes) // 64) * 64
 
 LANE_EXTRA_THREADS = 2
@@ -52,52 +57,66 @@ LANE_EXTRA_THREADS = 2
 
 
 class MooncakeTier(SecondaryTier):
-    """A tier on a Mooncake Store: a master (``master``, ``host:port``) that keeps the metadata
-    and clients that contribute memory segments. This process is one such client; it
-    contributes ``segment_bytes`` (0: none; then other clients must hold the data).
+    """A tier on a Mooncake Store.
+
+    The store is a master (``master``, ``host:port``) that keeps the metadata, and clients
+    that contribute memory segments.
+    This process is one such client.
+    It contributes ``segment_bytes``.
+    With 0 it contributes none, and other clients must then hold the data.
 
     Keys and records
-        A block ``key`` is stored as the object ``namespace + ":" + key.hex()``; its value is a
-        :mod:`kvactors.tiers.codec` record (header, key, payload, XXH3-64 of key+payload).
-        A load verifies the record: a missing, evicted, corrupt, foreign or empty object (an
-        object whose holder died reads as empty) fails its key, never serves bytes; a record
-        of our size that fails verification is removed (one of another size is left alone).
-        Stores and loads are zero-copy batch calls with per-key codes. A store is one
-        ``batch_put_from_multi_buffers``: each header from a registered staging buffer of the
-        lane thread, each payload straight from its (registered, pinned) row; a row reused
-        while a call that ran past its deadline still reads it makes a record that fails its
-        checksum: a miss. A load is one ``batch_get_into`` into the staging buffer; each
-        record is verified there and copied into its row under the job's lock, only if the
-        job has not been reported: a load abandoned at its deadline never writes into rows
-        that were given back. Jobs end per key. ``put`` of a key the store already holds
-        keeps the old record.
+        A block ``key`` is stored as the object ``namespace + ":" + key.hex()``.
+        Its value is a :mod:`kvactors.tiers.codec` record: header, key, payload, and the XXH3-64 of key+payload.
+        A load verifies the record.
+        A missing, evicted, corrupt, foreign or empty object fails its key and never serves bytes.
+        An object whose holder died reads as empty.
+        A record of our size that fails verification is removed.
+        One of another size is left alone.
+        Stores and loads are zero-copy batch calls with per-key codes.
+        A store is one ``batch_put_from_multi_buffers``.
+        Each header comes from a registered staging buffer of the lane thread.
+        Each payload comes straight from its row, which is registered and pinned.
+        A row may be reused while a call that ran past its deadline still reads it.
+        The record it makes then fails its checksum, which reads as a miss.
+        A load is one ``batch_get_into`` into the staging buffer.
+        Each record is verified there.
+        It is copied into its row under the job's lock, only if the job has not been reported.
+        So a load abandoned at its deadline never writes into rows that were given back.
+        Jobs end per key.
+        ``put`` of a key the store already holds keeps the old record.
 
     Bounds
-        No Mooncake call runs on a kvactors thread: each runs on the tier's *call lane*,
-        ``io_workers + 2`` daemon threads (:class:`~kvactors.tiers.mooncake_store.CallLane`),
-        and its caller waits at most ``timeout_s``. A call past it fails its job's keys (a
-        lookup answers ``RETRY``) and is abandoned to its lane thread, which Mooncake gives
-        back after its own 30-40 s. While every lane thread is held, calls are refused at
-        once (a failed job, ``RETRY``). So a store that never answers holds at most
-        ``io_workers + 2`` threads, whatever the traffic, and the tier's ``io_workers`` job
-        threads are never held past ``timeout_s`` (plus the wait to connect, also
-        ``timeout_s``).
+        No Mooncake call runs on a kvactors thread.
+        Each runs on the tier's *call lane*, ``io_workers + 2`` daemon threads
+        (:class:`~kvactors.tiers.mooncake_store.CallLane`).
+        Its caller waits at most ``timeout_s``.
+        A call past it fails its job's keys, and a lookup answers ``RETRY``.
+        The call is abandoned to its lane thread, which Mooncake gives back after its own 30-40 s.
+        While every lane thread is held, calls are refused at once (a failed job, ``RETRY``).
+        So a store that never answers holds at most ``io_workers + 2`` threads, whatever the traffic.
+        The tier's ``io_workers`` job threads are never held past ``timeout_s``,
+        plus the wait to connect, which is also ``timeout_s``.
 
     Connecting and degraded mode
-        Constructing never contacts the store. :meth:`attach` starts connecting on a lane
-        thread; ``setup()`` is only called once the master answers a probe
-        (:func:`~kvactors.tiers.mooncake_store.master_answers`), as it retries for 90 s
-        holding the GIL against a master that does not. A call that times out or fails with
-        a connection code makes the tier check the master; if it does not answer, or this
-        client's session is gone (it restarted: every key is lost), the connection is
-        retired and, after ``retry_after_s``, a new one is set up the same way. Meanwhile
-        jobs fail at once and lookups answer ``MISS``.
+        Constructing never contacts the store.
+        :meth:`attach` starts connecting on a lane thread.
+        ``setup()`` is only called once the master answers a probe
+        (:func:`~kvactors.tiers.mooncake_store.master_answers`).
+        The reason is that ``setup()`` retries for 90 s, holding the GIL, against a master that does not answer.
+        A call that times out or fails with a connection code makes the tier check the master.
+        The connection is retired if the master does not answer.
+        It is also retired if this client's session is gone, which means the master restarted and every key is lost.
+        After ``retry_after_s``, a new connection is set up the same way.
+        Meanwhile jobs fail at once and lookups answer ``MISS``.
 
     Threading
-        As for every ``SecondaryTier``; ``submit_store``/``submit_load`` return at once (the
-        jobs run on ``io_workers`` threads named ``kvactors-mooncake-<name>-N``), ``lookup``
-        waits on the calling thread for at most ``2 * timeout_s``. Each job is reported
-        exactly once. ``take_events`` is thread-safe.
+        As for every ``SecondaryTier``.
+        ``submit_store`` and ``submit_load`` return at once.
+        The jobs run on ``io_workers`` threads named ``kvactors-mooncake-<name>-N``.
+        ``lookup`` waits on the calling thread for at most ``2 * timeout_s``.
+        Each job is reported exactly once.
+        ``take_events`` is thread-safe.
     """
 
     max_inflight_jobs = 16
@@ -161,7 +180,7 @@ class MooncakeTier(SecondaryTier):
 
     @property
     def max_stuck_threads(self) -> int:
-        """The most threads a store that never answers can hold: the call lane's."""
+        """The most threads a store that never answers can hold, which is the call lane's size."""
         return self._lane.threads
 
     def object_key(self, key: OffloadKey) -> str:
@@ -184,13 +203,18 @@ class MooncakeTier(SecondaryTier):
         self._runner.drain(timeout)
 
     def shutdown(self) -> None:
-        """Drain for up to ``timeout_s``, report every job still unreported as failed, stop the
-        lane, waiting up to ``timeout_s`` for its calls (the ones still stuck are left to their
-        daemon threads, logged), then close the connections, current and retired, if the
-        master answers. Mooncake's ``close`` holds the GIL while it unmounts this process'
-        segment (about 1-2 s with a live master, 11 s with a dead one, 60 s with a frozen one):
-        with a master that does not answer they are left open, kept referenced, to the
-        process' exit (``connections_left_open``). Idempotent."""
+        """Drain, report what is left as failed, stop the lane, then close the connections. Idempotent.
+
+        The drain lasts up to ``timeout_s``.
+        Every job still unreported is then reported as failed.
+        Stopping the lane waits up to ``timeout_s`` for its calls.
+        The calls still stuck are left to their daemon threads, and logged.
+        The connections, current and retired, are closed if the master answers.
+        Mooncake's ``close`` holds the GIL while it unmounts this process' segment.
+        That takes about 1-2 s with a live master, 11 s with a dead one, and 60 s with a frozen one.
+        So with a master that does not answer, the connections are left open and kept referenced
+        until the process' exit (``connections_left_open``).
+        """
         if self._runner.closed:
             return
         self._runner.shutdown(self.timeout_s, abandon="tier shut down")
@@ -213,11 +237,15 @@ class MooncakeTier(SecondaryTier):
     # ---------------------------------------------------------------- lookup
 
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
-        """``HIT``/``MISS`` per key from one ``batch_is_exist``, waited for at most ``timeout_s``
-        (plus as much to connect): ``RETRY`` for every key when the store does not answer in
-        time or the lane is full, ``MISS`` while the tier is degraded. Never raises. An object
-        whose holder just died may still be a ``HIT`` (for the master's ``client_ttl``): its
-        load then fails, and the key is forgotten."""
+        """``HIT`` or ``MISS`` per key from one ``batch_is_exist``.
+
+        The call is waited for at most ``timeout_s``, plus as much to connect.
+        Every key is ``RETRY`` when the store does not answer in time or the lane is full.
+        Every key is ``MISS`` while the tier is degraded.
+        Never raises.
+        An object whose holder just died may still be a ``HIT`` for the master's ``client_ttl``.
+        Its load then fails, and the key is forgotten.
+        """
         n = len(keys)
         if n == 0:
             return []
@@ -246,18 +274,24 @@ class MooncakeTier(SecondaryTier):
     # ----------------------------------------------------------------- jobs
 
     def submit_store(self, job: TransferJob) -> None:
-        """Store ``pool[job.block_ids]`` under ``job.keys`` (one ``batch_put_from_multi_buffers``
-        per chunk of at most 8 MiB); returns at once. Reports exactly once, per key."""
+        """Store ``pool[job.block_ids]`` under ``job.keys``. Returns at once.
+
+        Each chunk of at most 8 MiB is one ``batch_put_from_multi_buffers``.
+        Reports exactly once, per key.
+        """
         self._submit(job, self._store_chunk)
 
     def submit_load(self, job: TransferJob) -> None:
-        """Load ``job.keys`` into ``pool[job.block_ids]`` (``batch_get_into`` into a staging buffer,
-        each record verified); returns at once. Reports exactly once, per key:
-        a missing, evicted, unreadable or corrupt block fails its key (its row is not written)."""
+        """Load ``job.keys`` into ``pool[job.block_ids]``. Returns at once.
+
+        The records are read by ``batch_get_into`` into a staging buffer, and each is verified.
+        Reports exactly once, per key.
+        A missing, evicted, unreadable or corrupt block fails its key, and its row is not written.
+        """
         self._submit(job, self._load_chunk)
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Blocks stored or removed by this tier since the last call; thread-safe."""
+        """Blocks stored or removed by this tier since the last call. Thread-safe."""
         with self._lock:
             return self._events.take()
 
@@ -286,7 +320,7 @@ class MooncakeTier(SecondaryTier):
 
     def _run_chunk(self, chunk: Callable[[Conn, RunningJob, int, int], Outcome], state: RunningJob,
                    lo: int, hi: int) -> Outcome:
-        """On a job thread: one chunk's call on the lane, waited for at most ``timeout_s``."""
+        """Run one chunk's call on the lane and wait for it at most ``timeout_s``. Runs on a job thread."""
         conn = self._connection(wait=self.timeout_s)
         if conn is None:
             return _fail_all(lo, hi, "unavailable: store unreachable")
@@ -303,9 +337,11 @@ class MooncakeTier(SecondaryTier):
             return _fail_all(lo, hi, _describe(exc))
 
     def _store_chunk(self, conn: Conn, state: RunningJob, lo: int, hi: int) -> Outcome:
-        """On a lane thread: store keys ``lo:hi`` (each key once), one
-        ``batch_put_from_multi_buffers``: each record's header and key from this thread's
-        staging buffer, its payload straight from the pool's row (registered)."""
+        """Store keys ``lo:hi`` (each key once) with one ``batch_put_from_multi_buffers``. Runs on a lane thread.
+
+        Each record's header and key come from this thread's staging buffer.
+        Its payload comes straight from the pool's row, which is registered.
+        """
         job = state.job
         pool = self._pool_np
         block_bytes = pool.shape[1]
@@ -345,8 +381,11 @@ class MooncakeTier(SecondaryTier):
         return Outcome(events=events)
 
     def _load_chunk(self, conn: Conn, state: RunningJob, lo: int, hi: int) -> Outcome:
-        """On a lane thread: load keys ``lo:hi`` (each key once) into this thread's staging buffer
-        (one ``batch_get_into``), verify each record, copy the good ones into their rows."""
+        """Load keys ``lo:hi`` (each key once) into this thread's staging buffer. Runs on a lane thread.
+
+        One ``batch_get_into`` reads them.
+        Each record is verified, and the good ones are copied into their rows.
+        """
         job = state.job
         pool = self._pool_np
         block_bytes = pool.shape[1]
@@ -403,7 +442,7 @@ class MooncakeTier(SecondaryTier):
         return Outcome(_positions(job.keys, lo, hi, failed), "; ".join(parts), events)
 
     def _remove(self, conn: Conn, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """Remove objects that are not our records (best effort); the keys removed."""
+        """Remove objects that are not our records, best effort. Returns the keys removed."""
         try:
             codes = conn.store.batch_remove([self.object_key(k) for k in keys], True)
         except Exception as exc:
@@ -417,8 +456,11 @@ class MooncakeTier(SecondaryTier):
         return self._degraded and time.monotonic() < self._down_until
 
     def _connection(self, wait: float) -> Conn | None:
-        """The connection, or ``None`` while degraded; starts connecting when none is up and the
-        back-off is over, and waits up to ``wait`` seconds for that attempt."""
+        """The connection, or ``None`` while degraded.
+
+        It starts connecting when none is up and the back-off is over.
+        It waits up to ``wait`` seconds for that attempt.
+        """
         with self._lock:
             conn, attempt = self._conn, self._connecting
             if conn is not None:
@@ -438,7 +480,7 @@ class MooncakeTier(SecondaryTier):
             return self._conn
 
     def _connect(self, attempt: threading.Event) -> None:
-        """On a lane thread: probe the master, then set a client up."""
+        """Probe the master, then set a client up. Runs on a lane thread."""
         conn: Conn | None = None
         error: BaseException | None = None
         was_degraded = False
@@ -477,8 +519,11 @@ class MooncakeTier(SecondaryTier):
             self._log.warning("connect_failed", master=self.master, error=_describe(error or RuntimeError()))
 
     def _suspect(self, conn: Conn, why: BaseException | str) -> None:
-        """A call failed in a way the master may be behind: check it on the lane (one check at a
-        time); if it does not answer, or this client's session is gone, retire the connection."""
+        """Check the master after a call failed in a way the master may be behind.
+
+        The check runs on the lane, one check at a time.
+        If the master does not answer, or this client's session is gone, the connection is retired.
+        """
         with self._lock:
             if self._checking or self._conn is not conn:
                 return
@@ -505,8 +550,12 @@ class MooncakeTier(SecondaryTier):
                 self._checking = False
 
     def _retire(self, conn: Conn, why: str) -> None:
-        """Give the connection up. It is kept, not closed: Mooncake's ``close`` holds the GIL for
-        seconds (a minute against a frozen master); :meth:`shutdown` closes it if it can."""
+        """Give the connection up.
+
+        It is kept, not closed, because Mooncake's ``close`` holds the GIL for seconds.
+        Against a frozen master it holds it for a minute.
+        :meth:`shutdown` closes it if it can.
+        """
         with self._lock:
             if self._conn is not conn:
                 return

@@ -1,12 +1,13 @@
 """One connection of :class:`~kvactors.tiers.mooncake.MooncakeTier` to a Mooncake Store,
 and the per-thread staging buffers its zero-copy calls use.
 
-A :class:`Conn` is a ``MooncakeDistributedStore`` set up against the master, with the tier's
-pool registered (stores send the rows themselves). The tier never closes one while it runs:
+A :class:`Conn` is a ``MooncakeDistributedStore`` set up against the master.
+The tier's pool is registered with it, so that stores send the rows themselves.
+The tier never closes one while it runs.
 Mooncake's ``close`` holds the GIL for seconds (see ``MooncakeTier.shutdown``).
 
-Threading: every method may be called from any thread; the buffers of
-:func:`thread_buffers` belong to the calling thread.
+Threading: every method may be called from any thread.
+The buffers of :func:`thread_buffers` belong to the calling thread.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Conn:
 
 
 class ThreadBuffers(threading.local):
-    """Per thread: a staging area, registered with one connection."""
+    """One thread's staging area, registered with one connection."""
 
     def __init__(self) -> None:
         self.generation = -1

@@ -1,19 +1,23 @@
-"""The Mooncake Store client of :class:`~kvactors.tiers.mooncake.MooncakeTier`: a liveness
-probe of the master, connecting, and the *call lane* every store call runs on.
+"""The Mooncake Store client of :class:`~kvactors.tiers.mooncake.MooncakeTier`.
 
-Mooncake's Python API has no per-call timeout: a call to a frozen segment holder or master
-blocks 30-40 s, and ``setup()`` against a master that does not answer retries for about
-90 s holding the GIL (every thread of the process stops). So:
+It holds a liveness probe of the master, the connecting, and the *call lane* every store call runs on.
 
-* :func:`master_answers` checks, before any ``setup()``, that the master is alive: it
-  connects to the master's RPC port and sends a few bytes that are not a request; a live
-  master closes the connection at once, a frozen one (whose kernel still accepts) says
-  nothing until the timeout, a dead one refuses.
-* :class:`CallLane` runs each store call on one of a fixed number of daemon threads; the
-  caller waits at most its own timeout. A call that overruns is abandoned to its thread
-  (which returns when Mooncake gives up); while no thread of the lane is free a new call
-  is refused at once (:class:`LaneBusy`), never queued. So a store that never answers holds
-  at most ``threads`` threads, whatever the traffic.
+Mooncake's Python API has no per-call timeout.
+A call to a frozen segment holder or master blocks 30-40 s.
+``setup()`` against a master that does not answer retries for about 90 s, holding the GIL.
+Every thread of the process stops meanwhile.
+So:
+
+* :func:`master_answers` checks that the master is alive before any ``setup()``.
+  It connects to the master's RPC port and sends a few bytes that are not a request.
+  A live master closes the connection at once.
+  A frozen one, whose kernel still accepts, says nothing until the timeout.
+  A dead one refuses.
+* :class:`CallLane` runs each store call on one of a fixed number of daemon threads.
+  The caller waits at most its own timeout.
+  A call that overruns is abandoned to its thread, which returns when Mooncake gives up.
+  While no thread of the lane is free, a new call is refused at once (:class:`LaneBusy`), never queued.
+  So a store that never answers holds at most ``threads`` threads, whatever the traffic.
 
 Threading: every function and method here may be called from any thread.
 """
@@ -35,15 +39,21 @@ MIN_SEGMENT_BYTES = 16 << 20
 
 
 class LaneBusy(RuntimeError):
-    """Every thread of the lane is in a call (some of them abandoned): the call was not made."""
+    """The call was not made, because every thread of the lane is in a call.
+
+    Some of those calls may be abandoned.
+    """
 
 
 class LaneTimeout(TimeoutError):
-    """The call did not return within the caller's timeout; it goes on on its thread."""
+    """The call did not return within the caller's timeout. It goes on on its thread."""
 
 
 def parse_master(master: object) -> tuple[str, int]:
-    """``(host, port)`` from ``"host:port"``; ``ValueError`` (``TypeError`` for a non-str) otherwise."""
+    """``(host, port)`` from ``"host:port"``.
+
+    Raises ``ValueError`` otherwise, or ``TypeError`` for a non-str.
+    """
     if not isinstance(master, str):
         raise TypeError(f"master must be a 'host:port' str, got {type(master).__name__}")
     host, sep, port = master.rpartition(":")
@@ -69,10 +79,12 @@ def master_answers(host: str, port: int, timeout_s: float) -> bool:
 
 def connect(host: str, port: int, *, segment_bytes: int, local_buffer_bytes: int, local_host: str,
             timeout_s: float) -> Any:
-    """A new ``MooncakeDistributedStore`` set up against the master, or ``ConnectionError``.
+    """A new ``MooncakeDistributedStore`` set up against the master. Raises ``ConnectionError`` if it cannot.
 
-    Probes the master first (:func:`master_answers`): ``setup()`` is only called on a master
-    that answers. Blocking: call it on a lane thread."""
+    It probes the master first (:func:`master_answers`).
+    ``setup()`` is only called on a master that answers.
+    It blocks, so call it on a lane thread.
+    """
     from mooncake.store import MooncakeDistributedStore
 
     if not master_answers(host, port, timeout_s):
@@ -88,9 +100,11 @@ def connect(host: str, port: int, *, segment_bytes: int, local_buffer_bytes: int
 class CallLane:
     """``threads`` daemon threads named ``<thread_name>-N`` that run store calls (see the module).
 
-    ``call(fn, timeout)`` returns ``fn()``'s result or raises what it raised, :class:`LaneTimeout`
-    after ``timeout`` seconds, or :class:`LaneBusy` at once when no thread is free. The threads
-    are daemons: one stuck in Mooncake never holds the interpreter's exit."""
+    ``call(fn, timeout)`` returns ``fn()``'s result or raises what it raised.
+    It raises :class:`LaneTimeout` after ``timeout`` seconds.
+    It raises :class:`LaneBusy` at once when no thread is free.
+    The threads are daemons, so one stuck in Mooncake never holds the interpreter's exit.
+    """
 
     def __init__(self, *, threads: int, thread_name: str) -> None:
         self.threads = threads
@@ -111,7 +125,10 @@ class CallLane:
             return self._busy
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Start ``fn`` on a free thread; :class:`LaneBusy` if none is free or the lane is closed."""
+        """Start ``fn`` on a free thread.
+
+        Raises :class:`LaneBusy` if none is free or the lane is closed.
+        """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if self._closed:
@@ -131,8 +148,11 @@ class CallLane:
             raise LaneTimeout(f"no answer within {timeout:g} s") from exc
 
     def close(self, timeout: float) -> int:
-        """Refuse new calls and stop the threads, waiting up to ``timeout`` seconds for the calls
-        running; returns how many still run (abandoned to their daemon threads). Idempotent."""
+        """Refuse new calls and stop the threads. Idempotent.
+
+        It waits up to ``timeout`` seconds for the calls running.
+        Returns how many still run, abandoned to their daemon threads.
+        """
         with self._lock:
             already, self._closed = self._closed, True
         if not already:

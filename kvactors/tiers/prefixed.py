@@ -1,28 +1,31 @@
 """``PrefixedTier``: one namespace of keys inside a tier that others share.
 
 A tier that outlives its process or is shared (a disk root, a Redis namespace)
-holds the blocks of whoever wrote there. When the runtime's keys do not say
-which data they stand for (vLLM's block hashes do not include the model), two
-writers of different data would read each other's blocks under the same key.
-:class:`PrefixedTier` keeps each writer in its own part of the key space: every
-key going into the inner tier (lookups, jobs, touches) gets ``prefix`` in
-front, and every key coming out (a job's ``successful_keys``, events) has it
-taken off again. Keys of the inner tier without this prefix (other writers'
-blocks, seen when the tier evicts them or found at a restart) are never shown
-to the runtime: to this tier they do not exist.
+holds the blocks of whoever wrote there.
+The runtime's keys may not say which data they stand for.
+vLLM's block hashes, for one, do not include the model.
+Two writers of different data would then read each other's blocks under the same key.
+:class:`PrefixedTier` keeps each writer in its own part of the key space.
+Every key going into the inner tier (lookups, jobs, touches) gets ``prefix`` in front.
+Every key coming out (a job's ``successful_keys``, events) has it taken off again.
+Keys of the inner tier without this prefix are never shown to the runtime.
+Those are other writers' blocks, seen when the tier evicts them or found at a restart.
+To this tier they do not exist.
 
-Why a prefix on the key and not a folder or namespace per writer: it works
-the same for every tier, the custom ones too, with no change to any of them;
-the writers still share one capacity bound and one LRU order (an operator's
-``capacity_bytes`` stays the bound of the whole root, however many models
-use it); and keys stay the tier's only notion of identity, so a block of
-another writer can only be a miss. The key's end is unchanged (vLLM's keys
-end with their 4-byte group index, which code reads as ``key[-4:]``).
+Why a prefix on the key and not a folder or namespace per writer?
 
-Cost: one ``bytes`` concatenation per key going in, one ``startswith`` and slice
-per key coming out in an event or a per-key report: small against a block's copy
-and the actor messages of a job (figures: ``docs/performance.md``, "Model
-isolation").
+* It works the same for every tier, the custom ones too, with no change to any of them.
+* The writers still share one capacity bound and one LRU order.
+  An operator's ``capacity_bytes`` stays the bound of the whole root, however many models use it.
+* Keys stay the tier's only notion of identity, so a block of another writer can only be a miss.
+
+The key's end is unchanged.
+vLLM's keys end with their 4-byte group index, which code reads as ``key[-4:]``.
+
+The cost is one ``bytes`` concatenation per key going in.
+Each key coming out in an event or a per-key report costs one ``startswith`` and slice.
+That is small against a block's copy and the actor messages of a job.
+The figures are in ``docs/performance.md``, "Model isolation".
 """
 
 from __future__ import annotations
@@ -39,18 +42,18 @@ from kvactors.types import JobResult, LookupResult, OffloadingEvent, OffloadKey,
 class PrefixedTier(DelegatingTier):
     """``inner`` with ``prefix`` in front of every key it sees.
 
-    Transparent otherwise (a :class:`~kvactors.tiers.wrapper.DelegatingTier`):
-    same name, job limit, inline calls and hooks as ``inner``. ``prefix`` must be
-    non-empty ``bytes``; what it is made of is the caller's choice (a digest of
-    what the blocks' bytes depend on: see
-    :mod:`kvactors.integrations.vllm.identity`).
+    Otherwise it is transparent, as a :class:`~kvactors.tiers.wrapper.DelegatingTier`.
+    It has the same name, job limit, inline calls and hooks as ``inner``.
+    ``prefix`` must be non-empty ``bytes``.
+    What it is made of is the caller's choice.
+    A digest of what the blocks' bytes depend on fits (see :mod:`kvactors.integrations.vllm.identity`).
 
-    Reports: a job's ``successful_keys`` come back without the prefix. A key
-    in them without it, or not ``bytes`` (a tier reporting a key it was never
-    given), fails the whole job, as any report that does not fit its job does
-    (:func:`kvactors.core.outcomes.key_outcomes`): a tier that names keys it was
-    not given cannot be trusted with the others it names either, and such a key
-    is never taken for the success of a runtime key that happens to look the same.
+    Reports: a job's ``successful_keys`` come back without the prefix.
+    A key in them without the prefix, or not ``bytes``, fails the whole job.
+    Such a key means the tier reported a key it was never given.
+    Any report that does not fit its job fails it the same way (:func:`kvactors.core.outcomes.key_outcomes`).
+    A tier that names keys it was not given cannot be trusted with the others it names either.
+    And such a key is never taken for the success of a runtime key that happens to look the same.
     """
 
     def __init__(self, inner: SecondaryTier, prefix: bytes, *, max_inflight_jobs: int | None = None) -> None:
@@ -85,7 +88,7 @@ class PrefixedTier(DelegatingTier):
     # ------------------------------------------------------------- keys out
 
     def _strip(self, keys: Sequence[object]) -> tuple[OffloadKey, ...]:
-        """``keys`` of this namespace, without the prefix; the others are left out."""
+        """``keys`` of this namespace, without the prefix. The others are left out."""
         prefix, n = self.prefix, len(self.prefix)
         return tuple([key[n:] for key in keys if type(key) is bytes and key.startswith(prefix)])
 

@@ -30,77 +30,85 @@ class RedisTier(RedisJobs, SecondaryTier):
     """A tier on a Redis server, shared by any number of processes and machines.
 
     Connection
-        ``url`` is passed to ``redis.Redis.from_url``: ``redis://[[user]:password@]host:port/db``
-        for TCP, ``rediss://...`` for TLS (certificate options as query parameters,
-        e.g. ``?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem``), ``unix:///path.sock?db=0``.
-        Authentication and TLS therefore need nothing beyond the URL. Every socket
-        operation is bounded by ``timeout_s`` (connect and read/write); redis-py's own
-        retries are turned off, the tier decides what a failure means. One connection
-        pool (at most ``io_workers + 2`` connections) is shared by the tier actor's
-        thread (lookups) and ``io_workers`` I/O threads named ``kvactors-redis-<name>-N``
-        (stores, loads, touches).
+        ``url`` is passed to ``redis.Redis.from_url``.
+        TCP takes ``redis://[[user]:password@]host:port/db``.
+        TLS takes ``rediss://...``, with certificate options as query parameters,
+        e.g. ``?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem``.
+        A Unix socket takes ``unix:///path.sock?db=0``.
+        Authentication and TLS therefore need nothing beyond the URL.
+        Every socket operation (connect and read/write) is bounded by ``timeout_s``.
+        redis-py's own retries are turned off, because the tier decides what a failure means.
+        One connection pool of at most ``io_workers + 2`` connections is shared by the tier actor's thread
+        (lookups) and ``io_workers`` I/O threads named ``kvactors-redis-<name>-N`` (stores, loads, touches).
 
     Degraded mode
-        Constructing never contacts the server, so it never fails because the server
-        is down. While the server cannot be reached, jobs are reported failed
-        (``success=False``) and lookups answer ``MISS`` (``RETRY`` when the last
-        attempt timed out rather than being refused). After a connection error or a
-        timeout the tier does not try again for ``retry_after_s`` (lookups answer at
-        once, jobs fail at once), so a dead server does not cost a connect timeout on
-        every call; after that, the next call tries again and the tier recovers by
-        itself as soon as the server answers.
+        Constructing never contacts the server, so it never fails because the server is down.
+        While the server cannot be reached, jobs are reported failed (``success=False``).
+        Lookups then answer ``MISS``, or ``RETRY`` when the last attempt timed out rather than being refused.
+        After a connection error or a timeout the tier does not try again for ``retry_after_s``.
+        Meanwhile lookups answer at once and jobs fail at once.
+        So a dead server does not cost a connect timeout on every call.
+        After that, the next call tries again.
+        The tier recovers by itself as soon as the server answers.
 
     Keys
-        A block ``key`` (bytes) is stored under the Redis key
-        ``namespace + ":" + key.hex()`` (ASCII). Hex keeps ``redis-cli`` output
-        readable and makes namespaces disjoint: a block key's suffix never holds ``:``,
-        so tenants with different namespaces never see each other's blocks, whatever
-        the namespaces are. Values are :mod:`kvactors.tiers.codec` records (header,
-        key, payload, XXH3-64 checksum of key+payload); a load verifies the record, and a
-        value that cannot be read (a record that fails verification, a truncated value,
-        another Redis type at the key) fails its key and is deleted (a later lookup misses).
-        Jobs end per key: a key whose value is missing or unreadable, or whose ``SET`` the
-        server refuses, fails alone, and the report names the keys that succeeded
-        (``JobResult.successful_keys``); the events name exactly the keys stored.
+        A block ``key`` (bytes) is stored under the Redis key ``namespace + ":" + key.hex()`` (ASCII).
+        Hex keeps ``redis-cli`` output readable and makes namespaces disjoint.
+        A block key's suffix never holds ``:``.
+        So tenants with different namespaces never see each other's blocks, whatever the namespaces are.
+        Values are :mod:`kvactors.tiers.codec` records: header, key, payload, and the XXH3-64 checksum of key+payload.
+        A load verifies the record.
+        A value that cannot be read fails its key and is deleted, so a later lookup misses.
+        Such a value is a record that fails verification, a truncated value, or another Redis type at the key.
+        Jobs end per key.
+        A key whose value is missing or unreadable, or whose ``SET`` the server refuses, fails alone.
+        The report names the keys that succeeded (``JobResult.successful_keys``).
+        The events name exactly the keys stored.
 
     Capacity
-        Redis is the authority: run the server with ``maxmemory`` and
-        ``maxmemory-policy allkeys-lru`` (or ``volatile-lru``/``allkeys-lfu``) so that it
-        evicts; a block evicted by Redis is simply a ``MISS`` (or a failed load, never an
-        exception). When ``capacity_bytes`` is given, the tier additionally bounds its
-        namespace: every block stored is recorded in the sorted set
-        ``namespace + ":__lru__"`` (member: the hex key, score: wall-clock time of last
-        use, refreshed by loads and :meth:`touch`); after a store, if the set holds more
-        than ``capacity_bytes // record_size`` members, the oldest are removed together
-        with their blocks by one atomic Lua script, so any number of processes sharing
-        the namespace enforce one bound. The accounting is approximate: blocks that
-        Redis evicted on its own stay counted until they are the oldest. The tier emits
-        ``OffloadingEvent(removed=False)`` for the blocks it stores and
-        ``removed=True`` for the blocks it removes (capacity evictions, corrupt
-        records); evictions made by Redis itself are not seen.
+        Redis is the authority.
+        Run the server with ``maxmemory`` and ``maxmemory-policy allkeys-lru``
+        (or ``volatile-lru``/``allkeys-lfu``) so that it evicts.
+        A block evicted by Redis is simply a ``MISS``, or a failed load, never an exception.
+        When ``capacity_bytes`` is given, the tier additionally bounds its namespace.
+        Every block stored is recorded in the sorted set ``namespace + ":__lru__"``.
+        Its member is the hex key.
+        Its score is the wall-clock time of last use, refreshed by loads and :meth:`touch`.
+        After a store, the set may hold more than ``capacity_bytes // record_size`` members.
+        The oldest are then removed together with their blocks by one atomic Lua script.
+        So any number of processes sharing the namespace enforce one bound.
+        The accounting is approximate.
+        Blocks that Redis evicted on its own stay counted until they are the oldest.
+        The tier emits ``OffloadingEvent(removed=False)`` for the blocks it stores.
+        It emits ``removed=True`` for the blocks it removes (capacity evictions, corrupt records).
+        Evictions made by Redis itself are not seen.
 
     Cluster (``cluster=True``)
-        ``url`` names any node of a Redis Cluster (``redis://`` or ``rediss://``, database 0);
-        :mod:`kvactors.tiers.redis_cluster` keeps the topology (redis-py's ``RedisCluster``)
-        and sends one pipeline per shard, every shard written before any is read. A block is
-        stored under ``namespace:{tag}hex(key)``, the tag one of
-        :data:`~kvactors.tiers.redis_cluster.BUCKETS` hash tags spread evenly over the slots
-        (the key's bucket), so the namespace may not contain ``{``. A shard that fails (down,
-        timed out, ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN``) fails its keys only: lookups
-        answer ``MISS`` (``RETRY`` for a timeout or a moving slot), jobs end per key, an
-        unreachable value is never deleted; the failed node is skipped for ``retry_after_s``
-        and the topology re-read, so failovers and migrations heal by themselves. Degraded
-        mode (above) covers a cluster of which no node answers. ``capacity_bytes`` is split
-        over the buckets: each has its own LRU set ``namespace:{tag}__lru__`` in its slot
-        and keeps ``capacity_bytes // record_size // BUCKETS`` blocks (at least one).
+        ``url`` names any node of a Redis Cluster (``redis://`` or ``rediss://``, database 0).
+        :mod:`kvactors.tiers.redis_cluster` keeps the topology (redis-py's ``RedisCluster``).
+        It sends one pipeline per shard, and every shard is written before any is read.
+        A block is stored under ``namespace:{tag}hex(key)``.
+        The tag is the key's bucket, one of :data:`~kvactors.tiers.redis_cluster.BUCKETS` hash tags
+        spread evenly over the slots.
+        So the namespace may not contain ``{``.
+        A shard that fails fails its keys only.
+        It fails when it is down, timed out, or answers ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN``.
+        Lookups then answer ``MISS``, or ``RETRY`` for a timeout or a moving slot.
+        Jobs end per key, and an unreachable value is never deleted.
+        The failed node is skipped for ``retry_after_s``, and the topology is read again.
+        So failovers and migrations heal by themselves.
+        Degraded mode (above) covers a cluster of which no node answers.
+        ``capacity_bytes`` is split over the buckets.
+        Each bucket has its own LRU set ``namespace:{tag}__lru__`` in its slot.
+        Each keeps ``capacity_bytes // record_size // BUCKETS`` blocks, at least one.
 
     Threading
-        As for every ``SecondaryTier``, the methods are called on the tier actor's
-        thread, one at a time. ``lookup`` is synchronous there (one pipelined round
-        trip, each socket read bounded by ``timeout_s``); ``submit_store``/``submit_load``/``touch``
-        return at once and the I/O runs on the I/O threads. Each job is reported
-        exactly once, from an I/O thread (or from the calling thread when it fails
-        before reaching one), even when the worker raises or the tier shuts down.
+        As for every ``SecondaryTier``, the methods are called on the tier actor's thread, one at a time.
+        ``lookup`` is synchronous there.
+        It makes one pipelined round trip, and each socket read is bounded by ``timeout_s``.
+        ``submit_store``, ``submit_load`` and ``touch`` return at once, and the I/O runs on the I/O threads.
+        Each job is reported exactly once, even when the worker raises or the tier shuts down.
+        It is reported from an I/O thread, or from the calling thread when it fails before reaching one.
         After a job is reported the tier no longer reads or writes its pool rows.
         ``take_events`` is thread-safe.
     """
@@ -162,7 +170,7 @@ class RedisTier(RedisJobs, SecondaryTier):
         self._events = EventBuffer(name, on_overflow=warn_on_overflow(self._log))
         self._runner = JobRunner(name=name, workers=io_workers, thread_name=f"kvactors-redis-{name}",
                                  report=self.report, log=self._log, emit=self._record, on_error=self._failed)
-        # Degraded mode: no server calls before _down_until (monotonic); answer _down_answer.
+        # Degraded mode makes no server calls before _down_until (monotonic), and answers _down_answer.
         self._down_until = 0.0
         self._down_answer = LookupResult.MISS
         self._degraded = False
@@ -170,15 +178,20 @@ class RedisTier(RedisJobs, SecondaryTier):
     # ------------------------------------------------------------------ keys
 
     def redis_key(self, key: OffloadKey) -> bytes:
-        """The Redis key a block is stored under: ``namespace:`` + hex of ``key`` (on a
-        cluster ``namespace:{tag}`` + hex, the tag naming the key's bucket)."""
+        """The Redis key a block is stored under: ``namespace:`` + hex of ``key``.
+
+        On a cluster it is ``namespace:{tag}`` + hex, the tag naming the key's bucket.
+        """
         if self._cluster is not None:
             return rc.bucket_prefix(self._prefix, rc.bucket_of(key)) + key.hex().encode()
         return self._prefix + key.hex().encode()
 
     def _lru_groups(self, keys: Sequence[OffloadKey]) -> dict[bytes, tuple[bytes, list[OffloadKey]]]:
-        """``{LRU set: (key prefix of its blocks, keys)}``: the namespace's one set, or on a
-        cluster one set per bucket (in the bucket's slot, with its blocks)."""
+        """``{LRU set: (key prefix of its blocks, keys)}``.
+
+        Without a cluster, it holds the namespace's one set.
+        On a cluster, it holds one set per bucket, in the bucket's slot with its blocks.
+        """
         if self._cluster is None:
             return {self._lru_key: (self._prefix, list(keys))}
         groups: dict[bytes, tuple[bytes, list[OffloadKey]]] = {}
@@ -207,9 +220,12 @@ class RedisTier(RedisJobs, SecondaryTier):
         self._runner.drain(timeout)
 
     def shutdown(self) -> None:
-        """Drain briefly (``timeout_s``), report every job still unreported as failed
-        (exactly once: queued jobs are cancelled), close the connections and join the
-        I/O threads. Safe to call twice."""
+        """Drain briefly (``timeout_s``), then report every job still unreported as failed.
+
+        Each is reported exactly once, because queued jobs are cancelled.
+        Then close the connections and join the I/O threads.
+        Safe to call twice.
+        """
         if self._runner.closed:
             return
         self._runner.shutdown(self.timeout_s, abandon="tier shut down", interrupt=self._disconnect)
@@ -229,13 +245,14 @@ class RedisTier(RedisJobs, SecondaryTier):
     # ---------------------------------------------------------------- lookup
 
     def lookup(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
-        """``HIT``/``MISS`` per key from one pipelined round trip of ``EXISTS``.
+        """``HIT`` or ``MISS`` per key from one pipelined round trip of ``EXISTS``.
 
-        Runs on the caller's thread, each socket operation bounded by ``timeout_s``:
-        a timeout answers ``RETRY`` for every key, any other failure ``MISS``. Never
-        raises. A server that trickles its reply (a byte within each ``timeout_s``)
-        holds the call longer: the manager's ``lookup_timeout_s`` still bounds the
-        caller, and the tier is reported stuck once it stays silent past its bound.
+        Runs on the caller's thread, with each socket operation bounded by ``timeout_s``.
+        A timeout answers ``RETRY`` for every key, and any other failure ``MISS``.
+        Never raises.
+        A server that trickles its reply (a byte within each ``timeout_s``) holds the call longer.
+        The manager's ``lookup_timeout_s`` still bounds the caller.
+        The tier is reported stuck once it stays silent past its bound.
         """
         n = len(keys)
         if n == 0:
@@ -259,8 +276,11 @@ class RedisTier(RedisJobs, SecondaryTier):
         return [LookupResult.HIT if r else LookupResult.MISS for r in replies]
 
     def _lookup_shards(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> list[LookupResult]:
-        """``lookup`` on a cluster: one pipeline per shard; a shard that fails answers for its
-        keys only (``RETRY`` for a timeout or a slot that is moving, else ``MISS``)."""
+        """``lookup`` on a cluster, with one pipeline per shard.
+
+        A shard that fails answers for its keys only.
+        It answers ``RETRY`` for a timeout or a slot that is moving, else ``MISS``.
+        """
         assert self._cluster is not None
         try:
             pipe = self._cluster.pipeline()
@@ -290,8 +310,11 @@ class RedisTier(RedisJobs, SecondaryTier):
     # ---------------------------------------------------------------- touch
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        """Refresh recency (Redis ``TOUCH``, and the LRU set when ``capacity_bytes`` is
-        set) on an I/O thread. Best effort: never raises, failures are logged at debug."""
+        """Refresh recency on an I/O thread.
+
+        That is Redis ``TOUCH``, and the LRU set when ``capacity_bytes`` is set.
+        Best effort: it never raises, and failures are logged at debug.
+        """
         if not keys or self._closed or self._backing_off():
             return
         self._runner.spawn(functools.partial(self._run_touch, list(keys)))
@@ -314,22 +337,29 @@ class RedisTier(RedisJobs, SecondaryTier):
     # ----------------------------------------------------------------- jobs
 
     def submit_store(self, job: TransferJob) -> None:
-        """Store ``pool[job.block_ids]`` under ``job.keys`` (one pipeline of ``SET``; with
-        ``capacity_bytes`` a second one adds the keys stored to the LRU set) on an I/O thread;
-        returns at once. Reports exactly once. A key the server took but whose LRU entry it
-        refused (out of memory) fails and is deleted (if the server still answers: a block left
-        is logged, ``forget_failed``)."""
+        """Store ``pool[job.block_ids]`` under ``job.keys`` on an I/O thread. Returns at once.
+
+        One pipeline of ``SET`` stores them.
+        With ``capacity_bytes``, a second one adds the keys stored to the LRU set.
+        Reports exactly once.
+        The server may take a key but refuse its LRU entry (out of memory).
+        That key fails and is deleted, if the server still answers.
+        A block left behind is logged (``forget_failed``).
+        """
         self._submit(job, self._do_store)
 
     def submit_load(self, job: TransferJob) -> None:
-        """Load ``job.keys`` into ``pool[job.block_ids]`` (one pipeline of ``GET``, each
-        record verified) on an I/O thread; returns at once. Reports exactly once; a
-        missing or unreadable block fails its key (its row is not written), the others
-        still load."""
+        """Load ``job.keys`` into ``pool[job.block_ids]`` on an I/O thread. Returns at once.
+
+        One pipeline of ``GET`` reads them, and each record is verified.
+        Reports exactly once.
+        A missing or unreadable block fails its key, and its row is not written.
+        The others still load.
+        """
         self._submit(job, self._do_load)
 
     def take_events(self) -> list[OffloadingEvent]:
-        """Blocks stored or removed by this tier since the last call; thread-safe."""
+        """Blocks stored or removed by this tier since the last call. Thread-safe."""
         with self._lock:
             return self._events.take()
 
@@ -358,8 +388,10 @@ class RedisTier(RedisJobs, SecondaryTier):
         return self._degraded and time.monotonic() < self._down_until
 
     def _failed(self, exc: BaseException) -> LookupResult:
-        """Classify a failure; connection errors and timeouts start a back-off.
-        Returns the lookup answer for it."""
+        """Classify a failure. Connection errors and timeouts start a back-off.
+
+        Returns the lookup answer for it.
+        """
         if isinstance(exc, redis.TimeoutError):
             answer = LookupResult.RETRY
         elif isinstance(exc, (redis.ConnectionError, OSError)):

@@ -1,17 +1,20 @@
 """Redis Cluster plumbing for ``RedisTier(cluster=True)``: key names, topology, per-shard pipelines.
 
-redis-py's :class:`redis.cluster.RedisCluster` keeps the topology (which node
-serves which slot, discovered from ``CLUSTER SLOTS``, refreshed on demand; its
-``NodesManager`` is thread-safe) and one connection pool per node. The commands
-themselves are not sent through its ``ClusterPipeline``, whose failure handling
-does not fit a cache that must fail per shard: a node it cannot connect to
-fails the whole pipeline (every key, on every shard) after re-reading the
-topology, and a command answered ``MOVED``/``ASK`` or by a dead node is
-re-sent alone, with the client's retries and back-off, one command after the
-other. :class:`ShardPipeline` sends the same one pipeline per node (all nodes
-written, then all read, as ``ClusterPipeline`` does, so the shards work in
-parallel) and turns each failure into an exception object for the commands
-of that node only.
+redis-py's :class:`redis.cluster.RedisCluster` keeps the topology and one connection pool per node.
+The topology says which node serves which slot.
+It is discovered from ``CLUSTER SLOTS`` and refreshed on demand.
+Its ``NodesManager`` is thread-safe.
+
+The commands themselves are not sent through its ``ClusterPipeline``.
+Its failure handling does not fit a cache that must fail per shard.
+A node it cannot connect to fails the whole pipeline (every key, on every shard)
+after re-reading the topology.
+A command answered ``MOVED``/``ASK`` or by a dead node is re-sent alone,
+with the client's retries and back-off, one command after the other.
+
+:class:`ShardPipeline` sends the same one pipeline per node.
+As ``ClusterPipeline`` does, it writes all nodes and then reads all, so the shards work in parallel.
+It turns each failure into an exception object for the commands of that node only.
 """
 
 from __future__ import annotations
@@ -38,14 +41,17 @@ BUCKETS = 256
 the same number of buckets. Fixed: every process sharing a namespace must name
 a block the same way."""
 
-# Errors that say the slot is elsewhere or busy now (resharding, failover): the key
-# is neither there nor lost; a lookup answers RETRY for it.
+# Errors that say the slot is elsewhere or busy now (resharding, failover).
+# The key is neither there nor lost, so a lookup answers RETRY for it.
 TRANSIENT = (MovedError, AskError, TryAgainError, ClusterDownError, SlotNotCoveredError)
 
 
 @functools.cache
 def bucket_tags() -> tuple[bytes, ...]:
-    """``BUCKETS`` short hash tags; tag ``b`` hashes to slot ``b * 16384 // BUCKETS + 16384 // BUCKETS // 2``."""
+    """``BUCKETS`` short hash tags.
+
+    Tag ``b`` hashes to slot ``b * 16384 // BUCKETS + 16384 // BUCKETS // 2``.
+    """
     step = REDIS_CLUSTER_HASH_SLOTS // BUCKETS
     wanted = {b * step + step // 2: b for b in range(BUCKETS)}
     tags: list[bytes | None] = [None] * BUCKETS
@@ -66,24 +72,29 @@ def bucket_of(key: OffloadKey) -> int:
 
 
 def bucket_prefix(namespace_prefix: bytes, bucket: int) -> bytes:
-    """``namespace:{tag}``: what a bucket's block keys start with."""
+    """``namespace:{tag}``, which a bucket's block keys start with."""
     return namespace_prefix + b"{" + bucket_tags()[bucket] + b"}"
 
 
 class ShardUnavailableError(redis.ConnectionError):
-    """The node serving a key failed recently; it is not tried again before its back-off ends."""
+    """The node serving a key failed recently.
+
+    It is not tried again before its back-off ends.
+    """
 
 
 class ClusterClient:
     """The topology and per-node connections of one cluster, shared by a tier's threads.
 
-    Constructing contacts nothing. The first :meth:`pipeline` execution discovers the
-    cluster (``RedisCluster`` from ``url``); while no node answers, execution raises
-    ``redis.ConnectionError`` and is not tried again before ``retry_after_s``. A node
-    that fails (connection refused or lost, a timeout) is skipped for ``retry_after_s``
-    (its commands fail at once with :class:`ShardUnavailableError`), and the topology is
-    read again (``CLUSTER SLOTS``, at most once per ``retry_after_s``, by one thread while
-    the others go on with the map they have), so the tier follows a failover by itself.
+    Constructing contacts nothing.
+    The first :meth:`pipeline` execution discovers the cluster (``RedisCluster`` from ``url``).
+    While no node answers, execution raises ``redis.ConnectionError``.
+    It is then not tried again before ``retry_after_s``.
+    A node that fails (connection refused or lost, a timeout) is skipped for ``retry_after_s``.
+    Its commands fail at once with :class:`ShardUnavailableError` meanwhile.
+    The topology is then read again with ``CLUSTER SLOTS``, at most once per ``retry_after_s``.
+    One thread reads it while the others go on with the map they have.
+    So the tier follows a failover by itself.
     Thread-safe.
     """
 
@@ -185,7 +196,10 @@ class ClusterClient:
             self._refreshing.release()
 
     def close(self) -> None:
-        """Close every node's connections; later executions raise. Safe to call twice."""
+        """Close every node's connections. Safe to call twice.
+
+        Later executions raise.
+        """
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
@@ -214,14 +228,16 @@ class _NodeBatch:
 class ShardPipeline:
     """Commands for a cluster, sent as one pipeline per node.
 
-    Each command names the key that routes it (every key of a command must be in
-    one slot). :meth:`execute` returns one reply per command, in order: the raw
-    RESP reply (``bytes``, ``int``, ``None``, lists), or an exception object for a
-    command that failed: its own error reply (``MOVED``, ``ASK``, ``WRONGTYPE``,
-    ...), or the failure of its node (``ConnectionError``, ``TimeoutError``,
-    :class:`ShardUnavailableError`), which fails that node's commands only. Raises
-    ``redis.ConnectionError`` only when the cluster cannot be reached at all. Use
-    from one thread.
+    Each command names the key that routes it.
+    Every key of a command must be in one slot.
+    :meth:`execute` returns one reply per command, in order.
+    A reply is the raw RESP reply (``bytes``, ``int``, ``None``, lists),
+    or an exception object for a command that failed.
+    The exception is the command's own error reply (``MOVED``, ``ASK``, ``WRONGTYPE``, ...),
+    or the failure of its node (``ConnectionError``, ``TimeoutError``, :class:`ShardUnavailableError`).
+    A node's failure fails that node's commands only.
+    :meth:`execute` raises ``redis.ConnectionError`` only when the cluster cannot be reached at all.
+    Use from one thread.
     """
 
     def __init__(self, client: ClusterClient) -> None:

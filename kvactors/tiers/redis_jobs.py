@@ -1,10 +1,11 @@
-"""The jobs of :class:`~kvactors.tiers.redis.RedisTier`: a store's and a load's pipelines
-and what their replies mean, key by key.
+"""The jobs of :class:`~kvactors.tiers.redis.RedisTier`.
 
-``RedisJobs`` is a mixin of ``RedisTier``: its methods run on the tier's I/O workers
-(the :class:`~kvactors.tiers.runner.JobRunner`'s), one job each, concurrently with
-each other and with the tier's methods; they touch the tier's state only through
-thread-safe calls (the connection pools, ``_failed``/``_mark_up``).
+They hold a store's and a load's pipelines and what their replies mean, key by key.
+
+``RedisJobs`` is a mixin of ``RedisTier``.
+Its methods run on the tier's I/O workers (the :class:`~kvactors.tiers.runner.JobRunner`'s), one job each.
+They run concurrently with each other and with the tier's methods.
+They touch the tier's state only through thread-safe calls (the connection pools, ``_failed``/``_mark_up``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ end
 return out
 """
 
-# A key's value cannot be reached now (its shard is down, or its slot moves): a failed
-# key, not an unreadable value; deleting it would be wrong.
+# A key's value cannot be reached now, because its shard is down or its slot moves.
+# That is a failed key, not an unreadable value, and deleting it would be wrong.
 _SHARD_FAILURES = (redis.ConnectionError, redis.TimeoutError, *rc.TRANSIENT)
 
 class RedisJobs:
@@ -81,8 +82,8 @@ class RedisJobs:
         pipe = self._pipeline()
         for key, record in zip(job.keys, records, strict=True):
             pipe.set(self.redis_key(key), record)
-        # Per command: one SET refused (OOM, a read-only replica) fails that key only;
-        # on a cluster, so does a shard that cannot be reached.
+        # Replies are per command. One SET refused (OOM, a read-only replica) fails that key only.
+        # On a cluster, so does a shard that cannot be reached.
         replies = pipe.execute(raise_on_error=False)
         self._mark_up()
         failed: dict[OffloadKey, str] = {}
@@ -110,12 +111,17 @@ class RedisJobs:
 
     def _track(self, stored: list[OffloadKey], failed: dict[OffloadKey, str], limit: int,
                job_id: int) -> list[OffloadKey]:
-        """Add the keys just stored to their LRU sets and evict past ``limit`` blocks per set; the
-        keys removed. Only keys whose ``SET`` succeeded are added (a second round trip), so no set
-        counts a block that is not there. A key its set refused (OOM with ``noeviction``), or
-        that could not be added because the server went away meanwhile, would never be evicted:
-        it fails (added to ``failed``) and its delete is tried; one that fails too is logged
-        (``forget_failed``), and the block stays, valid, for the server's own policy to evict."""
+        """Add the keys just stored to their LRU sets, and evict past ``limit`` blocks per set.
+
+        Returns the keys removed.
+        Only keys whose ``SET`` succeeded are added, in a second round trip.
+        So no set counts a block that is not there.
+        A key its set refused (OOM with ``noeviction``) would never be evicted.
+        Neither would a key that could not be added because the server went away meanwhile.
+        Such a key fails (it is added to ``failed``), and its delete is tried.
+        A delete that fails too is logged (``forget_failed``).
+        The block then stays, valid, for the server's own policy to evict.
+        """
         groups = self._lru_groups(stored)
         now = time.time()
         pipe = self._pipeline()
@@ -143,9 +149,12 @@ class RedisJobs:
         return removed + (self._evict(over, job_id) if over else [])
 
     def _evict(self, over: list[tuple[bytes, bytes, int]], job_id: int) -> list[OffloadKey]:
-        """For each ``(LRU set, key prefix, count)``, remove the ``count`` least recently used
-        blocks of that set (the namespace's; on a cluster a bucket's, all of them in one
-        round trip per shard). A failure here does not fail the store that triggered it."""
+        """Remove the ``count`` least recently used blocks of each ``(LRU set, key prefix, count)``.
+
+        The set is the namespace's, or on a cluster a bucket's.
+        All of them go in one round trip per shard.
+        A failure here does not fail the store that triggered it.
+        """
         try:
             if self._cluster is None:
                 ((lru_key, prefix, count),) = over
@@ -182,8 +191,8 @@ class RedisJobs:
             now = time.time()
             for lru_key, (_, members) in self._lru_groups(job.keys).items():
                 pipe.zadd(lru_key, {key.hex(): now for key in members}, xx=True)
-        # Per command: a key holding another Redis type (WRONGTYPE) fails that key only;
-        # on a cluster, so does a shard that cannot be reached or a slot that is moving.
+        # Replies are per command. A key holding another Redis type (WRONGTYPE) fails that key only.
+        # On a cluster, so does a shard that cannot be reached or a slot that is moving.
         replies = pipe.execute(raise_on_error=False)
         self._mark_up()
         block_bytes = int(pool.shape[1])

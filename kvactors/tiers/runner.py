@@ -1,18 +1,18 @@
 """``JobRunner``: the I/O workers of a secondary tier and the reporting of its jobs.
 
-A tier hands each ``TransferJob`` to the runner with a *work* function. The runner
-splits the job's keys into contiguous chunks, runs each chunk's work on one of its
-worker threads, merges what the chunks say into one ``JobResult`` (the keys that
-succeeded in ``successful_keys``) and reports it through the tier's ``report``
-exactly once. :class:`~kvactors.tiers.disk.DiskTier` and
-:class:`~kvactors.tiers.redis.RedisTier` use it; a tier of your own may too.
+A tier hands each ``TransferJob`` to the runner with a *work* function.
+The runner splits the job's keys into contiguous chunks.
+It runs each chunk's work on one of its worker threads.
+It merges what the chunks say into one ``JobResult``, with the keys that succeeded in ``successful_keys``.
+It reports that result through the tier's ``report`` exactly once.
+:class:`~kvactors.tiers.disk.DiskTier` and :class:`~kvactors.tiers.redis.RedisTier` use it.
+A tier of your own may too.
 
-Threading: ``submit``, ``fail``, ``spawn``, ``drain`` and ``shutdown`` may be called
-from any thread (a tier calls them from its actor's thread, or from the thread an
-inline call runs on). Work functions, and the ``release`` and ``emit`` callbacks, run
-on the worker threads, and for a chunk cancelled by ``shutdown`` on the thread that
-shuts the runner down. A job is reported from the thread that ends its last chunk, or
-from the caller of ``fail``/``shutdown``.
+Threading: ``submit``, ``fail``, ``spawn``, ``drain`` and ``shutdown`` may be called from any thread.
+A tier calls them from its actor's thread, or from the thread an inline call runs on.
+Work functions, and the ``release`` and ``emit`` callbacks, run on the worker threads.
+For a chunk cancelled by ``shutdown`` they run on the thread that shuts the runner down.
+A job is reported from the thread that ends its last chunk, or from the caller of ``fail``/``shutdown``.
 """
 
 from __future__ import annotations
@@ -35,13 +35,17 @@ if TYPE_CHECKING:
 class Outcome:
     """What one chunk of a job did.
 
-    ``failed``: positions in ``job.keys`` (within the chunk) that failed, and why.
-    ``error``: the report's error when a key failed (default: ``"N of M blocks
-    failed: <first reason>"``). ``events``: recorded only if the job is reported by
-    this run (not abandoned by ``shutdown``). ``commit``: runs under the job's lock
-    just before it is reported, only if it has not been reported yet (a load's
-    copy into the pool: after a report the rows are never touched); if it raises,
-    the whole job fails.
+    ``failed``
+        The positions in ``job.keys`` (within the chunk) that failed, and why.
+    ``error``
+        The report's error when a key failed.
+        The default is ``"N of M blocks failed: <first reason>"``.
+    ``events``
+        Recorded only if the job is reported by this run, not abandoned by ``shutdown``.
+    ``commit``
+        Runs under the job's lock just before the job is reported, only if it has not been reported yet.
+        A load's copy into the pool goes here, so that the rows are never touched after a report.
+        If it raises, the whole job fails.
     """
 
     failed: Mapping[int, str] = field(default_factory=dict)
@@ -51,9 +55,12 @@ class Outcome:
 
 
 class RunningJob:
-    """A job between submission and report. ``lock`` guards ``reported`` and, for the
-    tier, every access to the job's pool rows: hold it and check ``reported`` first, and
-    the rows are never touched after the job was reported."""
+    """A job between submission and report.
+
+    ``lock`` guards ``reported``.
+    For the tier, it also guards every access to the job's pool rows.
+    Hold it and check ``reported`` first, and the rows are never touched after the job was reported.
+    """
 
     __slots__ = ("error", "events", "failed", "fatal", "job", "lock", "remaining", "reported", "settle")
 
@@ -96,10 +103,11 @@ def describe(exc: BaseException) -> str:
 class JobRunner:
     """``workers`` threads named ``<thread_name>-N`` running the jobs of one tier.
 
-    ``report`` is the tier's report function; ``log`` gets ``job_failed`` (and
-    ``report_failed``) events. ``emit(events)`` records the events of the chunks of a
-    job when it is reported. ``on_error(exc)`` sees every exception a work function
-    raised (a tier classifies it, e.g. to back off), before the job's keys fail with it.
+    ``report`` is the tier's report function.
+    ``log`` gets ``job_failed`` (and ``report_failed``) events.
+    ``emit(events)`` records the events of the chunks of a job when it is reported.
+    ``on_error(exc)`` sees every exception a work function raised, before the job's keys fail with it.
+    A tier classifies it there, e.g. to back off.
     """
 
     def __init__(
@@ -136,7 +144,7 @@ class JobRunner:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`shutdown` began: new jobs are refused."""
+        """Whether :meth:`shutdown` began. New jobs are then refused."""
         return self._closed
 
     # ------------------------------------------------------------ submitting
@@ -146,13 +154,15 @@ class JobRunner:
                settle: Callable[[dict[int, str]], None] | None = None) -> bool:
         """Run ``job`` as ``chunks`` contiguous chunks of its keys (1 to ``len(job.keys)``).
 
-        ``release(lo, hi)`` runs once per chunk when it ends (ran or cancelled), before
-        the report. ``settle(failed)`` runs once, after the last chunk ended and before
-        the report (under the job's lock, on the worker that ran the last chunk), unless
-        the whole job failed: it may add failed positions to ``failed`` (what one chunk
-        cannot see alone, e.g. a key another chunk evicted); if it raises, the job fails.
-        Returns ``False``, having done nothing, once the runner is shut down: the caller
-        then reports the job (e.g. with :meth:`fail`).
+        ``release(lo, hi)`` runs once per chunk when it ends (ran or cancelled), before the report.
+        ``settle(failed)`` runs once, after the last chunk ended and before the report,
+        unless the whole job failed.
+        It runs under the job's lock, on the worker that ran the last chunk.
+        It may add failed positions to ``failed``, for what one chunk cannot see alone
+        (e.g. a key another chunk evicted).
+        If it raises, the job fails.
+        Returns ``False``, having done nothing, once the runner is shut down.
+        The caller then reports the job, e.g. with :meth:`fail`.
         """
         n = len(job.keys)
         chunks = max(1, min(chunks, n))
@@ -175,8 +185,11 @@ class JobRunner:
         return True
 
     def spawn(self, task: Callable[[], None]) -> bool:
-        """Run ``task`` (best effort work that reports nothing) on a worker; :meth:`drain`
-        waits for it. ``False`` if it was not accepted (shut down)."""
+        """Run ``task`` on a worker. :meth:`drain` waits for it.
+
+        ``task`` is best effort work that reports nothing.
+        Returns ``False`` if it was not accepted because the runner is shut down.
+        """
         with self._lock:
             if self._closed:
                 return False
@@ -208,12 +221,13 @@ class JobRunner:
                  interrupt: Callable[[], None] | None = None) -> None:
         """Refuse new jobs, drain for up to ``timeout`` seconds, then stop the workers.
 
-        Queued chunks are cancelled (their keys fail, from this thread). ``abandon``:
-        jobs still running are reported failed with that error at once (their work's
-        results are dropped; a tier that takes this must guard its rows with
-        :attr:`RunningJob.lock`); without it they finish and are reported.
-        ``interrupt()`` runs before joining the workers (e.g. to close sockets they
-        block on). When this returns no worker runs and every job has been reported.
+        Queued chunks are cancelled, and their keys fail, from this thread.
+        With ``abandon``, jobs still running are reported failed with that error at once.
+        Their work's results are dropped.
+        A tier that passes ``abandon`` must guard its rows with :attr:`RunningJob.lock`.
+        Without ``abandon``, jobs still running finish and are reported.
+        ``interrupt()`` runs before joining the workers, e.g. to close sockets they block on.
+        When this returns, no worker runs and every job has been reported.
         Idempotent.
         """
         with self._lock:
@@ -306,7 +320,7 @@ class JobRunner:
             self._merge(running, lo, hi, outcome, raised)
 
     def _merge(self, running: RunningJob, lo: int, hi: int, outcome: Outcome, raised: str | None) -> None:
-        """Add a chunk's outcome to its job; the last chunk reports it."""
+        """Add a chunk's outcome to its job. The last chunk reports it."""
         with running.lock:
             if running.reported:
                 return
@@ -332,7 +346,10 @@ class JobRunner:
         self._finish(running.job, result, running)
 
     def _commit(self, running: RunningJob, commit: Callable[[], None]) -> None:
-        """Run a chunk's commit (caller holds ``running.lock``); a failure fails the job."""
+        """Run a chunk's commit. The caller holds ``running.lock``.
+
+        A failure fails the job.
+        """
         try:
             commit()
         except Exception as exc:

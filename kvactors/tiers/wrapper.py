@@ -1,15 +1,17 @@
 """``DelegatingTier``: the base of tier wrappers (fault injection, recording).
 
-A wrapper must be *transparent*: the runtime takes the same paths with it as
-with the tier under it. The runtime chooses its paths from what a tier
-declares: :attr:`~kvactors.tiers.base.SecondaryTier.hooks` (an
-``on_new_request`` hook makes the primary announce every request start and
-gates the tier's lookup lane on it; a ``touch`` hook makes the supervisor send
-recency hints; a hook not declared counts as inline),
+A wrapper must be *transparent*.
+The runtime must take the same paths with it as with the tier under it.
+The runtime chooses its paths from what a tier declares in
+:attr:`~kvactors.tiers.base.SecondaryTier.hooks`,
 :attr:`~kvactors.tiers.base.SecondaryTier.inline_calls` and
-:attr:`~kvactors.tiers.base.SecondaryTier.max_inflight_jobs`. A
-:class:`DelegatingTier` declares what its inner tier declares, so a wrapped
-``DiskTier`` keeps the lazy path a bare one takes.
+:attr:`~kvactors.tiers.base.SecondaryTier.max_inflight_jobs`.
+Of the hooks, ``on_new_request`` makes the primary announce every request start,
+and gates the tier's lookup lane on it.
+A ``touch`` hook makes the supervisor send recency hints.
+A hook not declared counts as inline.
+A :class:`DelegatingTier` declares what its inner tier declares.
+So a wrapped ``DiskTier`` keeps the lazy path a bare one takes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class DelegatingTier(SecondaryTier):
     Subclasses override the calls they watch or change and call ``super()`` to pass them on.
     Its ``hooks`` and ``inline_calls`` are ``inner``'s (see the module docstring).
     ``max_inflight_jobs`` overrides ``inner``'s job limit when given.
-    Threading is ``inner``'s: the wrapper adds none.
+    Threading is ``inner``'s, as the wrapper adds none.
     """
 
     def __init__(self, inner: SecondaryTier, *, max_inflight_jobs: int | None = None) -> None:

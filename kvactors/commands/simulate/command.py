@@ -1,17 +1,22 @@
 """``kvactors simulate``: a multi-threaded serving frontend on the real tiers, end to end.
 
-Frontend threads serve multi-turn conversations that share long prefixes
-through a real ``TieringManager`` (the CPU pool, a ``DiskTier``, a
-``RedisTier`` with ``--redis``) and a ``TransferEngine`` (a CPU "device"
-cache, or the CUDA device when one is present), check every onboarded block
-byte for byte, and report hit rates, throughput, finalize latency, and the
-three numbers that must be zero: contract violations, byte mismatches, leaked
-states. The workload is described in :mod:`kvactors.commands.simulate.runner`.
+Frontend threads serve multi-turn conversations that share long prefixes.
+They go through a real ``TieringManager`` and a ``TransferEngine``.
+The manager has the CPU pool, a ``DiskTier``, and a ``RedisTier`` with ``--redis``.
+The engine copies to a CPU "device" cache, or to the CUDA device when one is present.
+Every onboarded block is checked byte for byte.
+The run reports hit rates, throughput and finalize latency.
+It also reports the three numbers that must be zero: contract violations, byte mismatches and leaked states.
+The workload is described in :mod:`kvactors.commands.simulate.runner`.
 
-Exit status: 0 for a clean run, 1 if a violation, mismatch, leak, frontend
-error or a failed ``check-log`` was found, 2 for bad options, 3 if no request
-ran, 130 after Ctrl-C (the run stopped, the manager stopped, temporary files
-removed), 143 after SIGTERM (the same).
+Exit status:
+
+* 0 for a clean run.
+* 1 if a violation, mismatch, leak, frontend error or a failed ``check-log`` was found.
+* 2 for bad options.
+* 3 if no request ran.
+* 130 after Ctrl-C, once the run stopped, the manager stopped and temporary files were removed.
+* 143 after SIGTERM, the same way.
 """
 
 from __future__ import annotations
@@ -52,7 +57,10 @@ parse_size = opt.parse_size
 
 
 def _size(n: int) -> str:
-    """``65536`` -> ``64KiB``: a default as the help shows it (and ``--block-bytes`` reads it)."""
+    """``65536`` -> ``64KiB``, a default as the help shows it.
+
+    ``--block-bytes`` reads it back.
+    """
     for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
@@ -150,7 +158,10 @@ class Plan:
 
 
 def plan(args: argparse.Namespace) -> Plan:
-    """Check the combinations of options and the memory they need (raises ``OptionError``); nothing starts."""
+    """Check the combinations of options and the memory they need. Nothing starts.
+
+    Raises ``OptionError`` for a bad combination.
+    """
     from kvactors.commands.simulate.traffic import WorkloadShape
 
     block_bytes = _pick(args, "block_bytes")
@@ -197,7 +208,10 @@ def plan(args: argparse.Namespace) -> Plan:
 
 
 def _check_log(path: str) -> tuple[str, bool]:
-    """Run ``kvactors check-log`` on ``path``: (a one-line result, ok). Only an OK verdict is ok."""
+    """Run ``kvactors check-log`` on ``path``. Returns a one-line result, and whether it is ok.
+
+    Only an OK verdict is ok.
+    """
     from kvactors.commands import check_log
 
     parser = argparse.ArgumentParser(prog="kvactors check-log")
@@ -238,8 +252,9 @@ def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     created: list[str] = []
     cleanup.callback(opt.remove_created, created)  # only what is still empty: never the user's data
     own_disk = args.disk_dir is None
-    # The run's directory holds what the user did not place: the disk tier (removed at exit) and the log
-    # (kept after a run that ends, removed after an error or Ctrl-C: nothing reports where it is).
+    # The run's directory holds what the user did not place: the disk tier and the log.
+    # The disk tier is removed at exit. The log is kept after a run that ends.
+    # It is removed after an error or Ctrl-C, because nothing then reports where it is.
     run_dir = tempfile.mkdtemp(prefix="kvactors-simulate-") if own_disk or not args.event_log else ""
     keep_log: list[bool] = []
 
@@ -312,8 +327,10 @@ def _check_metrics_port() -> None:
 
 
 def _simulate(sim: Any, metrics_port: int | None = None, show_progress: bool = True) -> Any:
-    """Run with a progress bar on stderr (when it is a terminal and ``show_progress``); with
-    ``metrics_port``, serve the manager's metrics from its start to the end of the run."""
+    """Run, with a progress bar on stderr when it is a terminal and ``show_progress``.
+
+    With ``metrics_port``, the manager's metrics are served from its start to the end of the run.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -1,8 +1,9 @@
 """``SimConfig``: the settings of one ``simulate`` run, and their defaults (the one place they are written).
 
-Plain data, no torch: the ``simulate`` command's options and their help read
-the defaults from here (:data:`DEFAULTS`) while ``kvactors --help`` imports
-nothing heavy; :mod:`kvactors.commands.simulate.runner` runs a config.
+Plain data, with no torch.
+The ``simulate`` command's options and their help read the defaults from here (:data:`DEFAULTS`).
+So ``kvactors --help`` imports nothing heavy.
+:mod:`kvactors.commands.simulate.runner` runs a config.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _default_shape() -> WorkloadShape:
 class SimConfig:
     threads: int = 4
     requests: int | None = 2000
-    """Turns to serve (a preempted turn's retries count once); ``None``: until ``seconds``."""
+    """Turns to serve, where a preempted turn's retries count once. ``None`` serves until ``seconds``."""
     seconds: float | None = None
     """Stop starting turns after this long."""
     seed: int = 0

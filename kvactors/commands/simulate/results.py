@@ -1,4 +1,7 @@
-"""What a ``simulate`` run found (:class:`SimResult`); what it is given is :mod:`~kvactors.commands.simulate.config`."""
+"""What a ``simulate`` run found (:class:`SimResult`).
+
+What it is given is :mod:`~kvactors.commands.simulate.config`.
+"""
 
 from __future__ import annotations
 

@@ -102,7 +102,10 @@ class Sampler:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) by the nearest-rank method; 0.0 for no values."""
+    """The ``q``-th percentile (0..100), by the nearest-rank method.
+
+    It is 0.0 for no values.
+    """
     if not values:
         return 0.0
     ordered = sorted(values)

@@ -1,31 +1,33 @@
 """The simulated serving frontend: threads driving a real ``TieringManager`` + ``TransferEngine``.
 
-Each frontend thread serves one turn (a request) at a time, as a serving
-engine's scheduler and workers would:
+Each frontend thread serves one turn (a request) at a time, as a serving engine's scheduler and workers would.
 
-1. ``on_new_request(ctx)``, then ``lookup`` of the prompt's keys. Keys that
-   answer ``HIT_PENDING`` (being promoted from disk/Redis, or being stored by
-   another request) are looked up again every 2 ms until they are ready or
-   ``pending_wait_s`` passes: the request is deferred, as vLLM defers it. The
-   prefix is the leading run of ``HIT`` keys.
-2. ``onboard`` the prefix into the thread's device rows, and check every
-   onboarded row byte for byte against what its key must hold. A key evicted
-   between the lookup and ``prepare_load`` (``LifecycleError``, the contract's
-   answer to a load of a key not ready) is a *load race*: look up again.
-3. "Compute" the rest (write the key's deterministic bytes into the device
-   rows) and ``offload`` it in chunks, several copies in flight at once.
+1. ``on_new_request(ctx)``, then ``lookup`` of the prompt's keys.
+   Some keys answer ``HIT_PENDING``, because they are being promoted from disk/Redis or stored by another request.
+   They are looked up again every 2 ms until they are ready or ``pending_wait_s`` passes.
+   The request is deferred meanwhile, as vLLM defers it.
+   The prefix is the leading run of ``HIT`` keys.
+2. ``onboard`` the prefix into the thread's device rows.
+   Every onboarded row is checked byte for byte against what its key must hold.
+   A key may be evicted between the lookup and ``prepare_load``.
+   That raises ``LifecycleError``, the contract's answer to a load of a key not ready.
+   It is a *load race*, and the thread looks up again.
+3. "Compute" the rest, by writing the key's deterministic bytes into the device rows.
+   Then ``offload`` it in chunks, with several copies in flight at once.
 4. ``on_request_finished(ctx)`` right after the last offload is submitted,
-   while copies are still in flight (the contract allows it); then wait for
-   the offload futures before the rows are reused.
+   while copies are still in flight, as the contract allows.
+   Then wait for the offload futures before the rows are reused.
 
-Some attempts are preempted (finished with offloads in flight, then the same
-``req_id`` comes back with ``attempt + 1`` and does the turn again) and some
-are aborted (finished right after the first lookup, with promotions possibly
-in flight, or after the compute without offloading anything).
+Some attempts are preempted.
+Such an attempt finishes with offloads in flight.
+Then the same ``req_id`` comes back with ``attempt + 1`` and does the turn again.
+Some attempts are aborted.
+Such an attempt finishes right after the first lookup, with promotions possibly in flight.
+Or it finishes after the compute, without offloading anything.
 
-The device cache holds only the rows of the requests being served (one slab
-of rows per thread); there is no device-side prefix cache, so every reused
-block comes back from the CPU pool or a secondary tier.
+The device cache holds only the rows of the requests being served, one slab of rows per thread.
+There is no device-side prefix cache.
+So every reused block comes back from the CPU pool or a secondary tier.
 """
 
 from __future__ import annotations
@@ -61,12 +63,12 @@ __all__ = ["POLL_S", "WAIT_S", "SimConfig", "SimResult", "Simulation"]
 
 
 class Simulation:
-    """One run: build the tiers, the manager and the engine; serve; check; tear down.
+    """One run: build the tiers, the manager and the engine, then serve, check and tear down.
 
-    ``run()`` blocks until the run ends; ``tick`` (if given) is called on the
-    calling thread about every 0.1 s with the simulation (for a progress bar).
-    ``stop()`` (any thread) ends the run early: no new turns start, the turns
-    in progress finish.
+    ``run()`` blocks until the run ends.
+    ``tick``, if given, is called on the calling thread about every 0.1 s with the simulation, for a progress bar.
+    ``stop()`` may be called from any thread, and ends the run early.
+    No new turns start, and the turns in progress finish.
     """
 
     def __init__(self, config: SimConfig) -> None:
@@ -285,7 +287,10 @@ class Simulation:
         return now
 
     def _settle(self, ctx: ReqContext, finish_time: float, futures: list[Future[list[OffloadKey]]]) -> None:
-        """Wait for an attempt's offloads; note when the frontend was done with it."""
+        """Wait for an attempt's offloads.
+
+        Note when the frontend was done with it.
+        """
         resolved = [finish_time]
         stored = 0
         for fut in futures:
@@ -301,7 +306,10 @@ class Simulation:
         self.metrics.add(bytes_offloaded=stored * self.config.block_bytes, blocks_offloaded=stored)
 
     def _settled_lookup(self, ctx: ReqContext, keys: list[OffloadKey], results: list[LookupResult]) -> int:
-        """Wait (looking up again) while the first non-HIT key is HIT_PENDING; the length of the HIT prefix."""
+        """Look up again while the first non-HIT key is HIT_PENDING.
+
+        Returns the length of the HIT prefix.
+        """
         deadline = time.monotonic() + self.config.pending_wait_s
         n = base = 0  # results[j] answers keys[base + j]
         while True:
@@ -324,7 +332,10 @@ class Simulation:
 
     def _onboard_prefix(self, ctx: ReqContext, keys: list[OffloadKey], first: list[LookupResult],
                         rows: list[int]) -> int:
-        """Onboard the ready prefix into ``rows`` and check it; its length (0 if none)."""
+        """Onboard the ready prefix into ``rows``, and check it.
+
+        Returns its length, 0 if there is none.
+        """
         results = first
         for _ in range(3):
             n = self._settled_lookup(ctx, keys, results)

@@ -1,20 +1,20 @@
 """The simulated workload: multi-turn conversations as prefix-hash chains of blocks.
 
-Keys are chained like vLLM's prefix hashes: the key of block ``i`` is a hash of
-(the key of block ``i - 1``, the block's token content), so two sequences share
-a key exactly when they share the whole prefix up to that block. The chain's
-root mixes in the seed and the block size, so runs with other parameters never
-confuse each other's blocks (a reused ``--disk-dir`` may give hits from an
-earlier run with the same parameters, which are valid).
+Keys are chained like vLLM's prefix hashes.
+The key of block ``i`` is a hash of the key of block ``i - 1`` and the block's token content.
+So two sequences share a key exactly when they share the whole prefix up to that block.
+The chain's root mixes in the seed and the block size.
+So runs with other parameters never confuse each other's blocks.
+A reused ``--disk-dir`` may give hits from an earlier run with the same parameters, and those are valid.
 
-Every conversation starts with one of a few long system prompts (chosen with a
-skewed popularity), then has 1..``max_turns`` turns; turn ``t``'s prompt is the
-whole conversation so far plus the new user message, and its response blocks
-are appended to the conversation for the next turn.
+Every conversation starts with one of a few long system prompts, chosen with a skewed popularity.
+It then has 1..``max_turns`` turns.
+Turn ``t``'s prompt is the whole conversation so far plus the new user message.
+Its response blocks are appended to the conversation for the next turn.
 
-The bytes of a block are derived from its key (:class:`BlockBytes`), so any
-thread can write them (the "compute") or check them (after an onboard) without
-a shared table of expected contents.
+The bytes of a block are derived from its key (:class:`BlockBytes`).
+So any thread can write them (the "compute") or check them (after an onboard),
+without a shared table of expected contents.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ MIN_BLOCK_BYTES = 64
 
 
 def chain_key(parent: OffloadKey, content: bytes) -> OffloadKey:
-    """The prefix-hash key of a block: hash of its parent's key and its own content."""
+    """The prefix-hash key of a block.
+
+    It is a hash of its parent's key and its own content.
+    """
     return hashlib.blake2b(parent + content, digest_size=16).digest()
 
 
@@ -83,7 +86,10 @@ class BlockBytes:
 
 @dataclass
 class Turn:
-    """One request: the prompt's keys (the lookup) and the response's keys (computed, stored)."""
+    """One request.
+
+    It holds the prompt's keys, which are looked up, and the response's keys, which are computed and stored.
+    """
 
     conversation: int
     index: int
@@ -128,14 +134,14 @@ class WorkloadShape:
 
 
 class Workload:
-    """Hands out turns to frontend threads; thread-safe.
+    """Hands out turns to frontend threads. Thread-safe.
 
-    A fixed number of conversations are open at once; :meth:`next_turn` picks a
-    random open conversation that no thread is serving (turns of one
-    conversation are sequential), and a finished or abandoned conversation is
-    replaced by a new one. Interleaving many open conversations makes the set
-    of live blocks larger than the CPU pool: later turns find their prefix in
-    the pool, or only on disk.
+    A fixed number of conversations are open at once.
+    :meth:`next_turn` picks a random open conversation that no thread is serving,
+    as turns of one conversation are sequential.
+    A finished or abandoned conversation is replaced by a new one.
+    Interleaving many open conversations makes the set of live blocks larger than the CPU pool.
+    So later turns find their prefix in the pool, or only on disk.
     """
 
     def __init__(self, *, seed: int, block_bytes: int, shape: WorkloadShape | None = None) -> None:
@@ -192,7 +198,10 @@ class Workload:
             return self._rng.random()
 
     def turn_done(self, conv: Conversation, turn: Turn, *, completed: bool) -> None:
-        """Append the turn to its conversation (if completed); retire the conversation when done."""
+        """Append the turn to its conversation, if it completed.
+
+        Retire the conversation when it is done.
+        """
         with self._lock:
             conv.busy = False
             if completed:

@@ -1,10 +1,11 @@
-"""kvactors as an out-of-tree offloading backend of vLLM (extra ``vllm``; vLLM 0.32.x, 0.33.x).
+"""kvactors as an out-of-tree offloading backend of vLLM (extra ``vllm``, for vLLM 0.32.x and 0.33.x).
 
 Select it with ``kv_connector="OffloadingConnector"`` and
 ``kv_connector_extra_config={"spec_name": "KvactorsOffloadingSpec",
 "spec_module_path": "kvactors.integrations.vllm", "cpu_bytes_to_use": ...}``
-(see docs/vllm.md, "Use"). The vLLM-free parts (:mod:`.config`,
-:mod:`.shm`) import without vLLM; the spec, manager and worker need it.
+(see docs/vllm.md, "Use").
+The vLLM-free parts (:mod:`.config`, :mod:`.shm`) import without vLLM.
+The spec, manager and worker need it.
 """
 
 from __future__ import annotations

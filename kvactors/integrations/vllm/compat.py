@@ -1,18 +1,19 @@
 """What differs between the vLLM versions kvactors supports (0.32.x, 0.33.x), in one place.
 
-* 0.33 adds ``OffloadingManager.lock`` (callers hold it from a lookup HIT to
-  the ``prepare_load`` that pins it), ``on_reset_flushed`` (workers reported
-  every job in flight at the last ``reset_cache``), ``config_info`` and
-  ``OffloadingSpec.config_info_keys``, and an ``expedited`` argument of
-  ``OffloadingWorker.submit_load``. Our manager defines all of them; on 0.32
-  nothing calls them.
-* 0.32 has no reset fence: :data:`RESET_FLUSH_STEPS` scheduler steps after a
-  ``reset_cache`` stand in for ``on_reset_flushed`` (the worker flushes the
-  reset's jobs in the step that follows it).
+* 0.33 adds four things.
+  ``OffloadingManager.lock``: callers hold it from a lookup HIT to the ``prepare_load`` that pins it.
+  ``on_reset_flushed``: workers reported every job in flight at the last ``reset_cache``.
+  ``config_info`` and ``OffloadingSpec.config_info_keys``.
+  An ``expedited`` argument of ``OffloadingWorker.submit_load``.
+  Our manager defines all of them, and on 0.32 nothing calls them.
+* 0.32 has no reset fence.
+  :data:`RESET_FLUSH_STEPS` scheduler steps after a ``reset_cache`` stand in for ``on_reset_flushed``.
+  The worker flushes the reset's jobs in the step that follows the reset.
 * Both keep a request's offload keys and their positions only in the private
-  ``ReqContext._offload_key_positions`` (the public getter answers one key):
-  :func:`offload_key_positions` reads it, and raises :class:`VllmCompatError`
-  where a vLLM has no such attribute, instead of guessing.
+  ``ReqContext._offload_key_positions``.
+  The public getter answers one key.
+  :func:`offload_key_positions` reads the private mapping.
+  It raises :class:`VllmCompatError` where a vLLM has no such attribute, instead of guessing.
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ HAS_KEY_POSITIONS = dataclasses.is_dataclass(_base.ReqContext) and any(
 
 
 class VllmCompatError(RuntimeError):
-    """This vLLM lacks something kvactors reads from it; the message names vLLM's version and what is missing."""
+    """This vLLM lacks something kvactors reads from it.
+
+    The message names vLLM's version and what is missing.
+    """
 
 
 def require_key_positions() -> None:
-    """``VllmCompatError`` unless this vLLM's ``ReqContext`` declares ``_offload_key_positions``
-    (checked once, when the scheduler side starts: a mismatch fails the start, not a step)."""
+    """Raise ``VllmCompatError`` unless this vLLM's ``ReqContext`` declares ``_offload_key_positions``.
+
+    It is checked once, when the scheduler side starts.
+    So a mismatch fails the start, not a step.
+    """
     if not HAS_KEY_POSITIONS:
         raise VllmCompatError(f"vLLM {VLLM_VERSION}: vllm.v1.kv_offload.base.ReqContext has no field "
                               f"{_KEY_POSITIONS!r}, which kvactors reads for a request's offload keys "
@@ -47,9 +54,11 @@ def require_key_positions() -> None:
 
 
 def offload_key_positions(req_context: Any) -> Mapping[bytes, int]:
-    """The request's offload keys and the position of each (vLLM's private
-    ``ReqContext._offload_key_positions``; the caller must not modify it).
-    ``VllmCompatError`` if ``req_context`` has no such mapping."""
+    """The request's offload keys and the position of each.
+
+    This is vLLM's private ``ReqContext._offload_key_positions``, and the caller must not modify it.
+    Raises ``VllmCompatError`` if ``req_context`` has no such mapping.
+    """
     positions = getattr(req_context, _KEY_POSITIONS, None)
     if not isinstance(positions, Mapping):
         raise VllmCompatError(f"vLLM {VLLM_VERSION}: {type(req_context).__name__}.{_KEY_POSITIONS} is "

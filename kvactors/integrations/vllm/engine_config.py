@@ -1,25 +1,31 @@
 """What kvactors reads of vLLM's engine config (``VllmConfig``), which the offloading spec is not given.
 
-vLLM hands an offloading spec its ``OffloadingConfig`` only: no shutdown timeout,
-no model revision or download folder. The ``OffloadingConnector`` that builds the
-spec holds the engine's ``VllmConfig`` (its ``__init__``'s ``vllm_config``
-argument, in vLLM 0.32 and 0.33 alike), and vLLM publishes no accessor for it
-there (``vllm.config.get_current_vllm_config_or_none()`` is set only while the
-model is built, not when the connector is). So :func:`find_vllm_config` takes,
-in order: the current config, if vLLM has one set; else the ``vllm_config``
-local of the nearest caller frame (at most :data:`MAX_FRAMES` up) that holds a
-``VllmConfig``. Nothing found (a spec built by hand, a test, a vLLM that builds
-the spec elsewhere) is None: the callers then do without (no warning, the hub
-snapshot not resolved), never fail.
+vLLM hands an offloading spec its ``OffloadingConfig`` only.
+That holds no shutdown timeout, no model revision and no download folder.
+The ``OffloadingConnector`` that builds the spec holds the engine's ``VllmConfig``.
+It is its ``__init__``'s ``vllm_config`` argument, in vLLM 0.32 and 0.33 alike.
+vLLM publishes no accessor for it there.
+``vllm.config.get_current_vllm_config_or_none()`` is set only while the model is built, not when the connector is.
+So :func:`find_vllm_config` tries two places, in order.
 
-:func:`check_shutdown_timeout` is the start-up warning of issue 34: with vLLM's
-default ``--shutdown-timeout 0`` a SIGTERM kills the engine core at once
-(``vllm/v1/utils.py`` ``shutdown()``: SIGTERM, a join of 0 s, then
-``kill_process_tree``), before kvactors' manager stops, so every stop's
-lifecycle log ends unproven (check-log INCONCLUSIVE) and the copies in flight
-are lost. It says so once at engine start: on vLLM's log (logger
-``vllm.kvactors``, a child of vLLM's, so under vLLM's own handler and format)
-and in the lifecycle log (event ``shutdown_timeout_zero``).
+* The current config, if vLLM has one set.
+* The ``vllm_config`` local of the nearest caller frame that holds a ``VllmConfig``,
+  at most :data:`MAX_FRAMES` up.
+
+When nothing is found it returns None.
+That happens for a spec built by hand, a test, or a vLLM that builds the spec elsewhere.
+The callers then do without and never fail.
+There is no warning then, and the hub snapshot is not resolved.
+
+:func:`check_shutdown_timeout` is the start-up warning of issue 34.
+With vLLM's default ``--shutdown-timeout 0``, a SIGTERM kills the engine core at once,
+before kvactors' manager stops.
+vLLM's ``shutdown()`` in ``vllm/v1/utils.py`` sends SIGTERM, joins for 0 s, then calls ``kill_process_tree``.
+So every stop's lifecycle log ends unproven (check-log INCONCLUSIVE), and the copies in flight are lost.
+The warning says so once at engine start, in two places.
+One is vLLM's log, under the logger ``vllm.kvactors``.
+That logger is a child of vLLM's, so it is under vLLM's own handler and format.
+The other is the lifecycle log, as the event ``shutdown_timeout_zero``.
 
 Threading: called on the thread that builds the connector (vLLM's engine start).
 """

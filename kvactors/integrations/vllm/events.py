@@ -1,12 +1,12 @@
 """kvactors' offloading events as vLLM's, taken off the scheduler's thread.
 
-Once per step the scheduler side starts a ``take_events`` on a helper thread
-(it may wait for a secondary tier) unless one is still running; vLLM's
-``take_events`` returns what the finished ones brought.
+Once per step the scheduler side starts a ``take_events`` on a helper thread, unless one is still running.
+It may wait for a secondary tier there.
+vLLM's ``take_events`` returns what the finished ones brought.
 
-Threading: :meth:`EventPump.kick`, :meth:`~EventPump.take` and
-:meth:`~EventPump.close` from any thread (a lock of its own); the pump thread
-runs only ``TieringManager.take_events`` and the conversion.
+Threading: :meth:`EventPump.kick`, :meth:`~EventPump.take` and :meth:`~EventPump.close`
+may be called from any thread, under a lock of the pump's own.
+The pump thread runs only ``TieringManager.take_events`` and the conversion.
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ from kvactors.types import PRIMARY_TIER_NAME, OffloadingEvent
 
 
 def to_vllm(event: OffloadingEvent, tier_kinds: Mapping[str, str]) -> VEvent:
-    """The primary's events are the CPU medium; a secondary tier's are storage, remote for Redis."""
+    """Convert kvactors' events to vLLM's.
+
+    The primary's events are the CPU medium.
+    A secondary tier's are storage, and remote for Redis.
+    """
     if event.tier == PRIMARY_TIER_NAME:
         return VEvent(keys=list(event.keys), medium=Medium.CPU, removed=event.removed, locality=Locality.LOCAL)
     locality = Locality.REMOTE if tier_kinds.get(event.tier) in ("redis", "mooncake") else Locality.LOCAL
@@ -34,9 +38,11 @@ def to_vllm(event: OffloadingEvent, tier_kinds: Mapping[str, str]) -> VEvent:
 
 
 class EventPump:
-    """At most one ``take_events`` in flight; its converted events kept for :meth:`take`.
+    """At most one ``take_events`` in flight, and its converted events kept for :meth:`take`.
 
-    ``enabled=False``: events are still taken from kvactors (so they do not pile up) but dropped."""
+    With ``enabled=False``, events are still taken from kvactors, so that they do not pile up.
+    They are then dropped.
+    """
 
     def __init__(self, tm: TieringManager, *, enabled: bool, tier_kinds: Mapping[str, str], log: Any) -> None:
         self.tm = tm
@@ -63,7 +69,7 @@ class EventPump:
         return events
 
     def close(self) -> None:
-        """No more kicks; waits for the one in flight."""
+        """Accept no more kicks, and wait for the one in flight."""
         with self._lock:
             self._closed = True
         self._pump.shutdown(wait=True)

@@ -1,53 +1,59 @@
 """The identity of an engine's blocks in the tiers that outlive it or are shared.
 
-vLLM's offload keys are prefix hashes of token ids (plus a 4-byte group index):
-they do not say which model computed the KV, nor how its bytes are laid out. A
-disk root or Redis namespace used by servers of two models (a fine-tune and its
-base: same architecture, same sizes, other weights) would serve one model the
-other's KV under the same key, silently: wrong outputs, no error. So every key
-kvactors puts in a secondary tier for vLLM carries a digest of what the bytes of
-the block depend on (:class:`BlockIdentity`), as vLLM's own ``FileMapper``
-(``vllm/v1/kv_offload/file_mapper.py``) names its folders:
+vLLM's offload keys are prefix hashes of token ids, plus a 4-byte group index.
+They do not say which model computed the KV, nor how its bytes are laid out.
+A disk root or Redis namespace may be used by servers of two models,
+such as a fine-tune and its base (same architecture, same sizes, other weights).
+It would then serve one model the other's KV under the same key, silently.
+The outputs would be wrong, with no error.
+So every key kvactors puts in a secondary tier for vLLM carries a digest (:class:`BlockIdentity`).
+The digest covers what the bytes of the block depend on,
+as vLLM's own ``FileMapper`` (``vllm/v1/kv_offload/file_mapper.py``) names its folders.
 
-* the model: by default a fingerprint of its weights and config
-  (:mod:`~kvactors.integrations.vllm.weights`, ``identity_by: "weights"``), not its
-  path: the same weights loaded from two paths share blocks, new weights deployed
-  under the same path never load the old ones'. Or the operator's ``model_id``, an
-  explicit override (no fingerprint is taken; two models must never be given the
-  same ``model_id``: the digest cannot tell them apart). Or, with
-  ``identity_by: "name"`` (and as the fallback when the weights cannot be read,
-  with a ``weights_fingerprint_failed`` warning), ``model.name`` from vLLM's
-  config (the path or hub name it was loaded from);
-* the KV dtype (``model.dtype``: the cache's, ``fp8`` included);
-* tokens per hash and blocks per chunk (what one key covers);
-* the KV-cache groups: group id, tokens per block, layer names, in order;
-* the parallel layout: world size and the tp, pp, pcp and dcp sizes;
-* the bytes: ``worker_kv_bytes_per_block`` and the pool row's ``block_bytes``,
-  the page layout (``kv_cache_layout``, when vLLM reports it) and vLLM's layout
-  flags when set (``replicated_layout``, ``canonical_layout``);
-* :data:`ROW_FORMAT`, how :mod:`~kvactors.integrations.vllm.worker` lays the pages
-  out in a row (bumped when that changes, so rows of an older layout become misses).
+* The model. There are three ways to name it.
 
-What "rank" means here. ``FileMapper`` puts the worker rank in its paths because
-each vLLM worker writes its own files. A kvactors pool row holds the pages of
-*every* worker rank of the engine (rank ``r`` at ``r * per_worker_bytes``), and
-the scheduler side stores whole rows: there is no per-rank block in any tier,
-so the rank is not part of the identity; the world size and the tp/pp/pcp/dcp
-sizes are, because they decide which rank holds which heads and layers in the
-row. Data parallelism is left out on purpose, as ``FileMapper`` leaves it out:
-each data-parallel replica is an engine of its own (its own pool, ``engine_id``
-and rows) whose rows are laid out exactly as a single engine's with the same
-tp/pp/pcp/dcp, so replicas of one deployment, and deployments of any DP size,
-share blocks, which is what a shared tier is for.
+  - By default, a fingerprint of its weights and config
+    (:mod:`~kvactors.integrations.vllm.weights`, ``identity_by: "weights"``), not its path.
+    The same weights loaded from two paths share blocks.
+    New weights deployed under the same path never load the old ones'.
+  - The operator's ``model_id``, an explicit override. No fingerprint is taken.
+    Two models must never be given the same ``model_id``, because the digest cannot tell them apart.
+  - ``model.name`` from vLLM's config, the path or hub name the model was loaded from.
+    This is used with ``identity_by: "name"``.
+    It is also the fallback when the weights cannot be read, with a ``weights_fingerprint_failed`` warning.
 
-Not covered: anything vLLM does not report to the offloading spec (the model's
-revision on the hub, a ``model_id`` reused for other weights): name those in
-``model_id`` (``"org/model@rev"``). Blocks written by kvactors before keys carried
-an identity are misses (their keys are shorter), evicted in LRU order like any
-other block.
+* The KV dtype (``model.dtype``), which is the cache's, ``fp8`` included.
+* Tokens per hash and blocks per chunk, which say what one key covers.
+* The KV-cache groups, in order: group id, tokens per block, layer names.
+* The parallel layout: world size and the tp, pp, pcp and dcp sizes.
+* The bytes: ``worker_kv_bytes_per_block`` and the pool row's ``block_bytes``.
+  The page layout (``kv_cache_layout``) counts when vLLM reports it.
+  vLLM's layout flags (``replicated_layout``, ``canonical_layout``) count when set.
+* :data:`ROW_FORMAT`, how :mod:`~kvactors.integrations.vllm.worker` lays the pages out in a row.
+  It is bumped when that changes, so rows of an older layout become misses.
 
-Plain code, no vLLM import: :func:`block_identity` reads vLLM's
-``OffloadingConfig`` by attribute, so it is tested with stand-ins.
+What "rank" means here.
+``FileMapper`` puts the worker rank in its paths because each vLLM worker writes its own files.
+A kvactors pool row holds the pages of *every* worker rank of the engine,
+with rank ``r`` at ``r * per_worker_bytes``.
+The scheduler side stores whole rows, so there is no per-rank block in any tier.
+So the rank is not part of the identity.
+The world size and the tp/pp/pcp/dcp sizes are part of it,
+because they decide which rank holds which heads and layers in the row.
+Data parallelism is left out on purpose, as ``FileMapper`` leaves it out.
+Each data-parallel replica is an engine of its own, with its own pool, ``engine_id`` and rows.
+Its rows are laid out exactly as a single engine's with the same tp/pp/pcp/dcp.
+So replicas of one deployment, and deployments of any DP size, share blocks.
+That is what a shared tier is for.
+
+Not covered is anything vLLM does not report to the offloading spec.
+That includes the model's revision on the hub, and a ``model_id`` reused for other weights.
+Name those in ``model_id`` (``"org/model@rev"``).
+Blocks written by kvactors before keys carried an identity are misses, because their keys are shorter.
+They are evicted in LRU order like any other block.
+
+Plain code, with no vLLM import.
+:func:`block_identity` reads vLLM's ``OffloadingConfig`` by attribute, so it is tested with stand-ins.
 """
 
 from __future__ import annotations
@@ -63,20 +69,23 @@ ROW_FORMAT = "kvactors-vllm-row/1"
 pages): part of the identity, so a change of the layout makes old blocks misses."""
 
 PREFIX_BYTES = 8
-"""Bytes of the digest put in front of each key. 64 bits: the chance that two of a
-thousand identities sharing a tier collide is about 3e-14; each byte more costs
-each block one more byte of key in every tier (a Redis key holds it twice, as hex)."""
+"""Bytes of the digest put in front of each key.
+
+With 64 bits, the chance that two of a thousand identities sharing a tier collide is about 3e-14.
+Each byte more costs each block one more byte of key in every tier.
+A Redis key holds it twice, as hex.
+"""
 
 
 @dataclass(frozen=True)
 class BlockIdentity:
     """What the bytes of an engine's blocks depend on, and its digest.
 
-    ``fields`` is plain JSON (str, int, bool, lists, dicts); ``digest`` is the
-    first :data:`PREFIX_BYTES` bytes of the SHA-256 of its canonical JSON (sorted
-    keys, no spaces), so the same fields give the same digest in every process,
-    on every machine and with every Python. It is what
-    :class:`~kvactors.tiers.prefixed.PrefixedTier` puts in front of each key.
+    ``fields`` is plain JSON (str, int, bool, lists, dicts).
+    ``digest`` is the first :data:`PREFIX_BYTES` bytes of the SHA-256 of its canonical JSON
+    (sorted keys, no spaces).
+    So the same fields give the same digest in every process, on every machine and with every Python.
+    It is what :class:`~kvactors.tiers.prefixed.PrefixedTier` puts in front of each key.
     """
 
     fields: Mapping[str, Any]
@@ -87,7 +96,7 @@ class BlockIdentity:
         object.__setattr__(self, "digest", hashlib.sha256(canonical.encode("ascii")).digest()[:PREFIX_BYTES])
 
     def describe(self) -> dict[str, Any]:
-        """For the log: the digest (hex) and the fields it was made of."""
+        """The digest (hex) and the fields it was made of, for the log."""
         return {"identity": self.digest.hex(), **self.fields}
 
 
@@ -95,9 +104,11 @@ _MISSING = object()
 
 
 def _required(obj: object, path: str, where: str = "") -> Any:
-    """``obj.<path>`` (dotted), a field every vLLM with the offloading spec reports
-    (0.32 and 0.33); ``ValueError`` naming it if missing: a default in its place
-    would put blocks of other layouts under one digest."""
+    """``obj.<path>`` (dotted), a field that every vLLM with the offloading spec reports (0.32 and 0.33).
+
+    Raises ``ValueError`` naming the field if it is missing.
+    A default in its place would put blocks of other layouts under one digest.
+    """
     value = obj
     for name in path.split("."):
         value = getattr(value, name, _MISSING)
@@ -122,13 +133,20 @@ def block_identity(config: Any, *, model_id: str | None, block_bytes: int,
                    weights: str | None = None) -> BlockIdentity:
     """The identity of the blocks of the engine that ``config`` (vLLM's ``OffloadingConfig``) describes.
 
-    ``model_id``: the operator's name for the model (the config key), or None to
-    use ``weights`` (the fingerprint of the weights, hex: then the model's name,
-    its path, is not part of the identity) or, without one, ``config.model.name``.
-    ``block_bytes``: the bytes of one pool row.
-    ``ValueError`` if vLLM's config names no model and ``model_id`` is None,
-    lacks a field that vLLM 0.32 and 0.33 both report, or reports a size that is
-    not an integer. Only the layout flags and ``kv_cache_layout`` may be absent."""
+    ``model_id`` is the operator's name for the model (the config key), or None.
+    With None, ``weights`` names the model: the fingerprint of the weights, in hex.
+    The model's name, its path, is then not part of the identity.
+    Without ``weights`` either, ``config.model.name`` names the model.
+    ``block_bytes`` is the bytes of one pool row.
+
+    Raises ``ValueError`` in three cases.
+
+    * vLLM's config names no model and ``model_id`` is None.
+    * The config lacks a field that vLLM 0.32 and 0.33 both report.
+    * The config reports a size that is not an integer.
+
+    Only the layout flags and ``kv_cache_layout`` may be absent.
+    """
     if model_id is None and weights is not None:
         if not isinstance(weights, str) or not weights:
             raise ValueError(f"kvactors: weights must be a non-empty fingerprint, got {weights!r}")

@@ -1,12 +1,13 @@
 """A request's remaining prefix looked up in one kvactors call, its leading ``HIT`` keys pinned.
 
-vLLM asks one key at a time; the adapter asks kvactors once for the key and
-the request's later keys (:func:`remaining_keys`), on a helper thread
-(:func:`answer`), and answers the following keys from that answer
-(:func:`post`). Plain code, no vLLM import.
+vLLM asks one key at a time.
+The adapter asks kvactors once for the key and the request's later keys (:func:`remaining_keys`).
+It asks on a helper thread (:func:`answer`).
+It answers the following keys from that answer (:func:`post`).
+Plain code, with no vLLM import.
 
-Threading: :func:`answer` runs on the lookup thread without the adapter's
-lock; :func:`post` runs with it held.
+Threading: :func:`answer` runs on the lookup thread without the adapter's lock.
+:func:`post` runs with that lock held.
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ def remaining_keys(key: OffloadKey, positions: Mapping[OffloadKey, int] | None,
                    max_tokens: int | None = None) -> tuple[OffloadKey, ...]:
     """``key`` and the request's later keys of the same group, in prefix order.
 
-    ``positions``: the request's offload keys and their positions (vLLM's
-    ``ReqContext._offload_key_positions``: each key's end token); a key the request does not
-    list is asked alone. ``max_tokens``: the request's ``max_load_tokens``: only the keys it may
-    load from the first one asked on (vLLM asks ``key`` as the first chunk past the tokens the
-    engine holds, and loads at most ``max_tokens`` tokens from there), so that kvactors promotes
-    no more than the request may load."""
+    ``positions`` holds the request's offload keys and their positions.
+    That is vLLM's ``ReqContext._offload_key_positions``, where a key's position is its end token.
+    A key the request does not list is asked alone.
+
+    ``max_tokens`` is the request's ``max_load_tokens``.
+    Only the keys the request may load from the first one asked on are returned.
+    vLLM asks ``key`` as the first chunk past the tokens the engine holds.
+    It loads at most ``max_tokens`` tokens from there.
+    So kvactors promotes no more than the request may load.
+    """
     positions = positions or {}
     start = positions.get(key)
     if start is None:
@@ -45,7 +50,10 @@ def remaining_keys(key: OffloadKey, positions: Mapping[OffloadKey, int] | None,
 
 
 def leading_hits(keys: Sequence[OffloadKey], results: Sequence[LookupResult]) -> list[OffloadKey]:
-    """The keys vLLM may load: the leading ones, when all of them up to the first MISS are HITs."""
+    """The keys vLLM may load.
+
+    Those are the leading keys, when all of them up to the first MISS are HITs.
+    """
     lead: list[OffloadKey] = []
     for k, r in zip(keys, results, strict=True):
         if r is LookupResult.MISS:
@@ -57,10 +65,13 @@ def leading_hits(keys: Sequence[OffloadKey], results: Sequence[LookupResult]) ->
 
 
 def answer(tm: TieringManager, job: LookupJob, log: Any) -> None:
-    """On the lookup thread: one kvactors lookup, then pin the leading HITs; fills ``job``.
+    """Make one kvactors lookup, then pin the leading HITs, and fill ``job``. Runs on the lookup thread.
 
-    A HIT never leaves here unpinned: one that could not be pinned is RETRY. Never raises
-    (a failed lookup answers RETRY for every key)."""
+    A HIT never leaves here unpinned.
+    A HIT that could not be pinned becomes RETRY.
+    Never raises.
+    A failed lookup answers RETRY for every key.
+    """
     try:
         try:
             results = tm.lookup(job.keys, job.ctx)
@@ -85,9 +96,10 @@ def answer(tm: TieringManager, job: LookupJob, log: Any) -> None:
 
 
 def post(requests: Requests, job: LookupJob) -> list[OffloadKey]:
-    """Hand ``job``'s answers and pins to its request (lock held); the keys whose pins to release.
+    """Hand ``job``'s answers and pins to its request, with the lock held. Returns the keys whose pins to release.
 
-    A job whose request finished, or that a newer job replaced, gives all its pins back."""
+    A job whose request finished, or that a newer job replaced, gives all its pins back.
+    """
     req = requests.get(job.ctx.req_id)
     if job.stale or req is None or req.job is not job:
         return list(job.pinned)

@@ -1,12 +1,13 @@
 """vLLM's requests as kvactors attempts: each ``req_id``'s current :class:`ReqContext`, its answers and pins.
 
-Plain code over a :class:`~kvactors.TieringManager`, no vLLM import. A
-preempted or re-announced request finishes its attempt and starts the next
-one; each store or load remembers the attempt that prepared it, so a
-completion that arrives late (even after the finish) completes the right one.
+Plain code over a :class:`~kvactors.TieringManager`, with no vLLM import.
+A preempted or re-announced request finishes its attempt and starts the next one.
+Each store or load remembers the attempt that prepared it.
+So a completion that arrives late, even after the finish, completes the right one.
 
-Threading: none of its own. Every method is called with the adapter's lock
-held (:class:`~kvactors.integrations.vllm.manager.KvactorsOffloadingManager`).
+Threading: none of its own.
+Every method is called with the adapter's lock held
+(:class:`~kvactors.integrations.vllm.manager.KvactorsOffloadingManager`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ MAX_ATTEMPT_BUMPS = 64
 
 @dataclass
 class LookupJob:
-    """One batch lookup on the helper thread: the keys asked, then its answers and the rows it pinned."""
+    """One batch lookup on the helper thread.
+
+    It holds the keys asked, then its answers and the rows it pinned.
+    """
 
     keys: tuple[OffloadKey, ...]
     ctx: ReqContext
@@ -119,9 +123,12 @@ class Requests:
             self.attempts.pop(req.req_id, None)
 
     def restore_pins(self, req: Request, pins: dict[OffloadKey, int]) -> list[OffloadKey]:
-        """Give ``req`` back pins taken from it for a ``prepare_load`` that failed; the keys whose
-        pins to release instead (``req`` finished or replaced meanwhile, or the lookup thread
-        posted a pin of the same key meanwhile)."""
+        """Give ``req`` back the pins taken from it for a ``prepare_load`` that failed.
+
+        Returns the keys whose pins to release instead.
+        A pin is released instead when ``req`` finished or was replaced meanwhile.
+        It is also released when the lookup thread posted a pin of the same key meanwhile.
+        """
         live = not req.finished and self.by_id.get(req.req_id) is req
         release = [k for k in pins if not live or k in req.pinned]
         if live and len(release) < len(pins):
@@ -140,11 +147,14 @@ class Requests:
         self.with_answers.discard(req.req_id)
 
     def end_step(self, now: float, hold_s: float) -> None:
-        """At a step's end: answers read this step (or kept unread for one step already) are dropped.
+        """Drop the answers read this step, at the step's end.
 
-        Their pins are kept, for ``hold_s`` at most: a request that vLLM could not schedule this
-        step (no device blocks yet) still finds its blocks in the pool on the next one, instead of
-        losing them to other requests' stores and promoting them again."""
+        Answers kept unread for one step already are dropped too.
+        Their pins are kept, for ``hold_s`` at most.
+        A request that vLLM could not schedule this step (no device blocks yet) still finds its blocks
+        in the pool on the next one.
+        It does not lose them to other requests' stores and have to promote them again.
+        """
         for req_id in list(self.with_answers):
             req = self.by_id.get(req_id)
             if req is None:

@@ -1,43 +1,47 @@
 """The primary pool in shared memory, for vLLM's scheduler and worker sides.
 
-vLLM builds the offloading spec separately for the scheduler (``get_manager``)
-and for each worker (``get_worker``); with the multiprocess engine they are
-different processes. Both open one file in ``/dev/shm`` named from the
-engine's ``engine_id`` and map it shared, so the worker's copies land in the
-rows the scheduler side's :class:`~kvactors.TieringManager` hands out (in one
-process the two sides map the same file twice; the mappings are coherent).
+vLLM builds the offloading spec separately for the scheduler (``get_manager``) and for each worker (``get_worker``).
+With the multiprocess engine they are different processes.
+Both open one file in ``/dev/shm`` named from the engine's ``engine_id``, and map it shared.
+So the worker's copies land in the rows the scheduler side's :class:`~kvactors.TieringManager` hands out.
+In one process the two sides map the same file twice, and the mappings are coherent.
 
-Layout of the file: ``num_blocks * block_bytes`` pool bytes, then a status
-table of ``num_blocks * num_writers`` bytes (one per pool row and worker
-rank), then one byte per participant. A worker writes its rank's status byte
-of each row it stored into (:data:`STORE_OK` or :data:`STORE_FAILED`) before
-it reports the job finished to vLLM; the scheduler side marks the rows
-:data:`STORE_PENDING` when it prepares a store and reads them when vLLM
-completes it (vLLM asserts that every transfer succeeded, so this is how a
-failed copy reaches kvactors as ``success=False``).
+Layout of the file:
 
-The file lives exactly as long as the engine:
+* ``num_blocks * block_bytes`` pool bytes;
+* a status table of ``num_blocks * num_writers`` bytes, one per pool row and worker rank;
+* one byte per participant.
 
-* **Unlinked once mapped.** Every process that maps it (``participants``: the
-  scheduler side and each worker rank) sets its byte of the participant table;
-  the one that finds every byte set removes the name (a watcher thread of the
-  one that was not last tries again until then). From then on nothing of the
-  pool is in ``/dev/shm``: the memory is the kernel's until the last mapping
-  goes, whatever ends the processes (a clean stop, SIGTERM, SIGKILL, the OOM
-  killer).
-* **Reclaimed at the next start.** Each process holds a shared ``flock`` on the
-  file while it maps it; the kernel drops it when the process dies, however.
-  Opening a pool first removes every ``kvactors_pool_*`` file of the folder
-  that nobody holds (an engine killed before all its processes had mapped it).
-  A file is created under a temporary name, locked and sized, and only then
-  linked under its name, so a file with the name always has a live holder
-  (or a dead one, and is stale).
-* :meth:`SharedPool.close` with ``unlink=True`` removes it too (if it is still
-  there and still this file), and so does the interpreter's exit.
+A worker writes its rank's status byte of each row it stored into (:data:`STORE_OK` or :data:`STORE_FAILED`).
+It does so before it reports the job finished to vLLM.
+The scheduler side marks the rows :data:`STORE_PENDING` when it prepares a store.
+It reads them when vLLM completes the store.
+vLLM asserts that every transfer succeeded.
+So this is how a failed copy reaches kvactors as ``success=False``.
 
-A process that opens the pool after every participant mapped it and the name
-was removed would create a new, unrelated file: the participants are the
-engine's scheduler side and its ``world_size`` worker ranks, each opened once.
+The file lives exactly as long as the engine.
+
+* **Unlinked once mapped.**
+  Every process that maps it sets its byte of the participant table.
+  Those processes (``participants``) are the scheduler side and each worker rank.
+  The one that finds every byte set removes the name.
+  A watcher thread of each one that was not last tries again until then.
+  From then on nothing of the pool is in ``/dev/shm``.
+  The memory is the kernel's until the last mapping goes, whatever ends the processes
+  (a clean stop, SIGTERM, SIGKILL, the OOM killer).
+* **Reclaimed at the next start.**
+  Each process holds a shared ``flock`` on the file while it maps it.
+  The kernel drops the lock when the process dies, however it dies.
+  Opening a pool first removes every ``kvactors_pool_*`` file of the folder that nobody holds.
+  Such a file is left by an engine killed before all its processes had mapped it.
+  A file is created under a temporary name, locked and sized, and only then linked under its name.
+  So a file with the name always has a live holder, or a dead one and is then stale.
+* :meth:`SharedPool.close` with ``unlink=True`` removes it too, if it is still there and still this file.
+  So does the interpreter's exit.
+
+A process that opens the pool after every participant mapped it and the name was removed
+would create a new, unrelated file.
+The participants are the engine's scheduler side and its ``world_size`` worker ranks, each opened once.
 """
 
 from __future__ import annotations
@@ -64,8 +68,8 @@ STORE_FAILED = 2
 SHM_DIR = "/dev/shm"
 POOL_PREFIX = "kvactors_pool_"
 _TMP_PREFIX = ".kvactors_tmp_"
-#: How long a participant that was not the last to map the pool watches for the others (then the
-#: name stays until :meth:`SharedPool.close`, the interpreter's exit or the next start's reclaim).
+#: How long a participant that was not the last to map the pool watches for the others.
+#: After that, the name stays until :meth:`SharedPool.close`, the interpreter's exit or the next start's reclaim.
 WATCH_S = 3600.0
 #: How long taking the shared lock of a pool file may take (a reclaim holds it exclusively for a moment).
 LOCK_WAIT_S = 5.0
@@ -76,7 +80,10 @@ _log = component_logger("vllm")  # stdlib "kvactors.vllm"; events in kvactors.lo
 
 
 def pool_path(engine_id: str, directory: str = SHM_DIR) -> str:
-    """The file of an engine's pool: ``kvactors_pool_<engine_id>`` (unsafe characters replaced)."""
+    """The file of an engine's pool, ``kvactors_pool_<engine_id>``.
+
+    Unsafe characters of the id are replaced.
+    """
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(engine_id)) or "engine"
     return os.path.join(directory, f"{POOL_PREFIX}{safe}")
 
@@ -86,7 +93,10 @@ def _identity(st: os.stat_result) -> tuple[int, int]:
 
 
 def _unlink_if(path: str, ident: tuple[int, int]) -> bool:
-    """Remove ``path`` if it is still the file ``ident``; True if it was removed."""
+    """Remove ``path`` if it is still the file ``ident``.
+
+    Returns True if it was removed.
+    """
     try:
         if _identity(os.stat(path, follow_symlinks=False)) != ident:
             return False
@@ -109,8 +119,10 @@ atexit.register(_unlink_all_at_exit)
 
 
 def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
-    """Remove the pool files of ``directory`` that no live process holds (their engine died
-    before every process had mapped them); the paths removed."""
+    """Remove the pool files of ``directory`` that no live process holds. Returns the paths removed.
+
+    Their engine died before every process had mapped them.
+    """
     removed: list[str] = []
     try:
         names = os.listdir(directory)
@@ -137,12 +149,18 @@ def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
 
 
 def pool_file_size(num_blocks: int, block_bytes: int, num_writers: int = 1, participants: int | None = None) -> int:
-    """The bytes of a pool file (see the module docstring): the pool, the status table, the participants."""
+    """The bytes of a pool file (see the module docstring).
+
+    They are the pool, the status table and the participants.
+    """
     return num_blocks * block_bytes + num_blocks * num_writers + (participants or 0)
 
 
 def _lock_shared(fd: int, path: str) -> None:
-    """Share-lock ``fd`` (the pool file ``path``) within :data:`LOCK_WAIT_S`; ``TimeoutError`` naming it if not."""
+    """Share-lock ``fd``, the pool file ``path``, within :data:`LOCK_WAIT_S`.
+
+    Raises ``TimeoutError`` naming the file if the lock does not come.
+    """
     deadline = time.monotonic() + LOCK_WAIT_S
     delay = 0.005
     while True:
@@ -160,8 +178,11 @@ def _lock_shared(fd: int, path: str) -> None:
 
 
 def check_pool_fits(cpu_bytes: int, size: int, folder: str) -> None:
-    """``ValueError`` naming ``cpu_bytes_to_use`` if the pool (a shared file in ``folder``, backed by
-    memory) cannot fit: more than the machine's memory, or than ``folder`` has free."""
+    """Raise ``ValueError`` naming ``cpu_bytes_to_use`` if the pool cannot fit.
+
+    The pool is a shared file in ``folder``, backed by memory.
+    It cannot fit when it is larger than the machine's memory, or than what ``folder`` has free.
+    """
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
     if total is not None and size > total:
         raise ValueError(f"kvactors: cpu_bytes_to_use={cpu_bytes}: the pool needs {size} bytes, more than the "
@@ -174,8 +195,10 @@ def check_pool_fits(cpu_bytes: int, size: int, folder: str) -> None:
 
 
 def _create(path: str, size: int) -> int | None:
-    """A new pool file at ``path``, sized and share-locked before it gets its name; its fd, or
-    None if another process linked one first."""
+    """A new pool file at ``path``, sized and share-locked before it gets its name.
+
+    Returns its fd, or None if another process linked one first.
+    """
     tmp = os.path.join(os.path.dirname(path), f"{_TMP_PREFIX}{os.getpid()}_{uuid.uuid4().hex}")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -195,7 +218,10 @@ def _create(path: str, size: int) -> int | None:
 
 
 def _open_locked(path: str, size: int) -> tuple[int, bool]:
-    """The pool file at ``path`` (created if missing), share-locked: ``(fd, created)``."""
+    """The pool file at ``path``, created if missing and share-locked.
+
+    Returns ``(fd, created)``.
+    """
     for _ in range(100):
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -221,17 +247,20 @@ def _open_locked(path: str, size: int) -> tuple[int, bool]:
 
 
 class SharedPool:
-    """A shared mapping of the pool file: ``pool`` (``uint8 (num_blocks, block_bytes)``) and
-    ``status`` (``uint8 (num_blocks, num_writers)``).
+    """A shared mapping of the pool file.
 
-    ``participants``: how many processes map this pool (the scheduler side and
-    every worker rank); this one is ``slot``. Once all have, the file's name is
-    removed (see the module docstring). ``None``: the name stays until
-    :meth:`close` with ``unlink=True`` (or the interpreter's exit).
+    ``pool`` is ``uint8 (num_blocks, block_bytes)``.
+    ``status`` is ``uint8 (num_blocks, num_writers)``.
 
-    Threading: the tensors may be used from any thread; the status protocol
-    relies on each byte having one writer at a time (the scheduler side before
-    the store is submitted, the worker of that rank until it reports the job).
+    ``participants`` is how many processes map this pool: the scheduler side and every worker rank.
+    This process is ``slot``.
+    Once all have mapped it, the file's name is removed (see the module docstring).
+    With ``None``, the name stays until :meth:`close` with ``unlink=True``, or the interpreter's exit.
+
+    Threading: the tensors may be used from any thread.
+    The status protocol relies on each byte having one writer at a time.
+    The writer is the scheduler side before the store is submitted.
+    It is the worker of that rank from then until it reports the job.
     """
 
     def __init__(self, path: str, *, num_blocks: int, block_bytes: int, num_writers: int = 1,
@@ -280,8 +309,11 @@ class SharedPool:
             raise
 
     def _abandon(self, fd: int, ident: tuple[int, int] | None) -> None:
-        """Undo a construction that raised: the name (if this one created the file: never used by
-        it), the entry in ``_open_paths``, the tensors, the map and the fd."""
+        """Undo a construction that raised.
+
+        It removes the name, if this one created the file, which it then never used.
+        It drops the entry in ``_open_paths``, the tensors, the map and the fd.
+        """
         if ident is not None:
             if self.created:
                 with contextlib.suppress(OSError):
@@ -301,7 +333,10 @@ class SharedPool:
     # ------------------------------------------------------------ the file's name
 
     def _unlink_if_all_mapped(self) -> bool:
-        """Remove the name once every participant mapped the pool; True once it is gone."""
+        """Remove the name once every participant mapped the pool.
+
+        Returns True once it is gone.
+        """
         with self._lock:
             if self._closed or self.unlinked:
                 return True

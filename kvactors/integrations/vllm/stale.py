@@ -1,12 +1,15 @@
 """Completions vLLM will never send: the jobs a ``reset_cache`` dropped, and those open at shutdown.
 
-After a reset, vLLM forgets the jobs in flight; the workers may still be
-copying into their rows, so the rows stay reserved inside kvactors until the
-workers are done (vLLM 0.33's ``on_reset_flushed``, or a few steps on 0.32),
-and only then are the jobs ended: a store as failed (never known to be
-complete, so never made ready), a load unpinned. Plain code, no vLLM import.
+After a reset, vLLM forgets the jobs in flight.
+The workers may still be copying into their rows.
+So the rows stay reserved inside kvactors until the workers are done.
+vLLM 0.33 says so with ``on_reset_flushed``, and on 0.32 a few steps stand in for it.
+Only then are the jobs ended.
+A store ends as failed, because it was never known to be complete, so it is never made ready.
+A load is unpinned.
+Plain code, with no vLLM import.
 
-Threading: none of its own; called with the adapter's lock held.
+Threading: none of its own. It is called with the adapter's lock held.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class StaleJobs:
         self._has_reset_fence = has_reset_fence
         self._flush_steps = flush_steps
         self._batches: list[tuple[str, list[Entry]]] = []
-        self._steps: int | None = None  # step ends since the last reset; None: nothing waits
+        self._steps: int | None = None  # step ends since the last reset, or None when nothing waits
 
     @property
     def waiting(self) -> bool:
@@ -45,7 +48,10 @@ class StaleJobs:
         return self._steps is not None
 
     def add(self, label: str, entries: list[Entry]) -> None:
-        """Hold ``entries`` (``label``: what dropped them) until :meth:`release`; counts steps from now."""
+        """Hold ``entries`` until :meth:`release`, counting steps from now.
+
+        ``label`` says what dropped them.
+        """
         self._batches.append((label, entries))
         self._steps = 0
 
@@ -57,7 +63,7 @@ class StaleJobs:
                 self.release()
 
     def release(self) -> None:
-        """The workers are done with the held jobs: end them inside kvactors."""
+        """End the held jobs inside kvactors, as the workers are done with them."""
         for _, entries in self._batches:
             stores: dict[ReqContext, list[OffloadKey]] = defaultdict(list)
             loads: dict[ReqContext, list[OffloadKey]] = defaultdict(list)

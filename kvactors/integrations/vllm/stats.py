@@ -1,29 +1,34 @@
 """kvactors' metric families in the vLLM server's own ``/metrics``, through vLLM's connector metrics path.
 
-vLLM's ``OffloadingConnector`` declares a spec's Prometheus metrics in the
-frontend process (``OffloadingSpec.build_metric_definitions``, a classmethod:
-:func:`metric_definitions`), polls the scheduler side's manager for an
-``OffloadingConnectorStats`` each step that has model output
-(``OffloadingManager.get_stats``), ships it to the frontend with the step's
-stats, and applies it there: counters are increased by the values sent,
-gauges set, histograms observe each value sent. Labels: vLLM's own
-(``model_name``, ``engine``) and then the family's (``tier``, ``kind``,
-``outcome``, ``state``).
+vLLM's ``OffloadingConnector`` declares a spec's Prometheus metrics in the frontend process.
+It does so with ``OffloadingSpec.build_metric_definitions``, a classmethod (:func:`metric_definitions`).
+Each step that has model output, it polls the scheduler side's manager for an ``OffloadingConnectorStats``
+(``OffloadingManager.get_stats``).
+It ships that to the frontend with the step's stats, and applies it there.
+Counters are increased by the values sent, and gauges are set.
+Histograms observe each value sent.
+The labels are vLLM's own (``model_name``, ``engine``), then the family's (``tier``, ``kind``, ``outcome``, ``state``).
 
-:class:`StatsReporter` turns :meth:`TieringManager.metrics_snapshot
-<kvactors.TieringManager.metrics_snapshot>` into such payloads: the same
-families as :class:`kvactors.metrics.KvactorsCollector` (:data:`kvactors.metrics.FAMILIES`),
-counters as the increase since the last payload, gauges when they changed,
-the duration histogram as one observation per job ended since (each inside
-its bucket, at the bucket's mean where that lies in it, so the buckets are
-exact and the sum close). The first payload names every series each family
-knows (:func:`kvactors.metrics.known_series`), at 0 (a histogram series with
-no observation), so that each is in ``/metrics`` from the engine's first step
-with model output (vLLM sends connector stats only with steps). The snapshot is taken and turned into a payload off
-the scheduler's thread (one helper thread, at most one round trip every
-``interval_s``); a step sends the payload that was ready then, so ``/metrics`` lags the
-runtime by about ``interval_s`` plus a step, and an idle engine (no steps)
-sends nothing until its next request.
+:class:`StatsReporter` turns
+:meth:`TieringManager.metrics_snapshot <kvactors.TieringManager.metrics_snapshot>` into such payloads.
+The families are the same as :class:`kvactors.metrics.KvactorsCollector`'s (:data:`kvactors.metrics.FAMILIES`).
+
+* Counters are sent as the increase since the last payload.
+* Gauges are sent when they changed.
+* The duration histogram is sent as one observation per job ended since.
+  Each observation lies inside its bucket, at the bucket's mean where that lies in it.
+  So the buckets are exact and the sum is close.
+
+The first payload names every series each family knows (:func:`kvactors.metrics.known_series`), at 0.
+A histogram series then has no observation.
+So each series is in ``/metrics`` from the engine's first step with model output.
+vLLM sends connector stats only with steps.
+
+The snapshot is taken and turned into a payload off the scheduler's thread.
+One helper thread does that, with at most one round trip every ``interval_s``.
+A step sends the payload that was ready then.
+So ``/metrics`` lags the runtime by about ``interval_s`` plus a step.
+An idle engine (no steps) sends nothing until its next request.
 """
 
 from __future__ import annotations
@@ -51,7 +56,10 @@ _BY_NAME = {f.name: f for f in FAMILIES}
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
-    """vLLM's declarations of kvactors' families (no vLLM config needed: the frontend calls it)."""
+    """vLLM's declarations of kvactors' families.
+
+    No vLLM config is needed, as the frontend calls it.
+    """
     out: dict[str, OffloadingMetricMetadata] = {}
     for family in FAMILIES:
         if family.kind == "counter":
@@ -65,10 +73,13 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 
 
 def _declare_histogram(stats: OffloadingConnectorStats, name: str, labels: tuple[str, ...]) -> None:
-    """Put series ``labels`` of histogram ``name`` on ``stats`` with no observation: vLLM's frontend
-    makes the series (its buckets at 0) and observes nothing (``OffloadPromMetrics.observe``).
-    Through ``metric_sections()``, vLLM 0.33's way for a manager to reach its own payload's data
-    (vLLM 0.32 has none: its ``data`` has the same two sections, ``types`` and ``data``)."""
+    """Put series ``labels`` of histogram ``name`` on ``stats``, with no observation.
+
+    vLLM's frontend makes the series, with its buckets at 0, and observes nothing (``OffloadPromMetrics.observe``).
+    It goes through ``metric_sections()``, vLLM 0.33's way for a manager to reach its own payload's data.
+    vLLM 0.32 has no such method.
+    There, ``data`` has the same two sections, ``types`` and ``data``.
+    """
     sections = getattr(stats, "metric_sections", None)
     types, values = sections() if sections is not None else (stats.data["types"], stats.data["data"])
     types.setdefault(name, "histogram")
@@ -98,9 +109,9 @@ def _observations(counts: list[int], total_s: float) -> list[float]:
 class StatsReporter:
     """``get_stats`` payloads of one manager (see the module docstring).
 
-    Threading: :meth:`take` is called from vLLM's scheduler thread only; the
-    snapshot is taken and :meth:`payload` runs on one helper thread (its only
-    caller there, so the books of what was sent have one writer).
+    Threading: :meth:`take` is called from vLLM's scheduler thread only.
+    The snapshot is taken and :meth:`payload` runs on one helper thread.
+    That thread is the only caller of :meth:`payload`, so the books of what was sent have one writer.
     """
 
     def __init__(self, tm: TieringManager, *, interval_s: float = 1.0) -> None:
@@ -118,8 +129,10 @@ class StatsReporter:
         self._buckets: dict[tuple[str, tuple[str, ...]], tuple[list[float], float]] = {}
 
     def take(self) -> OffloadingConnectorStats | None:
-        """The payload of the snapshot ready now (None if none is, or nothing changed); asks for
-        the next one when ``interval_s`` has passed since the last."""
+        """The payload of the snapshot ready now, or None if none is or nothing changed.
+
+        It asks for the next snapshot when ``interval_s`` has passed since the last.
+        """
         if self._closed:
             return None
         out = None
@@ -146,7 +159,7 @@ class StatsReporter:
         return self.payload(self._tm.metrics_snapshot())
 
     def payload(self, snap: MetricsSnapshot) -> OffloadingConnectorStats | None:
-        """The changes since the last payload, as vLLM's stats (None: nothing changed)."""
+        """The changes since the last payload, as vLLM's stats, or None when nothing changed."""
         stats = OffloadingConnectorStats()
         for metric in self._collector.families(snap):
             family = _BY_NAME.get(metric.name)

@@ -1,40 +1,43 @@
 """Stopping the scheduler side's kvactors manager however the engine process ends.
 
-vLLM stops its engine core on SIGTERM/SIGINT through its own handler: it sets
-a flag, the busy loop ends, and ``EngineCore.shutdown`` reaches the connector
-and so :meth:`KvactorsOffloadingManager.shutdown
-<kvactors.integrations.vllm.manager.KvactorsOffloadingManager.shutdown>`. That
-path has a deadline: vLLM's frontend kills the engine core with SIGKILL once
-its ``--shutdown-timeout`` has passed (at once with the default 0: vllm 0.32
-sends SIGTERM and SIGKILL back to back), after a grace of several seconds in
-which the workers exit. So:
+vLLM stops its engine core on SIGTERM/SIGINT through its own handler.
+The handler sets a flag, and the busy loop ends.
+``EngineCore.shutdown`` then reaches the connector, and so
+:meth:`KvactorsOffloadingManager.shutdown <kvactors.integrations.vllm.manager.KvactorsOffloadingManager.shutdown>`.
+That path has a deadline.
+vLLM's frontend kills the engine core with SIGKILL once its ``--shutdown-timeout`` has passed,
+after a grace of several seconds in which the workers exit.
+With the default of 0 that happens at once, as vllm 0.32 sends SIGTERM and SIGKILL back to back.
+So this module does two things.
 
-* :func:`register` chains a handler in front of the process's SIGTERM and
-  SIGINT handlers (main thread only). It records that a stop signal came
-  (:func:`signalled`: the manager then stops within :data:`SIGNAL_STOP_BUDGET_S`
-  instead of its full ``transfer_timeout_s``-scale budget), then calls the
-  handler that was there (vLLM's, or Python's ``KeyboardInterrupt``): the
-  signal is never swallowed, and nothing is raised into kvactors' actors (they
-  run on their own threads; a handler runs on the main thread). Where no
-  handler was installed (``SIG_DFL``: an in-process engine in a script), the
-  process was about to die: the handler puts ``SIG_DFL`` back at once (a
-  second signal kills the process there and then), wakes a helper thread that
-  :func:`register` started (a handler starts and joins no thread: the thread it
-  interrupted may hold threading's own locks) and waits for it at most
-  :data:`SIGNAL_STOP_BUDGET_S` plus a margin; the helper stops the managers,
-  then the process dies of the same signal. A handler installed from C
-  (``signal.getsignal`` answers ``None``) is left alone.
-* It also stops every registered manager at the process's exit (a
-  ``multiprocessing`` finalizer with an ``exitpriority``: it runs in vLLM's
-  engine core and worker processes, forked or spawned, and, through the
-  ``atexit`` hook that ``multiprocessing.util`` registers, in a plain
-  interpreter), in case the engine's own shutdown path did not get to it (it
-  raised before).
+* :func:`register` chains a handler in front of the process's SIGTERM and SIGINT handlers (main thread only).
 
-SIGKILL cannot be handled: the shared pool's file is gone by then anyway
-(:mod:`kvactors.integrations.vllm.shm`); the event log of a killed manager
-ends without ``manager_stopped``, and ``kvactors check-log`` says
-INCONCLUSIVE, which is the truth.
+  - The handler records that a stop signal came (:func:`signalled`).
+    The manager then stops within :data:`SIGNAL_STOP_BUDGET_S` instead of its full
+    ``transfer_timeout_s``-scale budget.
+  - It then calls the handler that was there, vLLM's or Python's ``KeyboardInterrupt``.
+    So the signal is never swallowed.
+  - Nothing is raised into kvactors' actors.
+    They run on their own threads, and a handler runs on the main thread.
+  - Where no handler was installed (``SIG_DFL``), the process was about to die.
+    An in-process engine in a script is such a case.
+    The handler then puts ``SIG_DFL`` back at once, so that a second signal kills the process there and then.
+    It wakes a helper thread that :func:`register` started.
+    A handler starts and joins no thread, because the thread it interrupted may hold threading's own locks.
+    It waits for the helper at most :data:`SIGNAL_STOP_BUDGET_S` plus a margin.
+    The helper stops the managers, and then the process dies of the same signal.
+  - A handler installed from C (``signal.getsignal`` answers ``None``) is left alone.
+
+* It also stops every registered manager at the process's exit.
+  That covers the case where the engine's own shutdown path did not get to it, because it raised before.
+  It uses a ``multiprocessing`` finalizer with an ``exitpriority``.
+  The finalizer runs in vLLM's engine core and worker processes, forked or spawned.
+  It also runs in a plain interpreter, through the ``atexit`` hook that ``multiprocessing.util`` registers.
+
+SIGKILL cannot be handled.
+The shared pool's file is gone by then anyway (:mod:`kvactors.integrations.vllm.shm`).
+The event log of a killed manager ends without ``manager_stopped``.
+``kvactors check-log`` then says INCONCLUSIVE, which is the truth.
 """
 
 from __future__ import annotations
@@ -80,7 +83,10 @@ def signalled() -> bool:
 
 
 def stop_all() -> None:
-    """Stop every registered manager (idempotent; a manager's own failure is not raised)."""
+    """Stop every registered manager. Idempotent.
+
+    A manager's own failure is not raised.
+    """
     with _lock:
         managers = list(_managers)
     for manager in managers:
@@ -99,7 +105,10 @@ def _stop_then_die(wake: threading.Event, stopped: threading.Event) -> None:
 
 
 def _start_helper() -> None:
-    """The helper thread of this process (once per process: a forked child has none)."""
+    """The helper thread of this process.
+
+    It is started once per process, and a forked child has none.
+    """
     global _helper_pid, _wake, _stopped
     if _helper_pid == os.getpid():
         return
@@ -142,8 +151,11 @@ def _hook_signals() -> None:
 
 
 def register(manager: _Stoppable, *, hook_signals: bool = True) -> None:
-    """Stop ``manager`` at this process's exit, and (``hook_signals``) hook SIGTERM/SIGINT as the
-    module docstring says. Called by the spec for each manager it builds; any number of times."""
+    """Stop ``manager`` at this process's exit.
+
+    With ``hook_signals``, also hook SIGTERM/SIGINT as the module docstring says.
+    The spec calls it for each manager it builds, any number of times.
+    """
     global _exit_hooked_pid
     with _lock:
         _managers.add(manager)
@@ -157,8 +169,10 @@ def register(manager: _Stoppable, *, hook_signals: bool = True) -> None:
 
 
 def stop_budget(full_budget_s: float) -> float:
-    """The budget of a manager's stop: ``full_budget_s``, or at most :data:`SIGNAL_STOP_BUDGET_S`
-    once a stop signal came."""
+    """The budget of a manager's stop.
+
+    It is ``full_budget_s``, or at most :data:`SIGNAL_STOP_BUDGET_S` once a stop signal came.
+    """
     return min(full_budget_s, SIGNAL_STOP_BUDGET_S) if signalled() else full_budget_s
 
 

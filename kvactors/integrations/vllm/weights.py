@@ -1,50 +1,52 @@
 """A fingerprint of a model's weights and config, for the identity of its blocks.
 
-Blocks are keyed by what computed them: the same weights at another path must
-share blocks, other weights at the same path must never load them
-(:mod:`~kvactors.integrations.vllm.identity`). :func:`fingerprint_model` reads a
-model's folder in bounded time, whatever its size:
+Blocks are keyed by what computed them (:mod:`~kvactors.integrations.vllm.identity`).
+The same weights at another path must share blocks.
+Other weights at the same path must never load them.
+:func:`fingerprint_model` reads a model's folder in bounded time, whatever its size.
 
-* ``config.json`` (and the other small JSON files vLLM reads with the weights:
-  ``*.index.json``, ``params.json``): whole;
-* a safetensors file: its header whole (every tensor's name, dtype, shape and
-  offsets, and the metadata), its size, and :data:`SAMPLES` samples of
-  :data:`SAMPLE_BYTES` bytes spread evenly over every tensor's bytes (first and
-  last included; a tensor of at most ``SAMPLES * SAMPLE_BYTES`` bytes whole). A
-  fine-tune changes the tensors it touches densely, so a few ranges of each
-  tensor catch it, where a few ranges per file would not;
-* a torch zip checkpoint (``torch.save``'s format, ``.bin``/``.pt``/``.pth``):
-  its zip directory (every record's name, size and CRC-32, a checksum of the
-  record's whole content written by ``torch.save``) and the same samples of
-  every record;
-* any other file that holds weights (a pickle ``.bin``, ``.gguf``, a safetensors
-  file whose header cannot be read: see below): its whole SHA-256, computed once
-  and cached under ``$XDG_CACHE_HOME/kvactors/weights`` (``~/.cache/...``), keyed
-  by the file's real path, size and modification time: reused while they are
-  unchanged.
+* ``config.json`` is read whole.
+  So are the other small JSON files vLLM reads with the weights (``*.index.json``, ``params.json``).
+* A safetensors file gives its header whole, its size, and samples.
+  The header holds every tensor's name, dtype, shape and offsets, and the metadata.
+  The samples are :data:`SAMPLES` samples of :data:`SAMPLE_BYTES` bytes, spread evenly over every tensor's bytes.
+  The first and last bytes are included.
+  A tensor of at most ``SAMPLES * SAMPLE_BYTES`` bytes is read whole.
+  A fine-tune changes the tensors it touches densely.
+  So a few ranges of each tensor catch it, where a few ranges per file would not.
+* A torch zip checkpoint (``torch.save``'s format, ``.bin``/``.pt``/``.pth``) gives its zip directory,
+  and the same samples of every record.
+  The directory holds every record's name, size and CRC-32.
+  The CRC-32 is a checksum of the record's whole content, written by ``torch.save``.
+* Any other file that holds weights gives its whole SHA-256.
+  Such files are a pickle ``.bin``, a ``.gguf``, and a safetensors file whose header cannot be read (see below).
+  The hash is computed once and cached under ``$XDG_CACHE_HOME/kvactors/weights`` (``~/.cache/...``).
+  The cache is keyed by the file's real path, size and modification time.
+  An entry is reused while they are unchanged.
 
-What it reads: ``SAMPLES * SAMPLE_BYTES`` (16 KiB) per tensor plus the headers,
-whatever the checkpoint's size (about 5 MB for a 7B model of 300 tensors);
-other formats read every byte once, then nothing while their size and time hold.
+What it reads: ``SAMPLES * SAMPLE_BYTES`` (16 KiB) per tensor plus the headers, whatever the checkpoint's size.
+That is about 5 MB for a 7B model of 300 tensors.
+Other formats read every byte once, then nothing while their size and time hold.
 
-What it cannot see: a change of a tensor's bytes that leaves its dtype, shape,
-and all of its sampled ranges as they were: a change confined to bytes between
-the samples of each tensor it touches (an edit of a few elements, a sparse
-update, a tensor rewritten in place with the same first and last 4 KiB and the
-same two ranges between); a safetensors header and samples forged to match. A
-fine-tune, a re-quantization, another revision: each rewrites its tensors
-throughout, and is seen. For those rare cases, ``model_id`` names the weights
-explicitly.
+What it cannot see is a change of a tensor's bytes that leaves its dtype, shape, and all of its sampled
+ranges as they were.
+That is a change confined to bytes between the samples of each tensor it touches.
+Examples are an edit of a few elements, a sparse update, or a tensor rewritten in place
+with the same first and last 4 KiB and the same two ranges between.
+A safetensors header and samples forged to match are not seen either.
+A fine-tune, a re-quantization or another revision rewrites its tensors throughout, and is seen.
+For the rare cases, ``model_id`` names the weights explicitly.
 
-Hostile or broken files never crash the engine: a safetensors header that is
-cut short, not JSON, larger than :data:`MAX_HEADER_BYTES` or whose offsets lie
-outside the file is fingerprinted by the whole file's hash instead (the same
-fallback as other formats), and a folder with no weights (or that cannot be
-read) is a :class:`FingerprintError`, which the caller turns into the fallback
-it documents (the identity by name, with a warning).
+Hostile or broken files never crash the engine.
+A safetensors header may be cut short, not JSON, or larger than :data:`MAX_HEADER_BYTES`.
+Its offsets may lie outside the file.
+Such a file is fingerprinted by the whole file's hash instead, the same fallback as other formats.
+A folder with no weights, or that cannot be read, is a :class:`FingerprintError`.
+The caller turns that into the fallback it documents, the identity by name with a warning.
 
-Plain code, no vLLM import. Threading: pure functions; the cache is written
-atomically (a temporary file, then a rename), so concurrent engines may share it.
+Plain code, with no vLLM import.
+Threading: pure functions.
+The cache is written atomically (a temporary file, then a rename), so concurrent engines may share it.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class FingerprintError(ValueError):
 
 @dataclass(frozen=True)
 class FileDigest:
-    """One file's part of the fingerprint: its digest, how it was taken, bytes read for it."""
+    """One file's part of the fingerprint: its digest, how it was taken, and the bytes read for it."""
 
     name: str
     digest: str
@@ -104,7 +106,10 @@ class FileDigest:
 
 @dataclass(frozen=True)
 class WeightsFingerprint:
-    """The fingerprint of a model folder: ``digest`` (hex SHA-256) over every file's part."""
+    """The fingerprint of a model folder.
+
+    ``digest`` is a hex SHA-256 over every file's part.
+    """
 
     digest: str
     files: tuple[FileDigest, ...]
@@ -116,7 +121,7 @@ class WeightsFingerprint:
         return sum(f.bytes_read for f in self.files)
 
     def describe(self) -> dict[str, Any]:
-        """For the log: the digest, the files, how each was read, bytes and seconds."""
+        """The digest, the files, how each was read, bytes and seconds, for the log."""
         methods: dict[str, int] = {}
         for f in self.files:
             methods[f.method] = methods.get(f.method, 0) + 1
@@ -142,9 +147,11 @@ class _Reader:
 
 
 def sample_offsets(start: int, end: int) -> list[tuple[int, int]]:
-    """``(offset, size)`` of the samples of the bytes ``[start, end)``: the whole range when it is at
-    most ``SAMPLES * SAMPLE_BYTES``, else ``SAMPLES`` ranges of ``SAMPLE_BYTES`` from the first
-    byte to the last, evenly spread."""
+    """``(offset, size)`` of the samples of the bytes ``[start, end)``.
+
+    When the range is at most ``SAMPLES * SAMPLE_BYTES``, it is sampled whole.
+    Otherwise there are ``SAMPLES`` ranges of ``SAMPLE_BYTES``, evenly spread from the first byte to the last.
+    """
     length = end - start
     if length <= SAMPLES * SAMPLE_BYTES:
         return [(start, length)] if length > 0 else []
@@ -157,8 +164,11 @@ class _BadHeader(Exception):
 
 
 def _safetensors_digest(path: str, size: int) -> tuple[str, int]:
-    """The digest of a safetensors file: header, size and samples of every tensor. ``_BadHeader``
-    if its header is cut short, too large, not a JSON object of tensors, or points outside it."""
+    """The digest of a safetensors file: header, size and samples of every tensor.
+
+    Raises ``_BadHeader`` if its header is cut short, too large, or not a JSON object of tensors.
+    It also raises it if the header points outside the file.
+    """
     h = hashlib.sha256(b"safetensors\0")
     with open(path, "rb") as f:
         r = _Reader(f)
@@ -197,8 +207,10 @@ def _safetensors_digest(path: str, size: int) -> tuple[str, int]:
 
 
 def _torch_zip_digest(path: str) -> tuple[str, int]:
-    """The digest of a torch zip checkpoint: its directory (names, sizes, CRC-32s) and samples of
-    every record. ``zipfile.BadZipFile`` (or ``OSError``) if it is not one."""
+    """The digest of a torch zip checkpoint: its directory (names, sizes, CRC-32s) and samples of every record.
+
+    Raises ``zipfile.BadZipFile`` (or ``OSError``) if it is not one.
+    """
     h = hashlib.sha256(b"torch-zip\0")
     read = 0
     with zipfile.ZipFile(path) as z:
@@ -218,15 +230,20 @@ def _torch_zip_digest(path: str) -> tuple[str, int]:
 
 
 def cache_dir() -> str:
-    """Where whole-file hashes are kept: ``$XDG_CACHE_HOME/kvactors/weights`` (``~/.cache`` without it)."""
+    """Where whole-file hashes are kept, ``$XDG_CACHE_HOME/kvactors/weights``.
+
+    Without ``$XDG_CACHE_HOME``, ``~/.cache`` stands in for it.
+    """
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kvactors", "weights")
 
 
 def _whole_file_digest(path: str, st: os.stat_result, cache: str | None) -> tuple[str, int, str]:
-    """SHA-256 of the whole file, through the cache keyed by (real path, size, mtime):
-    ``(digest, bytes read, "whole" | "whole-cached")``. A cache that cannot be read or
-    written is skipped (the hash is still right)."""
+    """SHA-256 of the whole file, through the cache keyed by (real path, size, mtime).
+
+    Returns ``(digest, bytes read, "whole" | "whole-cached")``.
+    A cache that cannot be read or written is skipped, and the hash is still right.
+    """
     real = os.path.realpath(path)
     key = {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     entry = None
@@ -260,9 +277,12 @@ def _whole_file_digest(path: str, st: os.stat_result, cache: str | None) -> tupl
 
 
 def weight_files(folder: str) -> list[str]:
-    """The files of ``folder`` (top level, sorted) that hold its weights and config, as vLLM picks
-    them: the safetensors files if any, else the ``.bin``/``.pt``/``.pth`` files; ``.gguf`` files;
-    the config and index JSON files."""
+    """The files of ``folder`` (top level, sorted) that hold its weights and config, as vLLM picks them.
+
+    * The safetensors files if any, else the ``.bin``/``.pt``/``.pth`` files.
+    * The ``.gguf`` files.
+    * The config and index JSON files.
+    """
     names = sorted(os.listdir(folder))
     files = [n for n in names if os.path.isfile(os.path.join(folder, n))]
     safetensors = [n for n in files if n.endswith(".safetensors")]
@@ -317,10 +337,12 @@ def fingerprint_files(paths: Iterable[str], *, cache: str | None = None) -> Weig
 
 
 def fingerprint_model(location: str, *, cache: str | None = None) -> WeightsFingerprint:
-    """The fingerprint of the model at ``location``: a folder (its :func:`weight_files`) or one
-    weights file (a ``.gguf``, say). ``cache``: the whole-file hashes' folder (default
-    :func:`cache_dir`). ``FingerprintError`` if ``location`` is neither, holds no weights, or a
-    file cannot be read."""
+    """The fingerprint of the model at ``location``.
+
+    ``location`` is a folder (its :func:`weight_files`) or one weights file (a ``.gguf``, say).
+    ``cache`` is the whole-file hashes' folder, by default :func:`cache_dir`.
+    Raises ``FingerprintError`` if ``location`` is neither, holds no weights, or a file cannot be read.
+    """
     if cache is None:
         cache = cache_dir()
     if os.path.isdir(location):
@@ -335,10 +357,13 @@ def fingerprint_model(location: str, *, cache: str | None = None) -> WeightsFing
 
 
 def resolve_model_folder(name: str, *, revision: str | None = None, download_dir: str | None = None) -> str | None:
-    """The local folder (or file) of vLLM's model ``name``: ``name`` itself when it exists here, else
-    the snapshot of the hub model ``name`` (at ``revision``) in the Hugging Face cache, if
-    ``huggingface_hub`` is installed and the snapshot is there (vLLM downloads it before the
-    engine's connector starts); None if neither."""
+    """The local folder (or file) of vLLM's model ``name``, or None if there is none.
+
+    That is ``name`` itself when it exists here.
+    Otherwise it is the snapshot of the hub model ``name`` (at ``revision``) in the Hugging Face cache.
+    That takes ``huggingface_hub`` installed and the snapshot there.
+    vLLM downloads it before the engine's connector starts.
+    """
     if os.path.exists(name):
         return name
     try:
@@ -354,12 +379,16 @@ def resolve_model_folder(name: str, *, revision: str | None = None, download_dir
 
 def model_fingerprint(name: str, vllm_config: Any | None, *, model_id: str | None,
                       identity_by: IdentityBy) -> str | None:
-    """The fingerprint (hex) of the weights and config of vLLM's model ``name``, for the blocks'
-    identity; None when the model is named otherwise (``model_id`` set, ``identity_by`` NAME) or,
-    with a ``weights_fingerprint_failed`` warning (kvactors' log and vLLM's), when the weights
-    cannot be read: the identity then falls back to the model's name, as before fingerprints.
-    ``vllm_config`` (the engine's ``VllmConfig``, or None) gives the hub revision and download
-    folder. Never raises: a broken checkpoint is vLLM's to report, not kvactors' to stop the engine."""
+    """The fingerprint (hex) of the weights and config of vLLM's model ``name``, for the blocks' identity.
+
+    It is None when the model is named otherwise (``model_id`` set, ``identity_by`` NAME).
+    It is also None when the weights cannot be read.
+    A ``weights_fingerprint_failed`` warning then goes to kvactors' log and to vLLM's.
+    The identity then falls back to the model's name, as before fingerprints.
+    ``vllm_config`` (the engine's ``VllmConfig``, or None) gives the hub revision and download folder.
+    Never raises.
+    A broken checkpoint is vLLM's to report, not kvactors' reason to stop the engine.
+    """
     if model_id is not None or identity_by is IdentityBy.NAME:
         return None
     from kvactors.logs import component_logger
