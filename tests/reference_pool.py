@@ -2,8 +2,9 @@
 optimized :class:`~kvactors.core.pool.BlockPool` is compared with (tests/test_pool_model.py).
 
 Kept as it was, not maintained: straightforward per-key code (a ``LoadPins`` per
-pinned key, a ``(writer, key)`` tuple per pending write, helpers per row).
-Its :meth:`ReferencePool.snapshot` has the same shape as ``BlockPool.snapshot``.
+pinned key, a ``(writer, key)`` tuple per pending write, helpers per row), and the
+policy called by key (the pool binds it to its rows; LRU and its row form evict alike).
+Its :meth:`ReferencePool.snapshot` has the same shape as ``tests.pool_check.snapshot``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 
 from kvactors.core.policies.base import EvictionPolicy
-from kvactors.core.policies.row_lru import RowLRUPolicy
-from kvactors.core.pool_check import eviction_order
 from kvactors.core.pool_types import Identity, PoolError, Rewrite, StoreOutcome, StorePlan, Writer
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
 
@@ -94,30 +93,20 @@ class ReferencePool:
         self._n_pinned = 0
         self._detached: set[int] = set()  # unindexed rows that are still busy
         self.evicted_keys = 0  # a counter for metrics: ready keys evicted to make room
-        # A policy that can order rows itself (LRU) does so through our index
-        # instead of keeping its own map of keys; the hot paths then call it by row.
-        self._rows: RowLRUPolicy | None = None
-        bind_rows = getattr(policy, "bind_rows", None)
-        if callable(bind_rows):
-            self._rows = bind_rows(self._index.get, self._keys, num_blocks)
-            self._policy = self._rows
 
     # ------------------------------------------------------------------ queries
 
     def lookup(self, keys: Iterable[OffloadKey]) -> list[LookupResult]:
         """``HIT`` (ready), ``HIT_PENDING`` (being written) or ``MISS`` per key; hits count as uses."""
         results = []
-        index_get, ready, rows = self._index.get, self._ready, self._rows
+        index_get, ready = self._index.get, self._ready
         miss, hit, pending = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
         for key in keys:
             row = index_get(key)
             if row is None:
                 results.append(miss)
             elif ready[row]:
-                if rows is not None:
-                    rows.access_row(row)
-                else:
-                    self._policy.access(key)
+                self._policy.access(key)
                 results.append(hit)
             else:
                 results.append(pending)
@@ -445,7 +434,7 @@ class ReferencePool:
             self._pins.tolist(), self._holds.tolist(), list(self._free), dict(self._pending_writes),
             {k: (dict(v.rows), v.owed) for k, v in self._load_pins.items()}, dict(self._job_pins),
             dict(self._held_jobs),
-            dict(self._promotions), eviction_order(self), set(self._detached),  # type: ignore[arg-type]
+            dict(self._promotions), self._policy.snapshot(), set(self._detached),
             {pair: (tuple(r.stale_rows), r.ended, r.ok) for pair, r in self._rewrites.items()},
         )
 
@@ -507,10 +496,7 @@ class ReferencePool:
     def _unindex(self, row: int) -> None:
         key = self._keys[row]
         assert key is not None and self._indexed[row]
-        if self._rows is not None:
-            self._rows.discard_row(row)
-        else:
-            self._policy.discard(key)
+        self._policy.discard(key)
         del self._index[key]
         self._indexed[row] = 0
         if self._ready[row]:
@@ -536,12 +522,9 @@ class ReferencePool:
     def _pin(self, row: int) -> None:
         if self._pins[row] == 0:
             self._n_pinned += 1
-            if self._rows is not None:
-                self._rows.discard_row(row)
-            else:
-                key = self._keys[row]
-                if key is not None:
-                    self._policy.discard(key)
+            key = self._keys[row]
+            if key is not None:
+                self._policy.discard(key)
         self._pins[row] += 1
 
     def _unpin(self, row: int) -> None:
@@ -556,10 +539,7 @@ class ReferencePool:
             return
         key = self._keys[row]
         if self._indexed[row]:
-            if self._rows is not None:
-                if self._ready[row]:
-                    self._rows.add_row(row)
-            elif self._ready[row] and key is not None and key not in self._policy:
+            if self._ready[row] and key is not None and key not in self._policy:
                 self._policy.add(key)
         elif key is not None:
             # Unindexed and idle: nobody can reach or touch this row any more.

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvactors import LookupResult, OffloadingEvent
-from kvactors.core import pool_check
-from kvactors.core.policies import LRUPolicy, make_policy
+from kvactors.core.policies import KeyedRowPolicy, LRUPolicy, make_policy
 from kvactors.core.pool import BlockPool, PoolError
+from tests import pool_check
 
 A, B = ("a", 0), ("b", 0)
 
@@ -635,10 +635,12 @@ TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, de
 
 
 class _KeyLRU(LRUPolicy):
-    """The standalone (OrderedDict) LRU: the pool cannot bind it to its rows."""
+    """The standalone (OrderedDict) LRU, seen by the pool through its keys (as ARC is)."""
 
     __slots__ = ()
-    bind_rows = None  # type: ignore[assignment]
+
+    def bind_rows(self, row_of, key_of, num_rows):  # type: ignore[no-untyped-def, override]
+        return KeyedRowPolicy(self, row_of, key_of)
 
 
 class _Twin:
@@ -663,7 +665,8 @@ class _Twin:
 
 
 class RowLRUMachine(PoolMachine):
-    """The pool with its row-bound LRU behaves exactly as with the OrderedDict LRU."""
+    """The pool with LRU kept through its rows behaves exactly as with the OrderedDict LRU
+    seen through its keys."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -5,13 +5,14 @@ Every operation runs on both pools; their answers (or errors), their whole state
 after each step. The operations include what the fast paths leave to the general
 ones: duplicate keys, double pins, pins on two rows after a reset, releases owed,
 unknown keys, failed stores, detached writes, evictions that must spare a call's
-keys, cascade and promotion jobs that hold rows. With a policy bound to rows (LRU),
-one by key (ARC), and a recording LRU by key whose calls must be the same in both.
+keys, cascade and promotion jobs that hold rows. With a policy kept through the rows
+(LRU), one seen through its keys (ARC), and a recording LRU seen through its keys, as ARC
+is, whose changes must be the same in both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import pytest
@@ -19,9 +20,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvactors.core import pool_check
-from kvactors.core.policies import ARCPolicy, LRUPolicy
+from kvactors.core.policies import ARCPolicy, KeyedRowPolicy, LRUPolicy
 from kvactors.core.pool import BlockPool, PoolError
+from tests import pool_check
 from tests.reference_pool import ReferencePool
 
 KEYS = [bytes([65 + i]) * 2 for i in range(9)]
@@ -31,13 +32,17 @@ key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
 
 
 class RecordingLRU(LRUPolicy):
-    """LRU by key (no ``bind_rows``: the pool takes its by-key paths) that logs every change."""
-
-    bind_rows = None  # type: ignore[assignment]
+    """LRU by key, seen by the pool through :class:`KeyedRowPolicy` (as ARC is), that logs every
+    change: every ``add`` and ``victim``, and each ``access`` or ``discard`` of a key it tracks
+    (of another key, a no-op by the protocol, the pool by row makes some the reference does not)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, object]] = []
+
+    def bind_rows(self, row_of: Callable[[bytes], int | None], key_of: Sequence[bytes | None],
+                  num_rows: int) -> KeyedRowPolicy:  # type: ignore[override]
+        return KeyedRowPolicy(self, row_of, key_of)
 
     def add(self, key: bytes) -> None:
         self.calls.append(("add", key))
@@ -45,11 +50,13 @@ class RecordingLRU(LRUPolicy):
         super().add(key)
 
     def access(self, key: bytes) -> None:
-        self.calls.append(("access", key))
+        if key in self:
+            self.calls.append(("access", key))
         super().access(key)
 
     def discard(self, key: bytes) -> None:
-        self.calls.append(("discard", key))
+        if key in self:
+            self.calls.append(("discard", key))
         super().discard(key)
 
     def victim(self, exclude: Collection[bytes] = ()) -> bytes | None:
@@ -63,7 +70,8 @@ POLICIES: dict[str, Callable[[], Any]] = {"lru": LRUPolicy, "arc": lambda: ARCPo
 def eviction_order(pool: Any) -> object:
     """What the pool's policy would evict next, in order (without changing it), and the calls a
     recording policy saw."""
-    calls = getattr(pool._policy, "calls", None)
+    policy = pool._policy
+    calls = getattr(getattr(policy, "policy", policy), "calls", None)  # the key policy a KeyedRowPolicy adapts
     return pool_check.eviction_order(pool), calls
 
 

@@ -93,11 +93,7 @@ def test_planted_pins_that_do_not_protect_rows(monkeypatch: pytest.MonkeyPatch) 
 
         def pinned(pool: BlockPool, *args):  # type: ignore[no-untyped-def]
             rows = pin(pool, *args)
-            for row in rows:
-                if pool._rows is not None:
-                    pool._rows.add_row(row)
-                else:
-                    pool._policy.add(pool._keys[row])
+            pool._policy.add_rows(rows)
             return rows
 
         return pinned
@@ -208,9 +204,8 @@ def test_planted_repin_booked_on_the_old_row(monkeypatch: pytest.MonkeyPatch) ->
                 entry.rows[next(iter(entry.rows))] += 1  # the bug: booked on the row of the first pin
             if pool._pins[row] == 0:  # BlockPool's pin of one row
                 pool._n_pinned += 1
-                pool._policy.discard(key)
+                pool._policy.discard_row(row)
             pool._pins[row] += 1
-            pool._policy.access(key)
         return tuple(rows)
 
     monkeypatch.setattr(BlockPool, "pin_for_load", pin_on_first_row)

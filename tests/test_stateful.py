@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvactors import JobResult, LifecycleError, MemoryTier, ReqContext, TieringManager, TransferJob
-from kvactors.core import pool_check
 from kvactors.testing import SimRuntime
+from tests import pool_check
 from tests.support import RecordingTier
 
 KEYS = [f"k{n}".encode() for n in range(8)]

@@ -41,7 +41,6 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from kvactors.core.events import EventBuffer
 from kvactors.core.load_pins import LoadPinBook, LoadPins
 from kvactors.core.policies.base import EvictionPolicy
-from kvactors.core.policies.row_lru import RowLRUPolicy
 from kvactors.core.pool_types import (
     Identity,
     PinOwner,
@@ -60,11 +59,13 @@ __all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "St
 class BlockPool:
     """Block states, pins and eviction for ``num_blocks`` rows.
 
-    The per-request calls (``prepare_store``, ``complete_store``,
-    ``pin_for_load``, ``unpin_load``, ``lookup``, and a cascade's
-    ``pin_for_job`` and ``end_job``) do their per-key work in
-    loops over locals and call the row-bound policy once per call; the helpers
-    (``_unpin``, ``_settle``, ...) serve the rarer paths. Both keep the same state.
+    The eviction policy is bound to the rows (:meth:`EvictionPolicy.bind_rows
+    <kvactors.core.policies.base.EvictionPolicy.bind_rows>`), and the pool speaks to every
+    policy alike, by row. The per-request calls (``prepare_store``, ``complete_store``,
+    ``pin_for_load``, ``unpin_load``, ``lookup``, and a cascade's ``pin_for_job`` and
+    ``end_job``) do their per-key work in loops over locals and call the policy once per
+    call. The helpers (``_unpin``, ``_settle``, ...) serve the rarer paths. Both keep the
+    same state.
     """
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy, tier: str = PRIMARY_TIER_NAME, *,
@@ -75,7 +76,6 @@ class BlockPool:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.tier = tier
-        self._policy = policy
         self._index: dict[OffloadKey, int] = {}
         self._keys: list[OffloadKey | None] = [None] * num_blocks
         self._indexed = bytearray(num_blocks)
@@ -101,20 +101,14 @@ class BlockPool:
         self._n_pinned = 0
         self._detached: set[int] = set()  # unindexed rows that are still busy
         self.evicted_keys = 0  # a counter for metrics: ready keys evicted to make room
-        # A policy that can order rows itself (LRU) does so through our index
-        # instead of keeping its own map of keys; the hot paths then call it by row.
-        self._rows: RowLRUPolicy | None = None
-        bind_rows = getattr(policy, "bind_rows", None)
-        if callable(bind_rows):
-            self._rows = bind_rows(self._index.get, self._keys, num_blocks)
-            self._policy = self._rows
+        self._policy = policy.bind_rows(self._index.get, self._keys, num_blocks)
 
     # ------------------------------------------------------------------ queries
 
     def lookup(self, keys: Iterable[OffloadKey]) -> list[LookupResult]:
         """``HIT`` (ready), ``HIT_PENDING`` (being written) or ``MISS`` per key; hits count as uses."""
         results = []
-        index_get, ready, rows = self._index.get, self._ready, self._rows
+        index_get, ready = self._index.get, self._ready
         miss, hit, pending = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
         hits = []
         for key in keys:
@@ -122,26 +116,17 @@ class BlockPool:
             if row is None:
                 results.append(miss)
             elif ready[row]:
-                if rows is not None:
-                    hits.append(row)
-                else:
-                    self._policy.access(key)
+                hits.append(row)
                 results.append(hit)
             else:
                 results.append(pending)
         if hits:
-            rows.access_rows(hits)  # type: ignore[union-attr]  # hits only with a row policy
+            self._policy.access_rows(hits)
         return results
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Mark ``keys`` as used (those that are present)."""
-        rows = self._rows
-        if rows is not None:
-            index_get = self._index.get
-            rows.access_rows([row for row in map(index_get, keys) if row is not None])
-            return
-        for key in keys:
-            self._policy.access(key)
+        self._policy.access_rows([row for row in map(self._index.get, keys) if row is not None])
 
     def row_of(self, key: OffloadKey) -> int | None:
         """The row ``key`` is indexed at, if any."""
@@ -242,11 +227,9 @@ class BlockPool:
 
     def eviction_candidates(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """The keys a :meth:`prepare_store` of ``keys`` would evict now (oldest first), changing
-        nothing; empty when the free rows suffice. Only with the row-bound LRU policy (an empty
-        list with another): the write-back admission asks it before a store
+        nothing; empty when the free rows suffice, or when the policy cannot tell (ARC: see
+        :attr:`peeks_victims`). The write-back admission asks it before a store
         (:mod:`kvactors.core.admission`)."""
-        if self._rows is None:
-            return []
         index = self._index
         unique = dict.fromkeys(keys)
         new = sum(1 for key in unique if key not in index)
@@ -254,13 +237,13 @@ class BlockPool:
         if shortfall <= 0:
             return []
         present = [key for key in unique if key in index]
-        rows = self._rows.peek_victims(shortfall, self._spared(present))
-        return [self._keys[row] for row in rows]  # type: ignore[misc]  # linked rows hold their keys
+        rows = self._policy.peek_victims(shortfall, self._spared(present))
+        return [self._keys[row] for row in rows]  # type: ignore[misc]  # evictable rows hold their keys
 
     @property
     def peeks_victims(self) -> bool:
-        """Whether :meth:`eviction_candidates` can answer (the row-bound LRU policy)."""
-        return self._rows is not None
+        """Whether :meth:`eviction_candidates` can answer (with LRU, not with ARC)."""
+        return self._policy.peeks
 
     def complete_store(self, keys: Sequence[OffloadKey], writer: Identity, success: bool) -> StoreOutcome:
         """End ``writer``'s writes of ``keys``: ready on success, removed on failure.
@@ -287,7 +270,6 @@ class BlockPool:
             for key in keys:
                 del mine[key]
         writers, indexed, ready = self._writer, self._indexed, self._ready
-        rows_policy = self._rows
         # A store's row has no pins or holds (nobody else reaches a row not ready),
         # so every row that becomes ready here is evictable (what _settle decides).
         all_live = False
@@ -305,13 +287,7 @@ class BlockPool:
                 all_live = True
         if all_live:
             stored = tuple(keys)
-            if rows_policy is not None:
-                rows_policy.add_rows(rows)
-            else:
-                policy = self._policy
-                for key in stored:
-                    if key not in policy:
-                        policy.add(key)
+            self._policy.add_rows(rows)
             self._n_pending -= len(stored)
             self._n_ready += len(stored)
             self._events.add(stored, False)
@@ -390,24 +366,15 @@ class BlockPool:
         """
         rows = self._ready_rows(keys)
         self._pin_book.book(owner, keys, rows)
-        pins, rows_policy = self._pins, self._rows
+        pins = self._pins
         newly = 0
-        if rows_policy is not None:
-            for row in rows:
-                if not pins[row]:
-                    newly += 1
-                pins[row] += 1
-            # A row pinned before was not evictable, so discarding every row is what
-            # a pin of one row does; and access(key) is a no-op for a row no longer linked.
-            rows_policy.discard_rows(rows)
-        else:
-            policy, keys_of = self._policy, self._keys
-            for key, row in zip(keys, rows, strict=True):
-                if not pins[row]:
-                    newly += 1
-                    policy.discard(keys_of[row])  # type: ignore[arg-type]  # a ready row has its key
-                pins[row] += 1
-                policy.access(key)
+        for row in rows:
+            if not pins[row]:
+                newly += 1
+            pins[row] += 1
+        # A row pinned before was not evictable, so discarding every row is what a pin of
+        # one row does. A pinned row is not evictable: a use of it would change nothing.
+        self._policy.discard_rows(rows)
         self._n_pinned += newly
         return tuple(rows)
 
@@ -429,7 +396,6 @@ class BlockPool:
         """
         rows = self._pin_book.take(owner, keys)
         pins, writers, holds, indexed, ready = self._pins, self._writer, self._holds, self._indexed, self._ready
-        rows_policy = self._rows
         unpinned = 0
         evictable: list[int] = []
         for row in rows:
@@ -443,15 +409,12 @@ class BlockPool:
                 continue  # still busy
             if indexed[row]:
                 if ready[row]:
-                    if rows_policy is not None:
-                        evictable.append(row)
-                    else:
-                        self._settle(row)
+                    evictable.append(row)
             else:
                 self._settle(row)  # detached and idle now: freed
         self._n_pinned -= unpinned
         if evictable:
-            rows_policy.add_rows(evictable)  # type: ignore[union-attr]  # only with a row policy
+            self._policy.add_rows(evictable)
 
     # ------------------------------------------------------------------ promotions
 
@@ -520,16 +483,13 @@ class BlockPool:
             raise PoolError(f"job {job_id} already pins rows")
         rows = tuple(self._ready_rows(keys))
         # A pin per row, in one loop (a pin per key of every cascade: a hot path).
-        pins, rows_policy = self._pins, self._rows
+        pins = self._pins
         newly = 0
         for row in rows:
             if not pins[row]:
                 newly += 1
-                if rows_policy is None:
-                    self._policy.discard(self._keys[row])  # type: ignore[arg-type]  # a ready row has its key
             pins[row] += 1
-        if rows_policy is not None:
-            rows_policy.discard_rows(rows)  # a row pinned before is not linked: a no-op for it
+        self._policy.discard_rows(rows)  # a row pinned before is not tracked: a no-op for it
         self._n_pinned += newly
         self._job_pins[job_id] = rows
         return rows
@@ -551,10 +511,9 @@ class BlockPool:
             for row in rows:
                 self._settle(row)
             return True
-        # _unpin then _settle, row by row, in one loop; the rows that become evictable go to
-        # the row policy in one call, in order (the other outcomes of _settle add none to it).
+        # _unpin then _settle, row by row, in one loop. The rows that become evictable go to
+        # the policy in one call, in order (the other outcomes of _settle add none to it).
         pins, holds, writers, indexed, ready = self._pins, self._holds, self._writer, self._indexed, self._ready
-        rows_policy = self._rows
         freed = 0
         evictable = []
         for row in rows:
@@ -563,13 +522,13 @@ class BlockPool:
             if pins[row]:
                 continue
             freed += 1
-            if rows_policy is not None and indexed[row] and ready[row] and writers[row] is None and not holds[row]:
+            if indexed[row] and ready[row] and writers[row] is None and not holds[row]:
                 evictable.append(row)
             else:
                 self._settle(row)
         self._n_pinned -= freed
         if evictable:
-            rows_policy.add_rows(evictable)  # type: ignore[union-attr]  # only filled with a row policy
+            self._policy.add_rows(evictable)
         return True
 
     def release_hold(self, job_id: int) -> bool:
@@ -625,12 +584,12 @@ class BlockPool:
         key = next(key for key, row in zip(keys, rows, strict=True) if row is None or not ready[row])
         raise PoolError(f"key {key.hex()[:16]} is not ready in the pool")
 
-    def _spared(self, present: Sequence[OffloadKey]) -> frozenset[OffloadKey]:
-        """The evictable keys among a call's ``present`` ones: eviction must spare them."""
+    def _spared(self, present: Sequence[OffloadKey]) -> frozenset[int]:
+        """The evictable rows of a call's ``present`` keys: eviction must spare them."""
         if not present:
             return frozenset()
-        policy = self._policy
-        return frozenset(key for key in present if key in policy)
+        has_row = self._policy.has_row
+        return frozenset([row for row in map(self._index.__getitem__, present) if has_row(row)])
 
     def _make_ready(self, row: int) -> None:
         self._ready[row] = 1
@@ -640,10 +599,7 @@ class BlockPool:
     def _unindex(self, row: int) -> None:
         key = self._keys[row]
         assert key is not None and self._indexed[row]
-        if self._rows is not None:
-            self._rows.discard_row(row)
-        else:
-            self._policy.discard(key)
+        self._policy.discard_row(row)
         del self._index[key]
         self._indexed[row] = 0
         if self._ready[row]:
@@ -653,15 +609,6 @@ class BlockPool:
         self._ready[row] = 0
         if self._busy(row):
             self._detached.add(row)
-
-    def _evict_one(self, spare: frozenset[OffloadKey] = frozenset()) -> OffloadKey:
-        key = self._policy.victim(spare)
-        assert key is not None, "caller checked there is an evictable key"
-        row = self._index[key]
-        assert self._ready[row] and not self._busy(row), "the policy only holds evictable keys"
-        self._unindex(row)
-        self._settle(row)
-        return key
 
     def _busy(self, row: int) -> bool:
         return self._writer[row] is not None or self._pins[row] > 0 or self._holds[row] > 0
@@ -676,14 +623,10 @@ class BlockPool:
         """Put ``row`` where its state says: the policy, the free list, or neither."""
         if self._busy(row):
             return
-        key = self._keys[row]
         if self._indexed[row]:
-            if self._rows is not None:
-                if self._ready[row]:
-                    self._rows.add_row(row)
-            elif self._ready[row] and key is not None and key not in self._policy:
-                self._policy.add(key)
-        elif key is not None:
+            if self._ready[row]:
+                self._policy.add_row(row)
+        elif self._keys[row] is not None:
             # Unindexed and idle: nobody can reach or touch this row any more.
             self._keys[row] = None
             self._detached.discard(row)
@@ -703,27 +646,24 @@ class BlockPool:
         shortfall = count - len(free)
         evicted: tuple[OffloadKey, ...] = ()
         keys_of, indexed, ready, writers, index = self._keys, self._indexed, self._ready, self._writer, self._index
-        rows_policy = self._rows
         if shortfall > 0:
             spare = self._spared(present)
-            if len(self._policy) - len(spare) < shortfall:
+            policy = self._policy
+            if len(policy) - len(spare) < shortfall:
                 return None
-            if rows_policy is not None:
-                # Evicted in one pass, and reused at once: every free row is taken
-                # with them, so they never pass through the free list.
-                victims = rows_policy.take_victims(shortfall, spare)
-                assert len(victims) == shortfall, "the caller checked there are enough evictable rows"
-                evicted = tuple([keys_of[row] for row in victims])  # type: ignore[misc]  # indexed: a key
-                for key in evicted:
-                    del index[key]
-                self._n_ready -= shortfall
-                taken = free + victims
-                free.clear()
-            else:
-                evicted = tuple(self._evict_one(spare) for _ in range(shortfall))
+            # Evicted in one pass, and reused at once: every free row is taken with them, so
+            # they never pass through the free list (and an evictable row is never detached).
+            victims = policy.take_victims(shortfall, spare)
+            assert len(victims) == shortfall, "the caller checked there are enough evictable rows"
+            evicted = tuple([keys_of[row] for row in victims])  # type: ignore[misc]  # indexed: a key
+            for key in evicted:
+                del index[key]
+            self._n_ready -= shortfall
+            taken = free + victims
+            free.clear()
             self.evicted_keys += shortfall
             self._events.add(evicted, True)
-        if rows_policy is None or shortfall <= 0:
+        else:
             cut = len(free) - count
             taken = free[cut:]
             del free[cut:]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvactors.core.policies.arc import ARCPolicy
-from kvactors.core.policies.base import EvictionPolicy
+from kvactors.core.policies.base import EvictionPolicy, RowPolicy
+from kvactors.core.policies.keyed import KeyedRowPolicy
 from kvactors.core.policies.lru import LRUPolicy
 from kvactors.core.policies.row_lru import RowLRUPolicy
 
@@ -19,4 +20,5 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {POLICIES}")
 
 
-__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "RowLRUPolicy", "make_policy"]
+__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "KeyedRowPolicy", "LRUPolicy", "RowLRUPolicy", "RowPolicy",
+           "make_policy"]

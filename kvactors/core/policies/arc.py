@@ -12,13 +12,17 @@ needs room.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 
+from kvactors.core.policies.keyed import KeyedRowPolicy
 from kvactors.types import OffloadKey
 
 
 class ARCPolicy:
-    """ARC with ghost lists bounded by ``capacity`` (the pool's block count)."""
+    """ARC with ghost lists bounded by ``capacity`` (the pool's block count).
+
+    Not thread-safe: it lives inside its pool.
+    """
 
     __slots__ = ("_b1", "_b2", "_capacity", "_p", "_t1", "_t2")
 
@@ -36,6 +40,13 @@ class ARCPolicy:
     def target_recent(self) -> float:
         """``p``: how many of the evictable keys ARC wants in ``T1``."""
         return self._p
+
+    def bind_rows(self, row_of: Callable[[OffloadKey], int | None],
+                  key_of: Sequence[OffloadKey | None], num_rows: int) -> KeyedRowPolicy:
+        """This policy, seen by the pool through its rows (:class:`KeyedRowPolicy`)."""
+        if len(self):
+            raise ValueError("bind_rows needs an empty policy")
+        return KeyedRowPolicy(self, row_of, key_of)
 
     def add(self, key: OffloadKey) -> None:
         if key in self._b1:
@@ -81,6 +92,10 @@ class ARCPolicy:
             # Trim the longer ghost list first, as ARC's directory bound does.
             longer = self._b1 if len(self._b1) >= len(self._b2) else self._b2
             longer.popitem(last=False)
+
+    def snapshot(self) -> tuple[object, ...]:
+        """``(p, T1, T2, B1, B2)``, each list oldest first."""
+        return self._p, tuple(self._t1), tuple(self._t2), tuple(self._b1), tuple(self._b2)
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

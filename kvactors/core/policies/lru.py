@@ -12,9 +12,8 @@ from kvactors.types import OffloadKey
 class LRUPolicy:
     """Evicts the key used least recently: an ``OrderedDict`` of keys, O(1) everywhere.
 
-    A pool that maps keys to rows itself asks :meth:`bind_rows` for the same order
-    kept through its rows instead (:class:`~kvactors.core.policies.row_lru.RowLRUPolicy`);
-    every answer is the same.
+    A pool keeps the same order through its rows instead (:meth:`bind_rows`). Every
+    answer is the same. Not thread-safe: it lives inside its pool.
     """
 
     __slots__ = ("_order",)
@@ -24,12 +23,10 @@ class LRUPolicy:
 
     def bind_rows(self, row_of: Callable[[OffloadKey], int | None],
                   key_of: Sequence[OffloadKey | None], num_rows: int) -> RowLRUPolicy:
-        """The same policy over rows, to use instead of this one (which must be empty):
-        ``row_of(key)`` is the row a tracked key is at, ``key_of[row]`` the key at a row
-        (see :class:`RowLRUPolicy`)."""
+        """The same order, kept through the pool's rows (:class:`RowLRUPolicy`), used instead of this one."""
         if self._order:
             raise ValueError("bind_rows needs an empty policy")
-        return RowLRUPolicy(row_of, key_of, num_rows)
+        return RowLRUPolicy(key_of, num_rows)
 
     def add(self, key: OffloadKey) -> None:
         self._order[key] = None
@@ -52,6 +49,10 @@ class LRUPolicy:
                 del self._order[key]  # and stop iterating at once
                 return key
         return None
+
+    def snapshot(self) -> tuple[object, ...]:
+        """The tracked keys, oldest first."""
+        return tuple(self._order)
 
     def __len__(self) -> int:
         return len(self._order)

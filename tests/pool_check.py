@@ -1,8 +1,8 @@
-"""The invariants of :class:`~kvactors.core.pool.BlockPool`, checked whole (for tests).
+"""The invariants of :class:`~kvactors.core.pool.BlockPool`, checked whole.
 
-Reads the pool's private state on purpose: it is the pool's own checker, kept apart
-because it is not on any operation's path. It imports the pool, never the reverse: tests
-call these functions on a pool (tools read :meth:`~kvactors.core.pool.BlockPool.holdings`).
+The pool's own checker, used by the tests only. It reads the pool's private state on
+purpose, and its policy only through the policy's public ``snapshot``, ``has_row`` and
+``check``. Tools read :meth:`~kvactors.core.pool.BlockPool.holdings` instead.
 """
 
 from __future__ import annotations
@@ -42,24 +42,8 @@ def snapshot(pool: BlockPool) -> tuple[object, ...]:
 
 
 def eviction_order(pool: BlockPool) -> tuple[object, ...]:
-    """The pool's eviction state, in order: a refused call must not even touch a key's recency.
-    (Duck-typed: the reference pool of the tests has the same fields.)"""
-    from kvactors.core.policies.arc import ARCPolicy
-    from kvactors.core.policies.lru import LRUPolicy
-
-    rows = pool._rows
-    if rows is not None:
-        order, row = [], rows._next[rows._tail]
-        while row != rows._tail:
-            order.append(pool._keys[row])
-            row = rows._next[row]
-        return tuple(order)
-    policy = pool._policy
-    if isinstance(policy, LRUPolicy):
-        return tuple(policy._order)
-    if isinstance(policy, ARCPolicy):
-        return policy._p, tuple(policy._t1), tuple(policy._t2), tuple(policy._b1), tuple(policy._b2)
-    return (len(policy),)
+    """The pool's eviction state, in order: a refused call must not even touch a key's recency."""
+    return pool._policy.snapshot()
 
 
 def check_invariants(pool: BlockPool) -> None:
@@ -119,9 +103,10 @@ def check_invariants(pool: BlockPool) -> None:
             assert bool(pool._ready[row]) == (pool._writer[row] is None), f"row {row}: ready vs writer"
             counts["ready" if pool._ready[row] else "pending"] += 1
             evictable = pool._ready[row] and not busy
-            assert (key in pool._policy) == bool(evictable), f"row {row}: policy membership"
+            assert pool._policy.has_row(row) == bool(evictable), f"row {row}: policy membership"
         else:
             assert busy, f"row {row} is unindexed and idle but not free"
+            assert not pool._policy.has_row(row), f"detached row {row} is evictable"
             assert row in pool._detached
             counts["detached"] += 1
         counts["pinned"] += pool._pins[row] > 0
@@ -130,5 +115,4 @@ def check_invariants(pool: BlockPool) -> None:
         counts["ready"], counts["pending"], counts["pinned"], counts["detached"])
     assert len(pool._policy) == sum(
         1 for row in pool._index.values() if pool._ready[row] and not pool._busy(row))
-    if pool._rows is not None:
-        pool._rows.check_links()
+    pool._policy.check()
