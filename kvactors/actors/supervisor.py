@@ -43,11 +43,24 @@ Everything else here serves the same contract: deadlines fail jobs that are
 not reported in time (their rows stay held until the late report, since the
 tier may still be touching them), per-tier queues bound the jobs in flight,
 and ``reset_cache`` zeroes the counts and finalizes finished requests while
-in-flight jobs drain. The books are plain classes in ``kvactors/core/``:
-:mod:`~kvactors.core.jobbook` (queues, slots, deadlines, held jobs, report
-routing), :mod:`~kvactors.core.lookupbook` (a lookup's fan-out and answers),
-:mod:`~kvactors.core.gathers` (rounds through every tier: events, barrier,
-shutdown), :mod:`~kvactors.core.tierwatch` (what each tier owes).
+in-flight jobs drain.
+
+The books are plain classes in ``kvactors/core/``; this actor routes facts to
+them and performs the steps they return.
+
+* :mod:`~kvactors.core.jobbook` keeps the queues, slots, deadlines, held jobs and report routing.
+* :mod:`~kvactors.core.lookupbook` keeps a lookup's fan-out and answers.
+* :mod:`~kvactors.core.gathers` keeps the rounds through every tier (events, barrier, shutdown).
+* :mod:`~kvactors.core.tierwatch` keeps what each tier owes.
+* :mod:`~kvactors.core.barriers` keeps the ``wait_idle`` barriers until no work holds them.
+* :mod:`~kvactors.core.resets` keeps the ``reset_cache`` calls until their jobs and round are over.
+* :mod:`~kvactors.core.shutdown` keeps the stop's phases (drain, the tiers' round, the reply).
+
+What any handler may bring about is acted on in one place,
+:meth:`LifecycleSupervisor.settle`, which the runtime calls after every
+message. It starts the barriers now due, begins the stop's shutdown round once
+nothing is waited for, and arms the next tick after one fired. A handler
+therefore never checks them itself, and a new one cannot forget to.
 
 Nothing here waits for a tier without a deadline
 ------------------------------------------------
@@ -100,8 +113,9 @@ GatherDone = Callable[[dict[str, tuple[Any, ...]], frozenset[str]], None]
 
 
 class LifecycleSupervisor(Actor):
-    """The supervisor: owns the lifecycle table, the job, lookup and gather books, and routes
-    messages between them, the primary and the tiers. Runs on one actor; see the module docstring."""
+    """The supervisor: owns the lifecycle table and the job, lookup, gather, barrier, reset and
+    stop books, and routes messages between them, the primary and the tiers. Runs on one actor;
+    see the module docstring."""
 
     name = "supervisor"
 
