@@ -52,10 +52,13 @@ class ShutdownRound:
 class Shutdown(Generic[R]):
     """One supervisor's stop, from its request to its reply; see the module docstring."""
 
-    __slots__ = ("_reply", "deadline", "grace_s", "phase")
+    __slots__ = ("_reply", "awaits_round", "deadline", "grace_s", "phase")
 
     def __init__(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         self.phase = ShutdownPhase.RUNNING
+        # The round has not begun yet: round_due must be asked after every change. A plain
+        # attribute, kept with the phase: the owner reads it after every message.
+        self.awaits_round = False
         self.grace_s = grace_s
         self.deadline = 0.0
         self._reply: R | None = None
@@ -72,6 +75,7 @@ class Shutdown(Generic[R]):
         if self.phase is not ShutdownPhase.RUNNING:
             raise ValueError(f"a stop is {self.phase.value} already")
         self.phase = ShutdownPhase.DRAINING
+        self.awaits_round = True
         self.deadline = now + budget_s
         self._reply = reply
         return self.deadline
@@ -89,11 +93,6 @@ class Shutdown(Generic[R]):
             return True
         return False
 
-    @property
-    def awaits_round(self) -> bool:
-        """The round has not begun yet: :meth:`round_due` must be asked after every change."""
-        return self.phase is ShutdownPhase.DRAINING or self.phase is ShutdownPhase.OUT_OF_TIME
-
     def round_due(self, now: float, *, work_left: bool) -> ShutdownRound | None:
         """The shutdown round, if it begins now (the stop goes ``ROUND``), else ``None``.
 
@@ -102,6 +101,7 @@ class Shutdown(Generic[R]):
         if not self.awaits_round or (self.phase is ShutdownPhase.DRAINING and work_left):
             return None
         self.phase = ShutdownPhase.ROUND
+        self.awaits_round = False
         return ShutdownRound(max(self.deadline - now, 0.0), self.deadline + self.grace_s)
 
     def finish(self) -> R:
