@@ -52,21 +52,18 @@ class ShutdownRound:
 class Shutdown(Generic[R]):
     """One supervisor's stop, from its request to its reply; see the module docstring."""
 
-    __slots__ = ("_reply", "awaits_round", "deadline", "grace_s", "phase")
+    __slots__ = ("_reply", "awaits_round", "deadline", "grace_s", "phase", "stopping")
 
     def __init__(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         self.phase = ShutdownPhase.RUNNING
-        # The round has not begun yet: round_due must be asked after every change. A plain
-        # attribute, kept with the phase: the owner reads it after every message.
+        # Two views of the phase, kept as plain attributes because the owner reads them on its hot paths.
+        self.stopping = False
+        """A stop was asked: no new work is taken."""
         self.awaits_round = False
+        """The round has not begun yet: :meth:`round_due` must be asked after every change."""
         self.grace_s = grace_s
         self.deadline = 0.0
         self._reply: R | None = None
-
-    @property
-    def stopping(self) -> bool:
-        """A stop was asked: no new work is taken."""
-        return self.phase is not ShutdownPhase.RUNNING
 
     def begin(self, reply: R, now: float, budget_s: float) -> float:
         """The stop asked now with ``budget_s`` to drain; returns its deadline.
@@ -75,7 +72,7 @@ class Shutdown(Generic[R]):
         if self.phase is not ShutdownPhase.RUNNING:
             raise ValueError(f"a stop is {self.phase.value} already")
         self.phase = ShutdownPhase.DRAINING
-        self.awaits_round = True
+        self.stopping = self.awaits_round = True
         self.deadline = now + budget_s
         self._reply = reply
         return self.deadline
@@ -85,9 +82,9 @@ class Shutdown(Generic[R]):
         return self.deadline if self.phase is ShutdownPhase.DRAINING else None
 
     def out_of_time(self, now: float) -> bool:
-        """Whether the drain's deadline passed by ``now``: the owner times out every job in flight.
+        """Whether the drain's deadline passed by ``now``.
 
-        True once, when the stop goes ``OUT_OF_TIME``."""
+        True once, when the stop goes ``OUT_OF_TIME``. The owner then times out every job in flight."""
         if self.phase is ShutdownPhase.DRAINING and now >= self.deadline:
             self.phase = ShutdownPhase.OUT_OF_TIME
             return True
