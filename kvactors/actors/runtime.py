@@ -211,7 +211,7 @@ class Actor:
         self.ref = ref
 
     def deliver(self, message: object) -> None:
-        """Handle one message. An ``Exception`` of the handler is contained (see the
+        """Handle one message, then :meth:`settle`. An ``Exception`` of either is contained (see the
         module docstring); a ``BaseException`` that is not one (``KeyboardInterrupt``,
         ``SystemExit``) propagates to the thread running the handler."""
         handler = self._handlers.get(type(message))
@@ -219,6 +219,7 @@ class Actor:
             if handler is None:
                 raise TypeError(f"{self.name} has no handler for {type(message).__name__}")
             getattr(self, handler)(message)
+            self.settle()
         except Exception as exc:
             reply = getattr(message, "reply", None)
             if reply is not None and not reply.done():
@@ -232,6 +233,13 @@ class Actor:
                 error=repr(exc),
                 traceback=traceback.format_exc(),
             )
+
+    def settle(self) -> None:
+        """Called after every handler that returned, on the same turn: what must follow any message.
+
+        An actor whose state has consequences that any handler may bring about
+        (a barrier now due, say) acts on them here, once, instead of at the end
+        of each handler. A failure here counts as the handler's."""
 
     def on_stop(self) -> None:
         """Called once, after the last message."""

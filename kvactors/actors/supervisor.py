@@ -43,11 +43,24 @@ Everything else here serves the same contract: deadlines fail jobs that are
 not reported in time (their rows stay held until the late report, since the
 tier may still be touching them), per-tier queues bound the jobs in flight,
 and ``reset_cache`` zeroes the counts and finalizes finished requests while
-in-flight jobs drain. The books are plain classes in ``kvactors/core/``:
-:mod:`~kvactors.core.jobbook` (queues, slots, deadlines, held jobs, report
-routing), :mod:`~kvactors.core.lookupbook` (a lookup's fan-out and answers),
-:mod:`~kvactors.core.gathers` (rounds through every tier: events, barrier,
-shutdown), :mod:`~kvactors.core.tierwatch` (what each tier owes).
+in-flight jobs drain.
+
+The books are plain classes in ``kvactors/core/``; this actor routes facts to
+them and performs the steps they return.
+
+* :mod:`~kvactors.core.jobbook` keeps the queues, slots, deadlines, held jobs and report routing.
+* :mod:`~kvactors.core.lookupbook` keeps a lookup's fan-out and answers.
+* :mod:`~kvactors.core.gathers` keeps the rounds through every tier (events, barrier, shutdown).
+* :mod:`~kvactors.core.tierwatch` keeps what each tier owes.
+* :mod:`~kvactors.core.barriers` keeps the ``wait_idle`` barriers until no work holds them.
+* :mod:`~kvactors.core.resets` keeps the ``reset_cache`` calls until their jobs and round are over.
+* :mod:`~kvactors.core.shutdown` keeps the stop's phases (drain, the tiers' round, the reply).
+
+What any handler may bring about is acted on in one place,
+:meth:`LifecycleSupervisor.settle`, which the runtime calls after every
+message. It starts the barriers now due, begins the stop's shutdown round once
+nothing is waited for, and arms the next tick after one fired. A handler
+therefore never checks them itself, and a new one cannot forget to.
 
 Nothing here waits for a tier without a deadline
 ------------------------------------------------
@@ -72,7 +85,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvactors.actors import messages as m
@@ -80,6 +92,7 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.actors.secondary import TierAddress, TierLink
 from kvactors.core import counters
+from kvactors.core.barriers import BarrierBook
 from kvactors.core.errors import LifecycleError
 from kvactors.core.gathers import Gather, GatherBook, GatherKind
 from kvactors.core.jobbook import BookedJob, JobBook, Route, Step
@@ -87,6 +100,8 @@ from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
 from kvactors.core.lookupbook import LookupBook, PendingLookup
 from kvactors.core.quarantine import PromotionQuarantine
 from kvactors.core.request_params import parse_request_params
+from kvactors.core.resets import ResetBook, ResetWait
+from kvactors.core.shutdown import Shutdown, ShutdownPhase
 from kvactors.core.tierwatch import TierWatch
 from kvactors.log_schema import JOB_COMPLETED, JOB_SUBMITTED
 from kvactors.logs import EventLogger
@@ -97,31 +112,10 @@ GatherDone = Callable[[dict[str, tuple[Any, ...]], frozenset[str]], None]
 """Called once a gather ends: the tiers' payloads, and the tiers that did not answer in time."""
 
 
-@dataclass(slots=True)
-class _ResetWait:
-    """A ``reset_cache`` waiting for the jobs in flight at its start and one round through the tiers."""
-
-    jobs: set[int]
-    reply: Reply[None]
-    gathered: bool = False
-
-
-@dataclass(slots=True)
-class _Shutdown:
-    reply: Reply[None]
-    deadline: float  # jobs still in flight then are timed out; the tiers' drain gets what is left
-    gathering: bool = False
-    expired: bool = False  # the deadline passed: nothing more is waited for before the tiers' round
-
-
-SHUTDOWN_GRACE_S = 0.25
-"""How long past the stop's deadline the tiers' shutdown round may take (a tier's
-``shutdown()`` after a ``drain`` that used the whole budget)."""
-
-
 class LifecycleSupervisor(Actor):
-    """The supervisor: owns the lifecycle table, the job, lookup and gather books, and routes
-    messages between them, the primary and the tiers. Runs on one actor; see the module docstring."""
+    """The supervisor: owns the lifecycle table and the job, lookup, gather, barrier, reset and
+    stop books, and routes messages between them, the primary and the tiers. Runs on one actor;
+    see the module docstring."""
 
     name = "supervisor"
 
@@ -141,22 +135,43 @@ class LifecycleSupervisor(Actor):
         self.primary = primary
         self.tiers = {address.tier: TierLink(address, self._inline_call_blocked) for address in tiers}
         self.epoch = 0
-        self.stopping = False
         self.jobs = JobBook(tier_limits, transfer_timeout_s, live=lambda ctx: ctx in self.table)
         self.lookups: LookupBook[Reply[list[LookupResult]]] = LookupBook(self.tier_order, lookup_timeout_s)
         self.gathers: GatherBook[GatherDone] = GatherBook()
         self.quarantine = PromotionQuarantine()
-        self._barriers: list[tuple[int, Reply[bool]]] = []
-        self._reset_waits: list[_ResetWait] = []
+        self.barriers: BarrierBook[Reply[bool]] = BarrierBook()
+        self.resets: ResetBook[Reply[None]] = ResetBook()
+        self.shutdown: Shutdown[Reply[None]] = Shutdown()
         self._watch = TierWatch(self.tier_order, transfer_timeout_s)
         self._timer_due: float | None = None
-        self._shutdown: _Shutdown | None = None
+        self._rearm_timer = False  # a tick fired: settle arms the next one
         self.counters = counters.SupervisorCounters(self.tier_order)  # stats() and metrics derive from these
 
     def _inline_call_blocked(self, tier: str, call: str, seconds: float) -> None:
         """A call the tier declared inline took ``seconds`` on this thread: it is not inline any more."""
         self.counters.inline_calls_demoted += 1
         self.log.warning("inline_call_demoted", tier=tier, call=call, seconds=round(seconds, 3))
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was asked: new lookups and jobs are not taken."""
+        return self.shutdown.stopping
+
+    # ------------------------------------------------------------ after every message
+
+    def settle(self) -> None:
+        """What any handler may have brought about, acted on once after each message.
+
+        Barriers now due get their round through the tiers, a stop with nothing
+        left to wait for begins its shutdown round, and after a tick the next one
+        is armed. Barriers come before the stop, whose end answers the rest."""
+        if self.barriers:
+            self._start_due_barriers()
+        if self.shutdown.awaits_round:
+            self._begin_shutdown_round()
+        if self._rearm_timer:
+            self._rearm_timer = False
+            self._arm_timer()
 
     # ------------------------------------------------------------ the finalize decision
 
@@ -311,9 +326,7 @@ class LifecycleSupervisor(Actor):
 
     def _job_over(self, job_id: int) -> None:
         """A job sent to its tier ended (reported or timed out): the resets waiting on it hear."""
-        for wait in list(self._reset_waits):
-            wait.jobs.discard(job_id)
-            self._check_reset(wait)
+        self._answer_resets(self.resets.job_over(job_id))
 
     @handles(m.JobReported)
     def _on_job_reported(self, msg: m.JobReported) -> None:
@@ -355,8 +368,6 @@ class LifecycleSupervisor(Actor):
             self._back_off(entry, outcomes.failed)
         self._job_over(entry.job_id)
         self._take_steps(report.steps)
-        self._check_barriers()
-        self._check_shutdown()
 
     def _back_off(self, entry: BookedJob, keys: Sequence[OffloadKey]) -> None:
         """Promotions of ``keys`` from ``entry``'s tier failed: that tier is not asked for them for a while."""
@@ -445,7 +456,6 @@ class LifecycleSupervisor(Actor):
             pending.reply.set_result(resolution.results)
             self._count(ctx, "pending_lookups", -1)
             self._maybe_finalize_request(ctx)
-        self._check_barriers()
 
     @handles(m.PromotionsAllocated)
     def _on_promotions_allocated(self, msg: m.PromotionsAllocated) -> None:
@@ -461,8 +471,6 @@ class LifecycleSupervisor(Actor):
             else:
                 self._enqueue(promotion.tier, promotion.job, msg.lookup_id, msg.epoch)
         self._maybe_finalize_request(msg.ctx)
-        self._check_barriers()
-        self._check_shutdown()
 
     # ------------------------------------------------------------ deadlines
 
@@ -481,8 +489,9 @@ class LifecycleSupervisor(Actor):
             deadlines = [d for d in (self.jobs.next_deadline(), self.lookups.next_deadline(),
                                      self.gathers.next_deadline(), self._watch.next_deadline())
                          if d is not None]
-            if self._shutdown is not None and not self._shutdown.gathering and not self._shutdown.expired:
-                deadlines.append(self._shutdown.deadline)
+            stop_deadline = self.shutdown.timer_deadline()
+            if stop_deadline is not None:
+                deadlines.append(stop_deadline)
             if not deadlines:
                 return
             deadline = min(deadlines)
@@ -500,26 +509,18 @@ class LifecycleSupervisor(Actor):
         for gather in self.gathers.expire(now):
             self.log.warning("gather_timed_out", what=gather.what, tiers=",".join(sorted(gather.waiting)))
             self._end_gather(gather)
-        steps = self.jobs.expire(now)
-        if steps:
-            self._take_steps(steps)
-            self._check_barriers()
-            self._check_shutdown()
+        self._take_steps(self.jobs.expire(now))
         for pending in self.lookups.expire(now):
             self.counters.lookups_timed_out += 1
             self.log.warning("lookup_timed_out", req_id=pending.ctx.req_id, attempt=pending.ctx.attempt,
                              tiers=",".join(sorted(pending.waiting)))
             self._resolve_lookup(pending)
-        shutdown = self._shutdown
-        if shutdown is not None and not shutdown.gathering and not shutdown.expired and now >= shutdown.deadline:
+        if self.shutdown.out_of_time(now):
             # The stop's budget is spent: what is still in flight fails now, as at its own deadline,
             # and promotions the primary has not allocated yet are not waited for. Every job is timed
             # out before the stop may go on: its answer lets stop() close the mailbox these tells use.
             self._take_steps(self.jobs.time_out_all(now))
-            shutdown.expired = True
-            self._check_barriers()
-            self._check_shutdown()
-        self._arm_timer()
+        self._rearm_timer = True  # by settle, once this tick's consequences are in the books
 
     # ------------------------------------------------------------ stuck tiers
 
@@ -533,8 +534,6 @@ class LifecycleSupervisor(Actor):
             self._resolve_lookup(pending)
         for ctx in self._drop_queued("tier_stuck", (tier,)):
             self._maybe_finalize_request(ctx)
-        self._check_barriers()
-        self._check_shutdown()
 
     def _heard_from(self, tier: str, probe: tuple[str, int]) -> None:
         """An answer from ``tier``'s actor: it is moving."""
@@ -557,21 +556,18 @@ class LifecycleSupervisor(Actor):
             self._finalize(state)
         in_flight = self.jobs.in_flight_ids()
         self.log.info("cache_reset_draining", jobs=len(in_flight), epoch=self.epoch)
-        wait = _ResetWait(in_flight, msg.reply)
-        self._reset_waits.append(wait)
+        wait = self.resets.begin(in_flight, msg.reply)
         # A round through the tiers, at once (it ends by its deadline, as the jobs do by
         # theirs): when reset_cache returns, they have processed its finishes.
         self._gather(GatherKind.BARRIER, functools.partial(self._reset_gathered, wait))
-        self._check_barriers()
 
-    def _reset_gathered(self, wait: _ResetWait, payloads: object, missing: frozenset[str]) -> None:
-        wait.gathered = True
-        self._check_reset(wait)
+    def _reset_gathered(self, wait: ResetWait[Reply[None]], payloads: object, missing: frozenset[str]) -> None:
+        self._answer_resets(self.resets.gathered(wait))
 
-    def _check_reset(self, wait: _ResetWait) -> None:
-        if wait.gathered and not wait.jobs and wait in self._reset_waits:
-            self._reset_waits.remove(wait)
-            wait.reply.set_result(None)
+    @staticmethod
+    def _answer_resets(replies: list[Reply[None]]) -> None:
+        for reply in replies:
+            reply.set_result(None)
 
     @handles(m.CollectEvents)
     def _on_collect_events(self, msg: m.CollectEvents) -> None:
@@ -631,19 +627,12 @@ class LifecycleSupervisor(Actor):
 
     @handles(m.SupervisorBarrier)
     def _on_barrier(self, msg: m.SupervisorBarrier) -> None:
-        self._barriers.append((msg.snapshot, msg.reply))
-        self._check_barriers()
+        self.barriers.add(msg.snapshot, msg.reply)
 
-    def _check_barriers(self) -> None:
-        if not self._barriers:
-            return
+    def _start_due_barriers(self) -> None:
+        """A round for each barrier that no job or lookup holds any more (:mod:`kvactors.core.barriers`)."""
         origins = [o for o in (self.jobs.oldest_origin(), self.lookups.oldest()) if o is not None]
-        oldest = min(origins) if origins else None
-        ready = [b for b in self._barriers if oldest is None or oldest > b[0]]
-        if not ready:
-            return
-        self._barriers = [b for b in self._barriers if b not in ready]
-        for _, reply in ready:
+        for reply in self.barriers.due(min(origins) if origins else None):
             # Hooks sent before now must be processed too, then the primary's
             # queue must pass the releases sent before now: a tier round, then the primary.
             # Patient: wait_idle's own timeout bounds its caller, and a tier found stuck
@@ -697,9 +686,7 @@ class LifecycleSupervisor(Actor):
 
     @handles(m.SupervisorShutdown)
     def _on_shutdown(self, msg: m.SupervisorShutdown) -> None:
-        self.stopping = True
-        deadline = self.runtime.now() + msg.budget_s
-        self._shutdown = _Shutdown(msg.reply, deadline)
+        deadline = self.shutdown.begin(msg.reply, self.runtime.now(), msg.budget_s)
         for pending in self.lookups.open_lookups():
             self._resolve_lookup(pending, promote=False)
         for ctx in self._drop_queued("stopping"):
@@ -708,30 +695,23 @@ class LifecycleSupervisor(Actor):
                       active_requests=len(self.table), budget_s=msg.budget_s,
                       tiers_stuck=",".join(self._watch.stuck()))
         self._arm_timer(deadline)
-        self._check_shutdown()
 
-    def _check_shutdown(self) -> None:
-        shutdown = self._shutdown
-        if shutdown is None or shutdown.gathering:
-            return
-        if not shutdown.expired and (self.jobs.in_flight() or self.lookups.allocating()):
-            return
-        shutdown.gathering = True
-        remaining = max(shutdown.deadline - self.runtime.now(), 0.0)
-        self._gather(GatherKind.SHUTDOWN, self._shut_down, drain_timeout_s=remaining,
-                     deadline=shutdown.deadline + SHUTDOWN_GRACE_S)
+    def _begin_shutdown_round(self) -> None:
+        """The tiers' shutdown round, once the stop waits for nothing more (:mod:`kvactors.core.shutdown`)."""
+        work_left = self.shutdown.phase is ShutdownPhase.DRAINING and bool(
+            self.jobs.in_flight() or self.lookups.allocating())
+        shutdown_round = self.shutdown.round_due(self.runtime.now(), work_left=work_left)
+        if shutdown_round is not None:
+            self._gather(GatherKind.SHUTDOWN, self._shut_down, drain_timeout_s=shutdown_round.drain_timeout_s,
+                         deadline=shutdown_round.deadline)
 
     def _shut_down(self, payloads: object, missing: frozenset[str]) -> None:
-        assert self._shutdown is not None
         if missing:
             self.log.warning("tiers_not_shut_down", tiers=",".join(sorted(missing)))
         # Calls still waiting get their answer now, without the tiers that did not give it.
         for gather in self.gathers.open_gathers():
             self._end_gather(gather)
-        for wait in list(self._reset_waits):
-            wait.jobs.clear()
-            self._check_reset(wait)
-        for _, reply in self._barriers:
+        self._answer_resets(self.resets.cut_short())
+        for reply in self.barriers.cut_short():
             reply.set_result(False)
-        self._barriers.clear()
-        self._shutdown.reply.set_result(None)
+        self.shutdown.finish().set_result(None)
