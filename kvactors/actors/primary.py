@@ -665,7 +665,7 @@ class PrimaryTier(Actor):
     def _figures(self) -> PrimaryFigures:
         """This actor's part of stats() and of the metrics, copied now."""
         pool = self.pool
-        return PrimaryFigures(self.counters.copy(), pool.stats(), pool.state_counts(), pool.evicted_keys,
+        return PrimaryFigures(self.counters.copy(), pool.figures(), pool.state_counts(), pool.evicted_keys,
                               pool.event_keys_dropped, len(self._requests), len(self._reservations),
                               self.internal_errors, self.controls_figures())
 
