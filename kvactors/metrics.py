@@ -268,10 +268,8 @@ class KvactorsCollector(Collector):
         yield _family("kvactors_tiers_stuck", value=figures.tiers_stuck)
         if figures.tiers:
             yield _labelled("kvactors_tier_stuck", [((tier,), int(t.stuck)) for tier, t in figures.tiers.items()])
-        # The back-pressure figures stay as the primary writes them (stats() keys, per tier in the name).
-        prefix = "cascades_dropped."
         yield _labelled("kvactors_cascades_dropped",
-                        [((stat[len(prefix):],), v) for stat, v in figures.controls.items() if stat.startswith(prefix)])
+                        [((tier,), t.dropped) for tier, t in figures.controls.cascades.items()])
 
 
 def _with_every_series(family: Any, label_sets: tuple[tuple[str, ...], ...]) -> Metric:

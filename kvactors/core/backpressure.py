@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvactors.core.snapshot import CascadeFigures
+
 MIN_DEFAULT_QUEUED_BYTES = 256 << 20
 
 
@@ -102,13 +104,8 @@ class Backpressure:
     def jobs(self) -> int:
         return len(self._jobs)
 
-    def figures(self, tiers: Iterable[str]) -> dict[str, int]:
-        """The ``stats()`` keys: ``cascades_dropped`` (all tiers), ``cascades_dropped.<tier>``,
-        ``cascade_bytes_queued.<tier>``, ``cascade_blocks_dropped.<tier>``."""
-        out: dict[str, int] = {"cascades_dropped": sum(q.dropped for q in self._tiers.values())}
-        for tier in tiers:
-            queue = self._tiers[tier]
-            out[f"cascades_dropped.{tier}"] = queue.dropped
-            out[f"cascade_blocks_dropped.{tier}"] = queue.dropped_blocks
-            out[f"cascade_bytes_queued.{tier}"] = queue.queued
-        return out
+    def figures(self, tiers: Iterable[str]) -> dict[str, CascadeFigures]:
+        """Each tier's drops and queued bytes, by name (``stats()``'s ``cascades_dropped.<tier>`` and
+        the like: :class:`~kvactors.core.snapshot.ControlFigures`)."""
+        return {tier: CascadeFigures(queue.dropped, queue.dropped_blocks, queue.queued)
+                for tier, queue in ((tier, self._tiers[tier]) for tier in tiers)}

@@ -16,10 +16,10 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvactors.core.jobkinds import TIER_JOB_KINDS, JobKind, JobOutcome
-from kvactors.core.snapshot import PoolFigures, StatsSnapshot, SupervisorTotals
+from kvactors.core.snapshot import ControlFigures, PoolFigures, StatsSnapshot, SupervisorTotals
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult
 
 DURATION_BUCKETS: tuple[float, ...] = (
@@ -85,7 +85,7 @@ class PrimaryFigures:
     requests: int
     blocks_reserved: int
     internal_errors: int
-    controls: dict[str, int] = field(default_factory=dict)  # admission and back-pressure (stats() keys)
+    controls: ControlFigures  # admission and back-pressure
 
 
 class SupervisorCounters:

@@ -70,13 +70,60 @@ class TierFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class CascadeFigures:
+    """One secondary tier's back-pressure (:meth:`~kvactors.core.backpressure.Backpressure.figures`)."""
+
+    dropped: int
+    """Cascades to it dropped by back-pressure, all time (``cascades_dropped.<name>``)."""
+    blocks_dropped: int
+    """Their blocks (``cascade_blocks_dropped.<name>``)."""
+    bytes_queued: int
+    """Bytes of its cascades accepted and not ended yet (``cascade_bytes_queued.<name>``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ControlFigures:
+    """Admission and back-pressure (``docs/controls.md``), as the primary counts them.
+
+    Each int field is a ``stats()`` key of the same name."""
+
+    cascades: Mapping[str, CascadeFigures]
+    """Each secondary tier's back-pressure, by name, in the configured order."""
+    write_back_jobs: int
+    write_backs_pending: int
+    write_back_blocks_dropped: int
+    blocks_unwritten: int
+    seen_keys: int
+    cascade_jobs_queued: int
+
+    @property
+    def cascades_dropped(self) -> int:
+        """Cascades dropped by back-pressure at every tier."""
+        return sum(tier.dropped for tier in self.cascades.values())
+
+    def as_dict(self) -> dict[str, int]:
+        """Their ``stats()`` keys, in the order ``stats()`` always gave them."""
+        out = {"cascades_dropped": self.cascades_dropped}
+        for name, tier in self.cascades.items():
+            out[f"cascades_dropped.{name}"] = tier.dropped
+            out[f"cascade_blocks_dropped.{name}"] = tier.blocks_dropped
+            out[f"cascade_bytes_queued.{name}"] = tier.bytes_queued
+        out["write_back_jobs"] = self.write_back_jobs
+        out["write_backs_pending"] = self.write_backs_pending
+        out["write_back_blocks_dropped"] = self.write_back_blocks_dropped
+        out["blocks_unwritten"] = self.blocks_unwritten
+        out["seen_keys"] = self.seen_keys
+        out["cascade_jobs_queued"] = self.cascade_jobs_queued
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class StatsSnapshot:
     """Every figure of ``stats()``, typed. See :meth:`as_dict` for the key of each.
 
     ``active_requests`` is the canonical count of request attempts the primary
     holds; ``stats()`` shows it as ``primary_requests`` too (an alias kept for
-    readers of that name). ``controls`` holds the admission and back-pressure
-    keys as the primary writes them (``docs/controls.md``).
+    readers of that name).
     """
 
     pool: PoolFigures
@@ -105,7 +152,7 @@ class StatsSnapshot:
     """Each secondary tier's state, by name, in the configured order."""
     internal_errors: int
     """Handler failures of the primary and the supervisor together."""
-    controls: Mapping[str, int]
+    controls: ControlFigures
 
     @property
     def tiers_stuck(self) -> int:
@@ -140,5 +187,5 @@ class StatsSnapshot:
             out[f"tier_stuck.{name}"] = int(tier.stuck)
             out[f"tier_silent_s.{name}"] = tier.silent_s
         out["internal_errors"] = self.internal_errors
-        out.update(self.controls)
+        out.update(self.controls.as_dict())
         return out
