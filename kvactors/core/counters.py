@@ -1,18 +1,20 @@
 """Counters, kept where the work happens: plain ints on one actor's state.
 
-No locks and no threads: each actor has one counter object (the primary's
-:class:`PrimaryCounters`, the supervisor's :class:`SupervisorCounters`),
-which it updates inside its handlers; ``stats()`` and a
-:class:`MetricsSnapshot` (:mod:`kvactors.metrics`, one round trip per
-scrape) are both derived from those two, copied on the actors' thread
-(:class:`PrimaryFigures` carries the primary's part to the supervisor). Each
-event is counted once: a total that is the sum of finer counts is derived
-from them when asked. An update is a few attribute or dict increments: no
-logging, no allocation beyond a tuple key.
+Each actor has one counter object, which it updates inside its handlers.
+The primary's is :class:`PrimaryCounters`, the supervisor's
+:class:`SupervisorCounters`. ``stats()`` and a :class:`MetricsSnapshot`
+(:mod:`kvactors.metrics`, one round trip per scrape) both derive from those
+two, copied on the actors' thread. :class:`PrimaryFigures` carries the
+primary's part to the supervisor, where :mod:`kvactors.core.statsbook`
+reads both into a :class:`~kvactors.core.snapshot.StatsSnapshot`. Each event
+is counted once. A total that is the sum of finer counts is derived from
+them when asked. An update is a few attribute or dict increments, with no
+logging and no allocation beyond a tuple key. No locks and no threads.
 """
 
 from __future__ import annotations
 
+import copy
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -60,10 +62,8 @@ class PrimaryCounters:
         self.promotions_refused = 0
 
     def copy(self) -> PrimaryCounters:
-        out = PrimaryCounters()
-        for name in self.__slots__:
-            setattr(out, name, getattr(self, name))
-        return out
+        """A copy of every count now (the figures carry it to the supervisor's handler)."""
+        return copy.copy(self)
 
     def lookup(self, results: list[LookupResult]) -> None:
         self.lookup_keys += len(results)
