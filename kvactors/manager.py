@@ -390,7 +390,10 @@ class TieringManager:
 
     def stats(self) -> dict[str, int | float]:
         """Counters: ``active_requests``, ``blocks_ready``, ``blocks_pending``,
-        ``blocks_pinned``, ``jobs_in_flight``, ``contract_violations`` and more."""
+        ``blocks_pinned``, ``jobs_in_flight``, ``contract_violations`` and more.
+
+        The dict of a :class:`~kvactors.core.snapshot.StatsSnapshot` (docs/metrics.md lists every key).
+        :meth:`metrics_snapshot` carries the snapshot itself, typed, as ``figures``."""
         return self._ask(calls.stats())
 
     def metrics_snapshot(self) -> MetricsSnapshot:

@@ -63,6 +63,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
 from kvactors.core.arguments import check_int
 from kvactors.core.counters import DURATION_BUCKETS, OUTCOMES, Histogram, MetricsSnapshot
 from kvactors.core.errors import ManagerStoppedError
+from kvactors.core.jobkinds import TIER_JOB_KINDS, JobKind, JobOutcome
 from kvactors.types import PRIMARY_TIER_NAME
 
 if TYPE_CHECKING:
@@ -74,8 +75,6 @@ if TYPE_CHECKING:
 __all__ = ["FAMILIES", "FamilyDef", "KvactorsCollector", "Series", "known_series", "serve_metrics", "stuck_tiers"]
 
 POOL_STATES = ("ready", "pinned", "pending", "detached", "free")
-TIER_JOB_KINDS = ("cascade", "promotion")
-"""The kinds of a secondary tier's jobs (the ``kind`` label)."""
 
 
 class Series(enum.Enum):
@@ -105,7 +104,7 @@ class Series(enum.Enum):
             return tuple((t, k) for t in tiers for k in TIER_JOB_KINDS)
         if self is Series.JOBS_ENDED:
             # The pool's loads are counted when they complete (complete_load): "ok" only.
-            return (*((cpu, "store", o) for o in OUTCOMES), (cpu, "load", "ok"),
+            return (*((cpu, JobKind.STORE, o) for o in OUTCOMES), (cpu, JobKind.LOAD, JobOutcome.OK),
                     *((t, k, o) for t in tiers for k in TIER_JOB_KINDS for o in OUTCOMES))
         return tuple((state,) for state in POOL_STATES)
 
@@ -256,23 +255,21 @@ class KvactorsCollector(Collector):
         yield _labelled("kvactors_tier_jobs_queued", [((tier,), v) for tier, v in snap.jobs_queued.items()])
         yield _labelled("kvactors_tier_jobs_in_flight", [((tier,), v) for tier, v in snap.jobs_in_flight.items()])
         yield _labelled("kvactors_pool_blocks", [((state,), snap.pool_blocks[state]) for state in POOL_STATES])
-        stats = snap.stats
-        for name, stat in (("kvactors_active_requests", "active_requests"),
-                           ("kvactors_lookups_in_flight", "lookups_in_flight"),
-                           ("kvactors_contract_violations", "contract_violations"),
-                           ("kvactors_lookups_timed_out", "lookups_timed_out"),
-                           ("kvactors_late_reports", "late_reports"),
-                           ("kvactors_requests_finalized", "requests_finalized"),
-                           ("kvactors_internal_errors", "internal_errors")):
-            yield _family(name, value=stats.get(stat, 0))
-        count, per_tier_stuck = stuck_tiers(stats)
-        if count is not None:
-            yield _family("kvactors_tiers_stuck", value=count)
-        if per_tier_stuck:
-            yield _labelled("kvactors_tier_stuck", [((tier,), v) for tier, v in per_tier_stuck.items()])
-        prefix = "cascades_dropped."
+        figures = snap.figures
+        totals = figures.totals
+        for name, value in (("kvactors_active_requests", figures.active_requests),
+                            ("kvactors_lookups_in_flight", figures.lookups_in_flight),
+                            ("kvactors_contract_violations", figures.contract_violations),
+                            ("kvactors_lookups_timed_out", totals.lookups_timed_out),
+                            ("kvactors_late_reports", totals.late_reports),
+                            ("kvactors_requests_finalized", totals.requests_finalized),
+                            ("kvactors_internal_errors", figures.internal_errors)):
+            yield _family(name, value=value)
+        yield _family("kvactors_tiers_stuck", value=figures.tiers_stuck)
+        if figures.tiers:
+            yield _labelled("kvactors_tier_stuck", [((tier,), int(t.stuck)) for tier, t in figures.tiers.items()])
         yield _labelled("kvactors_cascades_dropped",
-                        [((stat[len(prefix):],), v) for stat, v in stats.items() if stat.startswith(prefix)])
+                        [((tier,), t.dropped) for tier, t in figures.controls.cascades.items()])
 
 
 def _with_every_series(family: Any, label_sets: tuple[tuple[str, ...], ...]) -> Metric:

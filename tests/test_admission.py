@@ -165,8 +165,8 @@ def test_backpressure_bounds_queued_bytes_and_reports_each_episode_once(
             assert bp.queued(tier) == queued[tier] <= limits[tier]
             assert bp.dropped(tier) == dropped[tier] and bp.dropping(tier) == dropping[tier]
     figures = bp.figures(limits)
-    assert figures["cascades_dropped"] == sum(dropped.values())
-    assert figures["cascade_bytes_queued.disk"] == queued["disk"]
+    assert sum(tier.dropped for tier in figures.values()) == sum(dropped.values())
+    assert figures["disk"].bytes_queued == queued["disk"]
     assert bp.jobs() == len(live)
 
 

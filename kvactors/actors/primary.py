@@ -43,6 +43,7 @@ from kvactors.core.policies import make_policy
 from kvactors.core.pool import BlockPool, PoolError
 from kvactors.core.request_params import parse_request_params
 from kvactors.core.reservations import Reservations, reservation_owner
+from kvactors.core.snapshot import ControlFigures
 from kvactors.logs import EventLogger
 from kvactors.types import (
     PRIMARY_TIER_NAME,
@@ -480,19 +481,19 @@ class PrimaryTier(Actor):
         if cascades:
             self.supervisor.tell(m.StoresCompleted(ctx, 0, tuple(cascades), record.opens()))
 
-    def controls_figures(self) -> dict[str, int]:
-        """The ``stats()`` keys of admission and back-pressure (:meth:`Backpressure.figures`, and
-        ``write_back_jobs``, ``blocks_unwritten``, ``seen_keys``, ``cascade_jobs_queued``)."""
-        figures = self.backpressure.figures(self.tier_names)
-        figures["write_back_jobs"] = self._write_backs
-        figures["write_backs_pending"] = len(self._write_back_rows)
-        figures["write_back_blocks_dropped"] = self._write_backs_dropped
+    def controls_figures(self) -> ControlFigures:
+        """The figures of admission and back-pressure (``stats()`` keys: docs/controls.md)."""
         row_of = self.pool.row_of
-        figures["blocks_unwritten"] = sum(
-            sum(1 for key in unwritten if row_of(key) is not None) for unwritten in self._unwritten.values())
-        figures["seen_keys"] = len(self._seen) if self._seen is not None else 0
-        figures["cascade_jobs_queued"] = self.backpressure.jobs()
-        return figures
+        return ControlFigures(
+            cascades=self.backpressure.figures(self.tier_names),
+            write_back_jobs=self._write_backs,
+            write_backs_pending=len(self._write_back_rows),
+            write_back_blocks_dropped=self._write_backs_dropped,
+            blocks_unwritten=sum(sum(1 for key in unwritten if row_of(key) is not None)
+                                 for unwritten in self._unwritten.values()),
+            seen_keys=len(self._seen) if self._seen is not None else 0,
+            cascade_jobs_queued=self.backpressure.jobs(),
+        )
 
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
@@ -664,7 +665,7 @@ class PrimaryTier(Actor):
     def _figures(self) -> PrimaryFigures:
         """This actor's part of stats() and of the metrics, copied now."""
         pool = self.pool
-        return PrimaryFigures(self.counters.copy(), pool.stats(), pool.state_counts(), pool.evicted_keys,
+        return PrimaryFigures(self.counters.copy(), pool.figures(), pool.state_counts(), pool.evicted_keys,
                               pool.event_keys_dropped, len(self._requests), len(self._reservations),
                               self.internal_errors, self.controls_figures())
 

@@ -96,12 +96,14 @@ from kvactors.core.barriers import BarrierBook
 from kvactors.core.errors import LifecycleError
 from kvactors.core.gathers import Gather, GatherBook, GatherKind
 from kvactors.core.jobbook import BookedJob, JobBook, Route, Step
-from kvactors.core.lifecycle import InvariantError, LifecycleTable, RequestState
+from kvactors.core.jobkinds import DropReason, JobOutcome
+from kvactors.core.lifecycle import InvariantError, LifecycleTable, Pending, RequestState
 from kvactors.core.lookupbook import LookupBook, PendingLookup
 from kvactors.core.quarantine import PromotionQuarantine
 from kvactors.core.request_params import parse_request_params
 from kvactors.core.resets import ResetBook, ResetWait
 from kvactors.core.shutdown import Shutdown, ShutdownPhase
+from kvactors.core.statsbook import StatsBook
 from kvactors.core.tierwatch import TierWatch
 from kvactors.log_schema import JOB_COMPLETED, JOB_SUBMITTED
 from kvactors.logs import EventLogger
@@ -146,6 +148,8 @@ class LifecycleSupervisor(Actor):
         self._timer_due: float | None = None
         self._rearm_timer = False  # a tick fired: settle arms the next one
         self.counters = counters.SupervisorCounters(self.tier_order)  # stats() and metrics derive from these
+        self._stats = StatsBook(self.tier_order, self.table, self.jobs, self.lookups, self.quarantine, self._watch,
+                                self.counters)
 
     def _inline_call_blocked(self, tier: str, call: str, seconds: float) -> None:
         """A call the tier declared inline took ``seconds`` on this thread: it is not inline any more."""
@@ -193,7 +197,7 @@ class LifecycleSupervisor(Actor):
             self.log.debug("request_finalized", req_id=ctx.req_id, attempt=ctx.attempt)
         self.primary.tell(m.RequestFinalized(ctx))
 
-    def _count(self, ctx: ReqContext, counter: str, delta: int) -> RequestState | None:
+    def _count(self, ctx: ReqContext, counter: Pending, delta: int) -> RequestState | None:
         try:
             return self.table.add(ctx, counter, delta)
         except InvariantError as exc:
@@ -224,14 +228,14 @@ class LifecycleSupervisor(Actor):
             self._open(msg.ctx)
         state = self.table.finish(msg.ctx)
         if state is not None:
-            self._count(msg.ctx, "pending_primary_stores", msg.pending_stores)
+            self._count(msg.ctx, Pending.PRIMARY_STORES, msg.pending_stores)
             if self.tracing:
                 self.log.debug("request_finish_seen", req_id=msg.ctx.req_id, attempt=msg.ctx.attempt, **state.counts())
             self._maybe_finalize_request(msg.ctx)
 
     @handles(m.StoresExpired)
     def _on_stores_expired(self, msg: m.StoresExpired) -> None:
-        self._count(msg.ctx, "pending_primary_stores", -msg.expired)
+        self._count(msg.ctx, Pending.PRIMARY_STORES, -msg.expired)
         self._maybe_finalize_request(msg.ctx)
 
     @handles(m.StoresCompleted)
@@ -241,11 +245,11 @@ class LifecycleSupervisor(Actor):
         state = self.table.get(msg.ctx)
         if state is not None and state.is_finished:
             # Before its finish a request's pending stores are not counted here (see point 3).
-            state = self._count(msg.ctx, "pending_primary_stores", -msg.live)
+            state = self._count(msg.ctx, Pending.PRIMARY_STORES, -msg.live)
         for cascade in msg.cascades:
             if state is None or self.stopping:
                 self._end_unsubmitted(BookedJob(cascade.tier, cascade.job, cascade.job.job_id, self.epoch),
-                                      "no_request" if state is None else "stopping")
+                                      DropReason.NO_REQUEST if state is None else DropReason.STOPPING)
             else:
                 self._enqueue(cascade.tier, cascade.job, cascade.job.job_id, self.epoch)
         self._maybe_finalize_request(msg.ctx)
@@ -260,7 +264,7 @@ class LifecycleSupervisor(Actor):
 
     def _enqueue(self, tier: str, job: TransferJob, origin: int, epoch: int) -> None:
         if self._watch.is_stuck(tier):  # sent, it would hold its rows until the tier moves
-            self._end_unsubmitted(BookedJob(tier, job, origin, epoch), "tier_stuck")
+            self._end_unsubmitted(BookedJob(tier, job, origin, epoch), DropReason.TIER_STUCK)
             return
         self._take_step(*self.jobs.add(tier, job, origin, epoch, self.runtime.now()))
 
@@ -286,9 +290,9 @@ class LifecycleSupervisor(Actor):
             self.counters.guard_violations += 1
             self.log.error("contract_violation", reason="submit_after_finalize", tier=entry.tier,
                            job_id=entry.job_id, req_id=ctx.req_id, attempt=ctx.attempt)
-            self._end_unsubmitted(entry, "no_request")
+            self._end_unsubmitted(entry, DropReason.NO_REQUEST)
         elif step is Step.EXPIRED:  # a queued promotion past its deadline: it fails, never sent
-            self._end_unsubmitted(entry, "timed_out")
+            self._end_unsubmitted(entry, DropReason.TIMED_OUT)
             self._back_off(entry, entry.job.keys)
         else:
             self._time_out(entry)
@@ -308,14 +312,14 @@ class LifecycleSupervisor(Actor):
         call: InlineCall = "submit_load" if entry.job.is_promotion else "submit_store"
         self.tiers[entry.tier].send(m.TierSubmit(entry.job), call)
 
-    def _end_unsubmitted(self, entry: BookedJob, reason: str) -> None:
+    def _end_unsubmitted(self, entry: BookedJob, reason: DropReason) -> None:
         """A job that never reached its tier fails: release its rows at once."""
         self.counters.job_dropped(entry.tier, entry.kind)
         self.log.info("job_dropped", kind=entry.kind, job_id=entry.job_id, tier=entry.tier, reason=reason,
                       req_id=entry.job.req_context.req_id, attempt=entry.job.req_context.attempt)
         self.primary.tell(m.JobEnded(entry.job_id, entry.job.is_promotion, success=False, hold=False))
 
-    def _drop_queued(self, reason: str, tiers: Sequence[str] | None = None) -> list[ReqContext]:
+    def _drop_queued(self, reason: DropReason, tiers: Sequence[str] | None = None) -> list[ReqContext]:
         """Fail every job still waiting for a slot at ``tiers`` (default: all); returns their requests."""
         touched = []
         for entry in self.jobs.drop_queued(tiers):
@@ -351,8 +355,8 @@ class LifecycleSupervisor(Actor):
                              req_id=ctx.req_id, attempt=ctx.attempt)
         success = outcomes.all_ok
         self.counters.jobs_partial += outcomes.partial
-        self.counters.job_ended(entry.tier, entry.kind, "ok" if success else "failed", len(outcomes.ok),
-                               now - entry.submitted_at)
+        outcome = JobOutcome.OK if success else JobOutcome.FAILED
+        self.counters.job_ended(entry.tier, entry.kind, outcome, len(outcomes.ok), now - entry.submitted_at)
         self.counters.job_keys_failed += len(outcomes.failed)
         if not success or self.tracing:
             log = self.log.debug if success else self.log.warning
@@ -380,7 +384,8 @@ class LifecycleSupervisor(Actor):
 
     def _time_out(self, entry: BookedJob) -> None:
         """A job past its deadline failed (the book holds it until its late report): its rows stay held."""
-        self.counters.job_ended(entry.tier, entry.kind, "timed_out", 0, self.runtime.now() - entry.submitted_at)
+        now = self.runtime.now()
+        self.counters.job_ended(entry.tier, entry.kind, JobOutcome.TIMED_OUT, 0, now - entry.submitted_at)
         if entry.job.is_promotion:
             self._back_off(entry, entry.job.keys)
         ctx = entry.job.req_context
@@ -395,7 +400,7 @@ class LifecycleSupervisor(Actor):
     def _on_secondary_lookup(self, msg: m.SecondaryLookup) -> None:
         if msg.opens:
             self._open(msg.ctx)
-        if self.stopping or self._count(msg.ctx, "pending_lookups", +1) is None:
+        if self.stopping or self._count(msg.ctx, Pending.LOOKUPS, +1) is None:
             msg.reply.set_result(list(msg.results))
             return
         # A stuck tier is not asked: it counts as failed (its keys are a MISS unless another tier has them).
@@ -448,13 +453,13 @@ class LifecycleSupervisor(Actor):
         self.counters.promotion_hits_ignored += resolution.hits_ignored
         ctx = pending.ctx
         if resolution.plan:
-            self._count(ctx, "unsent_promotions", +1)
-            self._count(ctx, "pending_lookups", -1)
+            self._count(ctx, Pending.UNSENT_PROMOTIONS, +1)
+            self._count(ctx, Pending.LOOKUPS, -1)
             self.primary.tell(m.AllocatePromotions(pending.lookup_id, ctx, self.epoch, tuple(resolution.plan.items()),
                                                    pending.keys, tuple(resolution.results), pending.reply))
         else:
             pending.reply.set_result(resolution.results)
-            self._count(ctx, "pending_lookups", -1)
+            self._count(ctx, Pending.LOOKUPS, -1)
             self._maybe_finalize_request(ctx)
 
     @handles(m.PromotionsAllocated)
@@ -463,11 +468,12 @@ class LifecycleSupervisor(Actor):
         stale = msg.epoch != self.epoch  # a reset zeroed this request's counts meanwhile
         state = self.table.get(msg.ctx)
         if not stale:
-            self._count(msg.ctx, "unsent_promotions", -1)
+            self._count(msg.ctx, Pending.UNSENT_PROMOTIONS, -1)
         for promotion in msg.jobs:
             if stale or state is None or self.stopping:
                 self._end_unsubmitted(BookedJob(promotion.tier, promotion.job, msg.lookup_id, msg.epoch),
-                                      "reset" if stale else "stopping" if self.stopping else "no_request")
+                                      DropReason.RESET if stale else DropReason.STOPPING if self.stopping
+                                      else DropReason.NO_REQUEST)
             else:
                 self._enqueue(promotion.tier, promotion.job, msg.lookup_id, msg.epoch)
         self._maybe_finalize_request(msg.ctx)
@@ -532,7 +538,7 @@ class LifecycleSupervisor(Actor):
             self._end_gather(gather)
         for pending in self.lookups.tier_stuck(tier):
             self._resolve_lookup(pending)
-        for ctx in self._drop_queued("tier_stuck", (tier,)):
+        for ctx in self._drop_queued(DropReason.TIER_STUCK, (tier,)):
             self._maybe_finalize_request(ctx)
 
     def _heard_from(self, tier: str, probe: tuple[str, int]) -> None:
@@ -551,7 +557,7 @@ class LifecycleSupervisor(Actor):
         self.epoch += 1
         for pending in self.lookups.open_lookups():
             self._resolve_lookup(pending, promote=False)
-        self._drop_queued("reset")
+        self._drop_queued(DropReason.RESET)
         for state in self.table.reset():
             self._finalize(state)
         in_flight = self.jobs.in_flight_ids()
@@ -643,53 +649,20 @@ class LifecycleSupervisor(Actor):
         # A patient round misses a tier only when stop() cuts it short: not idle.
         self.primary.tell(m.BarrierFinal(reply, not missing))
 
-    def _stats(self, primary: counters.PrimaryFigures) -> dict[str, int | float]:
-        """``stats()``: the primary's figures and this actor's, by their names there."""
-        stats: dict[str, int | float] = dict(primary.pool)
-        mine = self.counters
-        # The primary's records: from on_new_request to finalize (the supervisor's
-        # table holds a request only from its first fact that needs it).
-        stats["primary_requests"] = stats["active_requests"] = primary.requests
-        stats["stores_timed_out"] = primary.counters.store_keys_timed_out  # keys, as it always counted
-        stats["blocks_reserved"] = primary.blocks_reserved
-        stats["promotions_refused"] = primary.counters.promotions_refused
-        stats["event_keys_dropped"] = primary.event_keys_dropped
-        stats.update(mine.totals())
-        stats["supervisor_requests"] = len(self.table)
-        stats["requests_finished_pending"] = sum(1 for s in self.table.states() if s.is_finished)
-        stats["jobs_in_flight"] = self.jobs.in_flight()
-        stats["jobs_queued"] = self.jobs.queued()
-        stats["jobs_awaiting_late_report"] = len(self.jobs.held())
-        stats["promotions_quarantined"] = len(self.quarantine)
-        stats["lookups_in_flight"] = len(self.lookups)
-        stats["contract_violations"] = primary.counters.contract_violations + mine.guard_violations
-        stuck = self._watch.stuck()
-        stats["tiers_stuck"] = len(stuck)
-        stats["tiers_found_stuck"] = self._watch.found_stuck
-        stats["tiers_recovered"] = self._watch.recovered
-        now = self.runtime.now()
-        for tier in self.tier_order:
-            stats[f"tier_stuck.{tier}"] = int(tier in stuck)
-            stats[f"tier_silent_s.{tier}"] = round(self._watch.silent_for(tier, now), 6)
-        stats["internal_errors"] = primary.internal_errors + self.internal_errors
-        stats.update(primary.controls)
-        return stats
-
     @handles(m.SupervisorStats)
     def _on_stats(self, msg: m.SupervisorStats) -> None:
-        msg.reply.set_result(self._stats(msg.primary))
+        msg.reply.set_result(self._stats.stats(msg.primary, self.internal_errors, self.runtime.now()).as_dict())
 
     @handles(m.SupervisorMetrics)
     def _on_metrics(self, msg: m.SupervisorMetrics) -> None:
-        msg.reply.set_result(counters.snapshot(msg.primary, self.counters, self._stats(msg.primary),
-                                               self.jobs.queued_by_tier(), self.jobs.in_flight_by_tier()))
+        msg.reply.set_result(self._stats.metrics(msg.primary, self.internal_errors, self.runtime.now()))
 
     @handles(m.SupervisorShutdown)
     def _on_shutdown(self, msg: m.SupervisorShutdown) -> None:
         deadline = self.shutdown.begin(msg.reply, self.runtime.now(), msg.budget_s)
         for pending in self.lookups.open_lookups():
             self._resolve_lookup(pending, promote=False)
-        for ctx in self._drop_queued("stopping"):
+        for ctx in self._drop_queued(DropReason.STOPPING):
             self._maybe_finalize_request(ctx)
         self.log.info("runtime_stopping", jobs_in_flight=self.jobs.in_flight(),
                       active_requests=len(self.table), budget_s=msg.budget_s,

@@ -24,10 +24,7 @@ from kvactors.commands import options as opt
 from kvactors.commands.scratch import drop_redis_namespace, run_namespace
 from kvactors.commands.stress_plan import PROG, Plan
 from kvactors.commands.watch import Watch
-
-LEAK_STATS = ("active_requests", "primary_requests", "supervisor_requests", "lookups_in_flight")
-PIN_STATS = ("blocks_pinned", "jobs_pinning", "blocks_pending")
-JOB_STATS = ("jobs_in_flight", "jobs_queued")
+from kvactors.core.snapshot import StatsSnapshot
 
 
 def _make_tiers(args: argparse.Namespace, plan: Plan, deferrer: Any, faults: Any, seed: int,
@@ -60,18 +57,24 @@ def _runtime_frame(tb: Any) -> bool:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _figures(manager: Any) -> StatsSnapshot:
+    """What ``stats()`` shows, typed."""
+    figures: StatsSnapshot = manager.metrics_snapshot().figures
+    return figures
+
+
 def _settle(env: Any, manager: Any, watch: Watch, timeout_s: float,
-            stalled: Callable[[], int]) -> dict[str, Any] | None:
+            stalled: Callable[[], int]) -> StatsSnapshot | None:
     """Let copies, late reports and store deadlines run out; then the stats."""
     deadline = time.monotonic() + timeout_s
     while (env.outstanding_copies or env.deferrer.pending()) and time.monotonic() < deadline:
         time.sleep(0.01)  # copies and slow reports run on the worker pool: nothing to wait on but their count
     while time.monotonic() < deadline:
-        ok, stats = watch.call("stats()", manager.stats)
+        ok, stats = watch.call("stats()", lambda: _figures(manager))
         if not ok:
             return None
-        if (not stats["active_requests"] and not stats["jobs_in_flight"] and not stats["lookups_in_flight"]
-                and stats["jobs_awaiting_late_report"] == stalled()):
+        if (not stats.active_requests and not stats.jobs_in_flight and not stats.lookups_in_flight
+                and stats.jobs_awaiting_late_report == stalled()):
             break
         time.sleep(0.02)  # store deadlines fire on the runtime's timer
     ok, idle = watch.call("wait_idle()", lambda: manager.wait_idle(timeout_s))
@@ -79,7 +82,7 @@ def _settle(env: Any, manager: Any, watch: Watch, timeout_s: float,
         return None
     if not idle:
         watch.hang("wait_idle() (returned False)")
-    ok, stats = watch.call("stats()", manager.stats)
+    ok, stats = watch.call("stats()", lambda: _figures(manager))
     return stats if ok else None
 
 
@@ -275,8 +278,8 @@ def _drive_frontends(run: _Run) -> None:
                 break
 
 
-def _check(run: _Run) -> tuple[list[str], dict[str, Any]]:
-    """Settle, stop, and check: the violations found, and the last stats (empty if none could be read)."""
+def _check(run: _Run) -> tuple[list[str], StatsSnapshot | None]:
+    """Settle, stop, and check: the violations found, and the last stats (``None`` if none could be read)."""
     from kvactors.testing.explore import check_stats, check_tiers
 
     env, watch = run.env, run.watch
@@ -295,16 +298,23 @@ def _check(run: _Run) -> tuple[list[str], dict[str, Any]]:
         violations.extend(run.deferrer.errors)
     if watch.hangs:
         run.state["hung"] = True
-    return violations, stats or {}
+    return violations, stats
 
 
-def _summary(run: _Run, violations: list[str], stats: dict[str, Any], elapsed: float) -> dict[str, Any]:
-    """The run's figures, as ``--json`` prints them; the hangs go to stderr."""
+def _summary(run: _Run, violations: list[str], stats: StatsSnapshot | None, elapsed: float) -> dict[str, Any]:
+    """The run's figures, as ``--json`` prints them (0 where the stats could not be read); the hangs go to stderr."""
     args, env, watch = run.args, run.env, run.watch
-    leaks = sum(int(stats.get(name, 0)) for name in LEAK_STATS)
-    pins = sum(int(stats.get(name, 0)) for name in PIN_STATS)
     stalled = run.stalled()
-    jobs = sum(int(stats.get(name, 0)) for name in JOB_STATS) + abs(int(stats.get("jobs_held", stalled)) - stalled)
+    leaks = pins = jobs = submitted = jobs_timed_out = stores_timed_out = ready = unusable = 0
+    if stats is not None:
+        pool = stats.pool
+        # active_requests counts twice, as the stats() keys active_requests and primary_requests always did.
+        leaks = 2 * stats.active_requests + stats.supervisor_requests + stats.lookups_in_flight
+        pins = pool.blocks_pinned + pool.jobs_pinning + pool.blocks_pending
+        jobs = stats.jobs_in_flight + stats.jobs_queued + abs(pool.jobs_held - stalled)
+        submitted, jobs_timed_out = stats.totals.jobs_submitted, stats.totals.jobs_timed_out
+        stores_timed_out, ready = stats.stores_timed_out, pool.blocks_ready
+        unusable = pool.blocks_detached + pool.jobs_held
     summary = {
         "operations": env.operations,
         "requests": env.requests,
@@ -320,11 +330,11 @@ def _summary(run: _Run, violations: list[str], stats: dict[str, Any], elapsed: f
         "threads": args.threads,
         "tiers": ",".join(run.plan.tiers),
         "expected_misuse": env.expected_misuse,
-        "jobs_submitted": int(stats.get("jobs_submitted", 0)),
-        "jobs_timed_out": int(stats.get("jobs_timed_out", 0)),
-        "stores_timed_out": int(stats.get("stores_timed_out", 0)),
-        "blocks_ready": int(stats.get("blocks_ready", 0)),
-        "blocks_unusable": int(stats.get("blocks_detached", 0)) + int(stats.get("jobs_held", 0)),
+        "jobs_submitted": submitted,
+        "jobs_timed_out": jobs_timed_out,
+        "stores_timed_out": stores_timed_out,
+        "blocks_ready": ready,
+        "blocks_unusable": unusable,
         "violation_list": violations[:20],
         "workload_error_list": run.crashes[:5],
     }

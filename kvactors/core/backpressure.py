@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvactors.core.snapshot import CascadeFigures
+
 MIN_DEFAULT_QUEUED_BYTES = 256 << 20
 
 
@@ -112,16 +114,11 @@ class Backpressure:
     def jobs(self) -> int:
         return len(self._jobs)
 
-    def figures(self, tiers: Iterable[str]) -> dict[str, int]:
-        """The ``stats()`` keys.
+    def figures(self, tiers: Iterable[str]) -> dict[str, CascadeFigures]:
+        """Each tier's drops and queued bytes, by tier name.
 
-        They are ``cascades_dropped`` (all tiers), ``cascades_dropped.<tier>``,
-        ``cascade_bytes_queued.<tier>`` and ``cascade_blocks_dropped.<tier>``.
+        ``stats()`` writes them as ``cascades_dropped.<tier>`` and the like.
+        See :class:`~kvactors.core.snapshot.ControlFigures`.
         """
-        out: dict[str, int] = {"cascades_dropped": sum(q.dropped for q in self._tiers.values())}
-        for tier in tiers:
-            queue = self._tiers[tier]
-            out[f"cascades_dropped.{tier}"] = queue.dropped
-            out[f"cascade_blocks_dropped.{tier}"] = queue.dropped_blocks
-            out[f"cascade_bytes_queued.{tier}"] = queue.queued
-        return out
+        return {tier: CascadeFigures(queue.dropped, queue.dropped_blocks, queue.queued)
+                for tier, queue in ((tier, self._tiers[tier]) for tier in tiers)}

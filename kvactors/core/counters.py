@@ -1,23 +1,27 @@
 """Counters, kept where the work happens: plain ints on one actor's state.
 
-No locks and no threads: each actor has one counter object (the primary's
-:class:`PrimaryCounters`, the supervisor's :class:`SupervisorCounters`),
-which it updates inside its handlers; ``stats()`` and a
-:class:`MetricsSnapshot` (:mod:`kvactors.metrics`, one round trip per
-scrape) are both derived from those two, copied on the actors' thread
-(:class:`PrimaryFigures` carries the primary's part to the supervisor). Each
-event is counted once: a total that is the sum of finer counts is derived
-from them when asked. An update is a few attribute or dict increments: no
-logging, no allocation beyond a tuple key.
+Each actor has one counter object, which it updates inside its handlers.
+The primary's is :class:`PrimaryCounters`, the supervisor's
+:class:`SupervisorCounters`. ``stats()`` and a :class:`MetricsSnapshot`
+(:mod:`kvactors.metrics`, one round trip per scrape) both derive from those
+two, copied on the actors' thread. :class:`PrimaryFigures` carries the
+primary's part to the supervisor, where :mod:`kvactors.core.statsbook`
+reads both into a :class:`~kvactors.core.snapshot.StatsSnapshot`. Each event
+is counted once. A total that is the sum of finer counts is derived from
+them when asked. An update is a few attribute or dict increments, with no
+logging and no allocation beyond a tuple key. No locks and no threads.
 """
 
 from __future__ import annotations
 
+import copy
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvactors.core.jobkinds import TIER_JOB_KINDS, JobKind, JobOutcome
+from kvactors.core.snapshot import ControlFigures, PoolFigures, StatsSnapshot, SupervisorTotals
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult
 
 DURATION_BUCKETS: tuple[float, ...] = (
@@ -25,7 +29,7 @@ DURATION_BUCKETS: tuple[float, ...] = (
 )
 """Upper bounds (seconds) of the job duration histogram's buckets; one more bucket, +Inf, follows."""
 
-OUTCOMES = ("ok", "failed", "timed_out")
+OUTCOMES: tuple[JobOutcome, ...] = tuple(JobOutcome)
 
 
 class PrimaryCounters:
@@ -58,10 +62,8 @@ class PrimaryCounters:
         self.promotions_refused = 0
 
     def copy(self) -> PrimaryCounters:
-        out = PrimaryCounters()
-        for name in self.__slots__:
-            setattr(out, name, getattr(self, name))
-        return out
+        """A copy of every count now (the figures carry it to the supervisor's handler)."""
+        return copy.copy(self)
 
     def lookup(self, results: list[LookupResult]) -> None:
         self.lookup_keys += len(results)
@@ -72,18 +74,18 @@ class PrimaryCounters:
 class PrimaryFigures:
     """The primary's part of ``stats()`` and of a metrics snapshot, copied on its thread.
 
-    ``pool``: :meth:`~kvactors.core.pool.BlockPool.stats`; ``pool_blocks``: its
+    ``pool``: :meth:`~kvactors.core.pool.BlockPool.figures`; ``pool_blocks``: its
     rows by state (:meth:`~kvactors.core.pool.BlockPool.state_counts`)."""
 
     counters: PrimaryCounters
-    pool: dict[str, int]
+    pool: PoolFigures
     pool_blocks: dict[str, int]
     evicted_keys: int
     event_keys_dropped: int
     requests: int
     blocks_reserved: int
     internal_errors: int
-    controls: dict[str, int] = field(default_factory=dict)  # admission and back-pressure (stats() keys)
+    controls: ControlFigures  # admission and back-pressure
 
 
 class SupervisorCounters:
@@ -92,23 +94,19 @@ class SupervisorCounters:
 
     The totals ``stats()`` shows for jobs (``jobs_submitted``, ``jobs_succeeded``,
     ``jobs_failed``, ``jobs_timed_out``, ``jobs_dropped``) are sums of the per-tier
-    counts (:meth:`totals`), never counted twice."""
-
-    EVENTS = ("late_reports", "unexpected_reports", "invalid_reports", "jobs_partial", "job_keys_failed",
-              "promotion_hits_ignored", "lookups_timed_out", "requests_finalized", "guard_violations",
-              "gathers_incomplete", "inline_calls_demoted")
-    """The counts of single events, each an int attribute of its name."""
+    counts (:meth:`totals`), never counted twice. The counts of single events
+    are int attributes, each named as its ``stats()`` key."""
 
     def __init__(self, tiers: Iterable[str]) -> None:
         tiers = tuple(tiers)
         self.lookup_keys: dict[str, int] = dict.fromkeys(tiers, 0)
         self.hit_keys: dict[str, int] = dict.fromkeys(tiers, 0)
-        self.started: Counter[tuple[str, str]] = Counter()
-        self.dropped: Counter[tuple[str, str]] = Counter()
-        self.ended: Counter[tuple[str, str, str]] = Counter()
-        self.blocks: Counter[tuple[str, str]] = Counter()  # blocks of successful jobs
-        self.buckets: dict[tuple[str, str], list[int]] = {}
-        self.duration_sum: dict[tuple[str, str], float] = {}
+        self.started: Counter[tuple[str, JobKind]] = Counter()
+        self.dropped: Counter[tuple[str, JobKind]] = Counter()
+        self.ended: Counter[tuple[str, JobKind, JobOutcome]] = Counter()
+        self.blocks: Counter[tuple[str, JobKind]] = Counter()  # blocks of successful jobs
+        self.buckets: dict[tuple[str, JobKind], list[int]] = {}
+        self.duration_sum: dict[tuple[str, JobKind], float] = {}
         self.late_reports = 0
         self.unexpected_reports = 0
         self.invalid_reports = 0
@@ -121,16 +119,29 @@ class SupervisorCounters:
         self.gathers_incomplete = 0
         self.inline_calls_demoted = 0
 
-    def totals(self) -> dict[str, int]:
-        """Every count ``stats()`` shows, by its name there."""
-        ended: Counter[str] = Counter()
+    def totals(self) -> SupervisorTotals:
+        """Every count of this actor that ``stats()`` shows."""
+        ended: Counter[JobOutcome] = Counter()
         for (_, _, outcome), count in self.ended.items():
             ended[outcome] += count
-        out = {"jobs_submitted": sum(self.started.values()), "jobs_succeeded": ended["ok"],
-               "jobs_failed": ended["failed"], "jobs_timed_out": ended["timed_out"],
-               "jobs_dropped": sum(self.dropped.values())}
-        out.update((name, getattr(self, name)) for name in self.EVENTS)
-        return out
+        return SupervisorTotals(
+            jobs_submitted=sum(self.started.values()),
+            jobs_succeeded=ended[JobOutcome.OK],
+            jobs_failed=ended[JobOutcome.FAILED],
+            jobs_timed_out=ended[JobOutcome.TIMED_OUT],
+            jobs_dropped=sum(self.dropped.values()),
+            late_reports=self.late_reports,
+            unexpected_reports=self.unexpected_reports,
+            invalid_reports=self.invalid_reports,
+            jobs_partial=self.jobs_partial,
+            job_keys_failed=self.job_keys_failed,
+            promotion_hits_ignored=self.promotion_hits_ignored,
+            lookups_timed_out=self.lookups_timed_out,
+            requests_finalized=self.requests_finalized,
+            guard_violations=self.guard_violations,
+            gathers_incomplete=self.gathers_incomplete,
+            inline_calls_demoted=self.inline_calls_demoted,
+        )
 
     def asked(self, tier: str, keys: int) -> None:
         self.lookup_keys[tier] += keys
@@ -141,14 +152,14 @@ class SupervisorCounters:
             if answer:
                 self.hit_keys[tier] += answer.count(hit)
 
-    def job_started(self, tier: str, kind: str) -> None:
+    def job_started(self, tier: str, kind: JobKind) -> None:
         self.started[(tier, kind)] += 1
 
-    def job_dropped(self, tier: str, kind: str) -> None:
+    def job_dropped(self, tier: str, kind: JobKind) -> None:
         """A job that never reached its tier (a reset, a stop, its request gone)."""
         self.dropped[(tier, kind)] += 1
 
-    def job_ended(self, tier: str, kind: str, outcome: str, blocks: int, duration_s: float) -> None:
+    def job_ended(self, tier: str, kind: JobKind, outcome: JobOutcome, blocks: int, duration_s: float) -> None:
         key = (tier, kind)
         self.ended[(tier, kind, outcome)] += 1
         if blocks:
@@ -180,28 +191,34 @@ class Histogram:
 class MetricsSnapshot:
     """Every figure the metrics show, copied in one pass on the actors' thread.
 
-    Keyed by tier name (``"cpu"`` for the primary) and, for jobs, by kind
-    (``store``, ``load`` at ``cpu``; ``cascade``, ``promotion`` at a secondary
-    tier) and outcome (``ok``, ``failed``, ``timed_out``). Block counts, not
-    bytes: the reader multiplies by the pool's ``block_bytes``.
+    ``figures``: what ``stats()`` shows, typed (:attr:`stats` is its dict).
+    The rest is keyed by tier name (``"cpu"`` for the primary) and, for jobs,
+    by kind (``store``, ``load`` at ``cpu``; ``cascade``, ``promotion`` at a
+    secondary tier) and outcome (``ok``, ``failed``, ``timed_out``). Block
+    counts, not bytes: the reader multiplies by the pool's ``block_bytes``.
     """
 
-    stats: dict[str, int | float]
+    figures: StatsSnapshot
     pool_blocks: dict[str, int]
     lookup_keys: dict[str, int]
     hit_keys: dict[str, int]
     stored_blocks: dict[str, int]
     loaded_blocks: dict[str, int]
     evicted_keys: dict[str, int]
-    jobs: dict[tuple[str, str, str], int]
-    jobs_started: dict[tuple[str, str], int]
-    jobs_dropped: dict[tuple[str, str], int]
-    durations: dict[tuple[str, str], Histogram]
+    jobs: dict[tuple[str, JobKind, JobOutcome], int]
+    jobs_started: dict[tuple[str, JobKind], int]
+    jobs_dropped: dict[tuple[str, JobKind], int]
+    durations: dict[tuple[str, JobKind], Histogram]
     jobs_queued: dict[str, int]
     jobs_in_flight: dict[str, int]
 
+    @property
+    def stats(self) -> dict[str, int | float]:
+        """The ``stats()`` dict of :attr:`figures`."""
+        return self.figures.as_dict()
 
-def snapshot(figures: PrimaryFigures, jobs: SupervisorCounters, stats: dict[str, int | float],
+
+def snapshot(figures: PrimaryFigures, jobs: SupervisorCounters, stats: StatsSnapshot,
              queued: Mapping[str, int], in_flight: Mapping[str, int]) -> MetricsSnapshot:
     """Combine the primary's part with the supervisor's."""
     primary = figures.counters
@@ -210,20 +227,20 @@ def snapshot(figures: PrimaryFigures, jobs: SupervisorCounters, stats: dict[str,
     stored = {cpu: primary.stored_blocks, **dict.fromkeys(tiers, 0)}
     loaded = {cpu: primary.loaded_blocks, **dict.fromkeys(tiers, 0)}
     for (tier, kind), blocks in jobs.blocks.items():
-        (stored if kind == "cascade" else loaded)[tier] += blocks
-    ended: dict[tuple[str, str, str], int] = {
-        (cpu, "store", "ok"): primary.store_ok,
-        (cpu, "store", "failed"): primary.store_failed,
-        (cpu, "store", "timed_out"): primary.store_timed_out,
-        (cpu, "load", "ok"): primary.load_ok,
+        (stored if kind is JobKind.CASCADE else loaded)[tier] += blocks
+    ended: dict[tuple[str, JobKind, JobOutcome], int] = {
+        (cpu, JobKind.STORE, JobOutcome.OK): primary.store_ok,
+        (cpu, JobKind.STORE, JobOutcome.FAILED): primary.store_failed,
+        (cpu, JobKind.STORE, JobOutcome.TIMED_OUT): primary.store_timed_out,
+        (cpu, JobKind.LOAD, JobOutcome.OK): primary.load_ok,
     }
-    keys = [(tier, kind) for tier in tiers for kind in ("cascade", "promotion")]
+    keys = [(tier, kind) for tier in tiers for kind in TIER_JOB_KINDS]
     for tier, kind in keys:
         for outcome in OUTCOMES:
             ended[(tier, kind, outcome)] = jobs.ended[(tier, kind, outcome)]
     empty = [0] * (len(DURATION_BUCKETS) + 1)
     return MetricsSnapshot(
-        stats=stats,
+        figures=stats,
         pool_blocks=figures.pool_blocks,
         lookup_keys={cpu: primary.lookup_keys, **jobs.lookup_keys},
         hit_keys={cpu: primary.hit_keys, **jobs.hit_keys},

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvactors.core.deadlines import DeadlineQueue
+from kvactors.core.jobkinds import JobKind
+from kvactors.core.lifecycle import Pending
 from kvactors.core.outcomes import KeyOutcomes, key_outcomes
 from kvactors.types import JobResult, ReqContext, TransferJob
 
@@ -67,13 +69,13 @@ class BookedJob:
         return self.job.job_id
 
     @property
-    def counter(self) -> str:
-        """The request counter that holds the request open while this job is queued."""
-        return "unsent_promotions" if self.job.is_promotion else "parked_cascades"
+    def counter(self) -> Pending:
+        """The request count that holds the request open while this job is queued."""
+        return Pending.UNSENT_PROMOTIONS if self.job.is_promotion else Pending.PARKED_CASCADES
 
     @property
-    def kind(self) -> str:
-        return "promotion" if self.job.is_promotion else "cascade"
+    def kind(self) -> JobKind:
+        return JobKind.PROMOTION if self.job.is_promotion else JobKind.CASCADE
 
 
 @dataclass(frozen=True, slots=True)

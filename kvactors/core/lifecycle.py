@@ -18,12 +18,23 @@ threads, no I/O: the supervisor actor owns one table and is its only caller.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import enum
+from dataclasses import dataclass, field
 
 from kvactors.core.errors import LifecycleError
 from kvactors.types import ReqContext
 
-COUNTERS = ("pending_primary_stores", "pending_lookups", "unsent_promotions", "parked_cascades")
+
+class Pending(enum.StrEnum):
+    """What a request attempt counts that can still submit to a tier (a ``str``: logged as its value)."""
+
+    PRIMARY_STORES = "pending_primary_stores"
+    LOOKUPS = "pending_lookups"
+    UNSENT_PROMOTIONS = "unsent_promotions"
+    PARKED_CASCADES = "parked_cascades"
+
+
+COUNTERS: tuple[Pending, ...] = tuple(Pending)
 
 
 class InvariantError(AssertionError):
@@ -35,21 +46,34 @@ class RequestState:
     """One request attempt, from ``on_new_request`` until it is finalized."""
 
     req_context: ReqContext
-    pending_primary_stores: int = 0
-    pending_lookups: int = 0
-    unsent_promotions: int = 0
-    parked_cascades: int = 0
+    pending: dict[Pending, int] = field(default_factory=lambda: dict.fromkeys(Pending, 0))
+    """Each count, by what it counts; never below zero."""
     is_finished: bool = False
+
+    @property
+    def pending_primary_stores(self) -> int:
+        return self.pending[Pending.PRIMARY_STORES]
+
+    @property
+    def pending_lookups(self) -> int:
+        return self.pending[Pending.LOOKUPS]
+
+    @property
+    def unsent_promotions(self) -> int:
+        return self.pending[Pending.UNSENT_PROMOTIONS]
+
+    @property
+    def parked_cascades(self) -> int:
+        return self.pending[Pending.PARKED_CASCADES]
 
     @property
     def may_submit(self) -> bool:
         """Whether anything counted here can still submit to a tier for this request."""
-        return bool(
-            self.pending_primary_stores or self.pending_lookups or self.unsent_promotions or self.parked_cascades
-        )
+        return any(self.pending.values())
 
     def counts(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in COUNTERS}
+        """The counts by their names (the log's fields)."""
+        return {str(name): count for name, count in self.pending.items()}
 
 
 class LifecycleTable:
@@ -80,8 +104,8 @@ class LifecycleTable:
         self._states[ctx.identity] = state
         return state
 
-    def add(self, ctx: ReqContext, counter: str, delta: int) -> RequestState | None:
-        """Change one counter of a live request; ``None`` if the request is not live.
+    def add(self, ctx: ReqContext, counter: Pending, delta: int) -> RequestState | None:
+        """Change one count of a live request; ``None`` if the request is not live.
 
         A counter never goes below zero: that would mean an event was counted
         twice, and raises :class:`InvariantError` without changing anything.
@@ -89,10 +113,10 @@ class LifecycleTable:
         state = self._states.get(ctx.identity)
         if state is None:
             return None
-        value = getattr(state, counter) + delta
+        value = state.pending[counter] + delta
         if value < 0:
             raise InvariantError(f"{counter} of {ctx} would go to {value}")
-        setattr(state, counter, value)
+        state.pending[counter] = value
         return state
 
     def finish(self, ctx: ReqContext) -> RequestState | None:
@@ -120,12 +144,9 @@ class LifecycleTable:
         """
         finalized = []
         for identity, state in list(self._states.items()):
-            for name in COUNTERS:
-                setattr(state, name, 0)
+            state.pending = dict.fromkeys(Pending, 0)
             if state.is_finished:
                 del self._states[identity]
                 finalized.append(state)
         return finalized
 
-
-assert {f.name for f in fields(RequestState)} >= set(COUNTERS)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import asdict
 
 from kvactors.core.events import EventBuffer
 from kvactors.core.load_pins import LoadPinBook, LoadPins
@@ -51,6 +52,7 @@ from kvactors.core.pool_types import (
     StorePlan,
     Writer,
 )
+from kvactors.core.snapshot import PoolFigures
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
 
 __all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "StorePlan", "Writer"]
@@ -151,19 +153,23 @@ class BlockPool:
         """How many load pins ``identity`` holds. O(load pins)."""
         return self._pin_book.outstanding_of(identity)
 
+    def figures(self) -> PoolFigures:
+        """Row counts by state, and the jobs pinning or holding rows; O(1)."""
+        return PoolFigures(
+            blocks_total=self.num_blocks,
+            blocks_free=len(self._free),
+            blocks_ready=self._n_ready,
+            blocks_pending=self._n_pending,
+            blocks_pinned=self._n_pinned,
+            blocks_detached=len(self._detached),
+            blocks_evictable=len(self._policy),
+            jobs_pinning=len(self._job_pins),
+            jobs_held=len(self._held_jobs),
+        )
+
     def stats(self) -> dict[str, int]:
-        """Row counts by state; O(1)."""
-        return {
-            "blocks_total": self.num_blocks,
-            "blocks_free": len(self._free),
-            "blocks_ready": self._n_ready,
-            "blocks_pending": self._n_pending,
-            "blocks_pinned": self._n_pinned,
-            "blocks_detached": len(self._detached),
-            "blocks_evictable": len(self._policy),
-            "jobs_pinning": len(self._job_pins),
-            "jobs_held": len(self._held_jobs),
-        }
+        """:meth:`figures` by their ``stats()`` keys; O(1)."""
+        return asdict(self.figures())
 
     def state_counts(self) -> dict[str, int]:
         """Rows by exclusive state, summing to ``num_blocks``: ``ready`` (indexed,

@@ -38,6 +38,7 @@ from typing import Any
 from kvactors.actors import messages as m
 from kvactors.actors.primary import PrimaryTier
 from kvactors.actors.reply import Reply
+from kvactors.core.snapshot import StatsSnapshot
 from kvactors.manager import TieringManager
 from kvactors.testing.scheduler import SimRuntime, SimulationStuck
 from kvactors.testing.tiers import Faults, RecordingTier, SimDeferrer, rows_hold
@@ -116,37 +117,38 @@ class ExploreReport:
         return self.runs / self.seconds if self.seconds else 0.0
 
 
-def check_after_run(env: Env, stats: dict[str, Any], tiers: list[RecordingTier]) -> list[str]:
+def check_after_run(env: Env, stats: StatsSnapshot, tiers: list[RecordingTier]) -> list[str]:
     """The contract, from the stats and the recording tiers, once the runtime settled."""
     return [*env.violations, *check_stats(env, stats, tiers), *check_tiers(env, tiers)]
 
 
-def check_stats(env: Env, stats: dict[str, Any], tiers: list[Any]) -> list[str]:
-    """Once settled: no request state, pin, job or lookup left; only the deliberate misuse counted."""
-    out = []
+def check_stats(env: Env, stats: StatsSnapshot, tiers: list[Any]) -> list[str]:
+    """Once settled: no request state, pin, job or lookup left; only the deliberate misuse counted.
+
+    ``stats``: the runtime's figures (:attr:`MetricsSnapshot.figures
+    <kvactors.core.counters.MetricsSnapshot.figures>`); each finding names its ``stats()`` key."""
     stalled = sum(len(tier.stalled) for tier in tiers)
-    expect = {
-        "active_requests": 0,
-        "primary_requests": 0,
-        "supervisor_requests": 0,
-        "blocks_pending": 0,
-        "blocks_pinned": 0,
-        "jobs_in_flight": 0,
-        "jobs_queued": 0,
-        "jobs_pinning": 0,
-        "lookups_in_flight": 0,
-        "internal_errors": 0,
-        "unexpected_reports": sum(getattr(tier, "extra_reports", 0) for tier in tiers),
-        "guard_violations": 0,
-        "contract_violations": env.expected_misuse,
-        "jobs_held": stalled,
-        "jobs_awaiting_late_report": stalled,
-        "tiers_stuck": 0,  # a tier stuck in a call has moved again, and said so
-    }
-    for name, value in expect.items():
-        if stats.get(name) != value:
-            out.append(f"stats[{name!r}] is {stats.get(name)!r}, expected {value!r}")
-    return out
+    pool, totals = stats.pool, stats.totals
+    # (stats() key, value, expected); primary_requests is active_requests under another name.
+    expect: tuple[tuple[str, int, int], ...] = (
+        ("active_requests", stats.active_requests, 0),
+        ("supervisor_requests", stats.supervisor_requests, 0),
+        ("blocks_pending", pool.blocks_pending, 0),
+        ("blocks_pinned", pool.blocks_pinned, 0),
+        ("jobs_in_flight", stats.jobs_in_flight, 0),
+        ("jobs_queued", stats.jobs_queued, 0),
+        ("jobs_pinning", pool.jobs_pinning, 0),
+        ("lookups_in_flight", stats.lookups_in_flight, 0),
+        ("internal_errors", stats.internal_errors, 0),
+        ("unexpected_reports", totals.unexpected_reports, sum(getattr(tier, "extra_reports", 0) for tier in tiers)),
+        ("guard_violations", totals.guard_violations, 0),
+        ("contract_violations", stats.contract_violations, env.expected_misuse),
+        ("jobs_held", pool.jobs_held, stalled),
+        ("jobs_awaiting_late_report", stats.jobs_awaiting_late_report, stalled),
+        ("tiers_stuck", stats.tiers_stuck, 0),  # a tier stuck in a call has moved again, and said so
+    )
+    return [f"stats[{name!r}] is {value!r}, expected {expected!r}" for name, value, expected in expect
+            if value != expected]
 
 
 def check_tiers(env: Env, tiers: list[Any]) -> list[str]:
@@ -344,7 +346,7 @@ def explore_one(seed: int, *, base: WorkloadConfig | None = None, trace: bool = 
         result.violations.extend(runtime.late)
         if not manager.wait_idle():
             result.violations.append("wait_idle() did not return True")
-        stats = manager.stats()
+        stats = manager.metrics_snapshot().figures
         result.violations.extend(check_after_run(env, stats, tiers))
         if internals:
             result.violations.extend(check_internals(runtime, manager, env, tiers))
