@@ -157,3 +157,25 @@ def test_a_request_changes_only_through_its_methods(tm):
     assert req.take_store(b"k") == (req.ctx, 3) and req.take_store(b"k") is None
     assert req.take_load(b"k") == req.ctx and req.take_load(b"k") == req.ctx and req.take_load(b"k") is None
     assert not req.stores and not req.loads
+
+
+def test_a_tiers_entry_is_parsed_once_into_a_frozen_typed_spec(tmp_path):
+    """Issue 37 item 6: downstream code reads a TierSpec, never the raw entry."""
+    import dataclasses
+
+    from kvactors.integrations.vllm.config import parse_config
+    from kvactors.integrations.vllm.tier_spec import TierSpec, TierType
+
+    root = str(tmp_path / "disk")
+    config = parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [
+        {"type": "disk", "root": root, "capacity_bytes": 1 << 20, "admission": "write_back", "max_queued_bytes": 0},
+        {"type": "memory", "capacity_blocks": 4}]})
+    disk, memory = config.tiers
+    assert disk == TierSpec(0, TierType.DISK, {"root": root, "capacity_bytes": 1 << 20}, "write_back", 0)
+    assert disk.writes_back and disk.where == "tiers[0]"
+    assert memory.type is TierType.MEMORY and memory.admission is None and memory.max_queued_bytes is None
+    assert not memory.writes_back and memory.where == "tiers[1]"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        disk.type = TierType.MEMORY  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        disk.options["root"] = "elsewhere"  # type: ignore[index]
