@@ -196,12 +196,10 @@ def native_copy(dst: torch.Tensor, src: torch.Tensor, threads: int) -> float:
     """One job of every row through a bare :class:`NativeCopier` (no engine, no manager): the
     machine's plain parallel copy with streaming stores. Seconds from submit to report."""
     done = threading.Event()
-    future: Future[Any] = Future()
     copier = NativeCopier(device_cache=src, pool=dst, threads=threads, done=lambda job, error: done.set())
     try:
-        job = CopyJob(job_id=1, direction="offload", ctx=ReqContext("native-baseline"), keys=(b"all",),
-                      runs=((0, 0, int(src.shape[0])),), nbytes=src.numel(), future=future, deadline=None,
-                      timeout_s=None)
+        job = CopyJob(job_id=1, direction="offload", runs=((0, 0, int(src.shape[0])),), nbytes=src.numel(),
+                      blocks=int(src.shape[0]), deadline=None, timeout_s=None)
         start = time.perf_counter()
         copier.submit(job)
         if not done.wait(60):

@@ -336,7 +336,7 @@ def test_vllm_entry_keys_are_checked() -> None:
 
     ok = parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [
         {"type": "mooncake", "master": "mc:50051", "segment_bytes": 16 << 20}]})
-    assert ok.tiers[0]["master"] == "mc:50051"
+    assert ok.tiers[0].options["master"] == "mc:50051"
     with pytest.raises(ValueError, match=r"tiers\[0\]\.master is required"):
         parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "mooncake"}]})
     with pytest.raises(ValueError, match=r"unknown key tiers\[0\]\.url"):

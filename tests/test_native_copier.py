@@ -8,7 +8,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvactors import LookupResult, ReqContext, TieringManager, TransferEngine
-from kvactors.transfer.jobs import CopyJob, CopyTimeoutError
+from kvactors.transfer.jobs import CopyJob, CopyTimeoutError, RequestCopy
 from kvactors.transfer.native import NativeCopier, native_copy_available, supports
 from kvactors.transfer.runs import Run, copy_runs
 
@@ -45,11 +44,8 @@ class Reports:
 
 
 def make_job(job_id: int, direction: str, runs: list[Run], row_bytes: int, deadline: float | None = None) -> CopyJob:
-    future: Future[Any] = Future()
-    future.set_running_or_notify_cancel()
-    return CopyJob(job_id=job_id, direction=direction, ctx=ReqContext(f"r{job_id}"), keys=(b"k",) * max(1, len(runs)),
-                   runs=tuple(runs), nbytes=sum(n for _, _, n in runs) * row_bytes, future=future,
-                   deadline=deadline, timeout_s=None if deadline is None else 0.0)
+    return CopyJob(job_id=job_id, direction=direction, runs=tuple(runs), nbytes=sum(n for _, _, n in runs) * row_bytes,
+                   blocks=max(1, len(runs)), deadline=deadline, timeout_s=None if deadline is None else 0.0)
 
 
 @pytest.fixture
@@ -70,7 +66,7 @@ def hold_report(engine: TransferEngine, first_key: bytes, release: threading.Eve
     report = getattr(copier, attribute)
     held = threading.Event()
 
-    def held_report(job: CopyJob, outcome: Any) -> None:
+    def held_report(job: RequestCopy, outcome: Any) -> None:
         if job.keys[0] == first_key:
             held.set()
             release.wait(TIMEOUT)

@@ -11,13 +11,11 @@ import itertools
 import random
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import pytest
 import torch
 
-from kvactors import ReqContext
 from kvactors.transfer.cpu import CpuCopier
 from kvactors.transfer.cuda import HostRegistration
 from kvactors.transfer.jobs import OFFLOAD, ONBOARD, CopyJob, Direction
@@ -48,10 +46,8 @@ class Reports:
 
 
 def make_job(job_id: int, direction: Direction, runs: list[Run], deadline: float | None = None) -> CopyJob:
-    future: Future[Any] = Future()
-    future.set_running_or_notify_cancel()
-    return CopyJob(job_id=job_id, direction=direction, ctx=ReqContext(f"r{job_id}"), keys=(), runs=tuple(runs),
-                   nbytes=0, future=future, deadline=deadline, timeout_s=None if deadline is None else 60.0)
+    return CopyJob(job_id=job_id, direction=direction, runs=tuple(runs), nbytes=0, blocks=len(runs),
+                   deadline=deadline, timeout_s=None if deadline is None else 60.0)
 
 
 class Case:
@@ -245,8 +241,8 @@ def gated_copier(case: Case, reports: Reports) -> tuple[CpuCopier, threading.Eve
     jobs submitted meanwhile are taken together, as one batch."""
     gate, holding = threading.Event(), threading.Event()
 
-    def hold(direction: Direction, ctx: ReqContext, keys: Any) -> None:
-        if ctx.req_id == "r0":
+    def hold(job: CopyJob) -> None:
+        if job.job_id == 0:
             holding.set()
             assert gate.wait(TIMEOUT)
 

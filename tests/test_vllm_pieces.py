@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
@@ -50,7 +51,7 @@ def test_an_answer_pins_its_leading_hits_and_post_hands_them_to_the_request(tm):
     requests = Requests(tm, Counter())
     req = requests.start_attempt("r", None)
     job = LookupJob((b"k0", b"k1", b"k2"), req.ctx)
-    req.job = job
+    req.begin_lookup(job)
     lookups.answer(tm, job, log=None)
     assert job.answers == {b"k0": HIT, b"k1": HIT, b"k2": MISS} and set(job.pinned) == {b"k0", b"k1"}
     assert lookups.post(requests, job) == [] and set(req.pinned) == {b"k0", b"k1"} and req.job is None
@@ -66,10 +67,10 @@ def test_pins_outlive_the_steps_answers_for_hold_s_then_go_back(tm):
     requests = Requests(tm, Counter())
     req = requests.start_attempt("r", None)
     job = LookupJob((b"k0", b"k1"), req.ctx)
-    req.job = job
+    req.begin_lookup(job)
     lookups.answer(tm, job, log=None)
     lookups.post(requests, job)
-    req.read = True
+    req.mark_read()
     now = req.pinned_since
     requests.end_step(now + 1.0, hold_s=5.0)
     assert req.answers == {} and set(req.pinned) == {b"k0", b"k1"}  # answers dropped, pins kept
@@ -85,7 +86,7 @@ def test_a_stale_job_gives_all_its_pins_back(tm):
     requests = Requests(tm, Counter())
     req = requests.start_attempt("r", None)
     job = LookupJob((b"k0",), req.ctx)
-    req.job = job
+    req.begin_lookup(job)
     lookups.answer(tm, job, log=None)
     job.stale = True
     assert lookups.post(requests, job) == [b"k0"] and not req.pinned
@@ -94,7 +95,7 @@ def test_a_stale_job_gives_all_its_pins_back(tm):
 def test_a_new_attempt_keeps_the_completions_the_old_one_owes(tm):
     requests = Requests(tm, Counter())
     first = requests.start_attempt("r", None)
-    first.stores[b"k"] = (first.ctx, 3)
+    first.storing(first.ctx, {b"k": 3})
     requests.finish_attempt(first)
     second = requests.start_attempt("r", None)
     assert second.ctx.attempt == first.ctx.attempt + 1 and second.stores == {b"k": (first.ctx, 3)}
@@ -106,7 +107,7 @@ def test_stale_stores_end_as_failed_after_the_flush_steps_without_a_fence(tm):
     req = requests.start_attempt("r", None)
     out = tm.prepare_store([b"k"], req.ctx)
     assert out is not None
-    req.stores[b"k"] = (req.ctx, out.store_spec.block_ids[0])
+    req.storing(req.ctx, {b"k": out.store_spec.block_ids[0]})
     stale = StaleJobs(tm, has_reset_fence=False, flush_steps=2)
     stale.add("reset", take_owed(req))
     assert not req.stores and stale.waiting
@@ -126,3 +127,55 @@ def test_with_the_fence_stale_jobs_wait_for_release(tm):
     assert stale.waiting
     stale.release()
     assert not stale.waiting
+
+
+def test_a_request_is_kept_through_a_call_outside_the_lock_then_forgotten(tm):
+    """Issue 37 item 6: the count of calls outside the lock is a context manager, balanced even
+    when the call raises, and the request is forgotten once it is done, not before."""
+    requests = Requests(tm, Counter())
+    for fails in (False, True):
+        req = requests.start_attempt("r", None)
+        with requests.lock:
+            with pytest.raises(RuntimeError) if fails else contextlib.nullcontext(), requests.kept(req):
+                with requests.unlocked():
+                    assert not requests.lock.locked()
+                    requests.finish_attempt(req)  # as if it finished meanwhile
+                assert requests.lock.locked() and requests.get("r") is req and not req.done()
+                if fails:
+                    raise RuntimeError("the call failed")
+            assert requests.get("r") is None and req.done()
+
+
+def test_a_request_changes_only_through_its_methods(tm):
+    requests = Requests(tm, Counter())
+    req = requests.start_attempt("r", None)
+    for name in ("finished", "job", "answers", "pinned", "pinned_since", "stores", "loads", "calls", "read"):
+        with pytest.raises(AttributeError):
+            setattr(req, name, None)
+    req.storing(req.ctx, {b"k": 3})
+    req.loading([b"k", b"k"])
+    assert req.take_store(b"k") == (req.ctx, 3) and req.take_store(b"k") is None
+    assert req.take_load(b"k") == req.ctx and req.take_load(b"k") == req.ctx and req.take_load(b"k") is None
+    assert not req.stores and not req.loads
+
+
+def test_a_tiers_entry_is_parsed_once_into_a_frozen_typed_spec(tmp_path):
+    """Issue 37 item 6: downstream code reads a TierSpec, never the raw entry."""
+    import dataclasses
+
+    from kvactors.integrations.vllm.config import parse_config
+    from kvactors.integrations.vllm.tier_spec import TierSpec, TierType
+
+    root = str(tmp_path / "disk")
+    config = parse_config({"cpu_bytes_to_use": 1 << 20, "tiers": [
+        {"type": "disk", "root": root, "capacity_bytes": 1 << 20, "admission": "write_back", "max_queued_bytes": 0},
+        {"type": "memory", "capacity_blocks": 4}]})
+    disk, memory = config.tiers
+    assert disk == TierSpec(0, TierType.DISK, {"root": root, "capacity_bytes": 1 << 20}, "write_back", 0)
+    assert disk.writes_back and disk.where == "tiers[0]"
+    assert memory.type is TierType.MEMORY and memory.admission is None and memory.max_queued_bytes is None
+    assert not memory.writes_back and memory.where == "tiers[1]"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        disk.type = TierType.MEMORY  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        disk.options["root"] = "elsewhere"  # type: ignore[index]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from kvactors.logs import EventLogger
-from kvactors.transfer.jobs import Copier
+from kvactors.transfer.jobs import Copier, J
 from kvactors.transfer.native import MAX_THREADS as MAX_NATIVE_THREADS
 from kvactors.transfer.native import native_copy_available
 
@@ -40,8 +40,8 @@ def native_threads(copy_workers: int) -> int:
     return min(copy_workers * min(torch.get_num_threads(), _NATIVE_THREADS_PER_WORKER), MAX_NATIVE_THREADS)
 
 
-def host_copier(choice: str, *, native: Callable[[], Copier], torch_copier: Callable[[], Copier],
-                blocked: str | None, log: EventLogger) -> tuple[str, Copier]:
+def host_copier(choice: str, *, native: Callable[[], Copier[J]], torch_copier: Callable[[], Copier[J]],
+                blocked: str | None, log: EventLogger) -> tuple[str, Copier[J]]:
     """The copier for ``choice`` and its name, ``"native"`` or ``"torch"``.
 
     ``choice`` is one of :data:`COPIERS`.

@@ -24,10 +24,11 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from typing import Generic
 
 import torch
 
-from kvactors.transfer.jobs import CopyJob, Direction, FaultInjector, JobDone
+from kvactors.transfer.jobs import Direction, J, JobDone, JobFault
 from kvactors.transfer.layouts import Layout, resolve
 
 _copier_ids = itertools.count()
@@ -41,7 +42,7 @@ _MAX_BATCH_JOBS = 32
 _MAX_BATCH_BYTES = 16 << 20
 
 
-class CpuCopier:
+class CpuCopier(Generic[J]):
     """``workers`` threads copying between ``device_cache`` and ``pool`` (both on the CPU), or
     in a ``layout`` (:mod:`kvactors.transfer.layouts`) instead of those two."""
 
@@ -51,15 +52,15 @@ class CpuCopier:
         device_cache: torch.Tensor | None = None,
         pool: torch.Tensor | None = None,
         workers: int,
-        done: JobDone,
-        fault_injector: FaultInjector | None,
+        done: JobDone[J],
+        fault_injector: JobFault[J] | None,
         layout: Layout | None = None,
     ) -> None:
         self._layout = resolve(device_cache, pool, layout)
         self._done = done
         self._inject = fault_injector
-        self._queue: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
-        self._finished: queue.SimpleQueue[tuple[CopyJob, BaseException | None] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[J | None] = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[tuple[J, BaseException | None] | None] = queue.SimpleQueue()
         copier_id = next(_copier_ids)
         self._workers = [
             threading.Thread(target=self._work, name=f"kvactors-copy-{copier_id}.{i}", daemon=True)
@@ -71,7 +72,7 @@ class CpuCopier:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, job: CopyJob) -> None:
+    def submit(self, job: J) -> None:
         self._queue.put(job)
 
     def owns_current_thread(self) -> bool:
@@ -97,25 +98,25 @@ class CpuCopier:
                 return
             self._done(*item)
 
-    def _copy_alone(self, job: CopyJob) -> None:
+    def _copy_alone(self, job: J) -> None:
         """One job with a deadline: checked before the copy and between its runs."""
         job.check_deadline()
         if self._inject is not None:
-            self._inject(job.direction, job.ctx, job.keys)
+            self._inject(job)
         self._layout.check(job.direction, job.runs)  # as a whole: it is copied a run at a time
         for run in job.runs:
             self._layout.copy(job.direction, (run,))
             job.check_deadline()
 
-    def _copy_batch(self, direction: Direction, jobs: list[CopyJob]) -> list[tuple[CopyJob, BaseException | None]]:
+    def _copy_batch(self, direction: Direction, jobs: list[J]) -> list[tuple[J, BaseException | None]]:
         """Jobs without a deadline, copied together: runs that continue each other across jobs merge.
         Each job is checked on its own first: one the layout refuses fails alone."""
-        outcome: list[tuple[CopyJob, BaseException | None]] = []
+        outcome: list[tuple[J, BaseException | None]] = []
         runs: list[list[int]] = []
         for job in jobs:
             try:
                 if self._inject is not None:
-                    self._inject(direction, job.ctx, job.keys)
+                    self._inject(job)
                 self._layout.check(direction, job.runs)
             except Exception as exc:
                 outcome.append((job, exc))
@@ -137,14 +138,14 @@ class CpuCopier:
             return [(job, error or exc) for job, error in outcome]
         return outcome
 
-    def _copy_checked(self, direction: Direction, job: CopyJob) -> BaseException | None:
+    def _copy_checked(self, direction: Direction, job: J) -> BaseException | None:
         try:
             self._layout.copy(direction, job.runs)
         except Exception as exc:
             return exc
         return None
 
-    def _take_batch(self, first: CopyJob) -> tuple[list[CopyJob], bool]:
+    def _take_batch(self, first: J) -> tuple[list[J], bool]:
         """``first`` and the jobs queued behind it (up to a bound); whether a stop sentinel was taken."""
         batch = [first]
         nbytes = first.nbytes

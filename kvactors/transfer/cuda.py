@@ -34,11 +34,12 @@ import itertools
 import threading
 import time
 from collections import deque
+from typing import Generic
 
 import torch
 
 from kvactors.logs import component_logger
-from kvactors.transfer.jobs import OFFLOAD, ONBOARD, CopyJob, Direction, FaultInjector, JobDone
+from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Direction, J, JobDone, JobFault
 from kvactors.transfer.layouts import Layout, resolve
 
 _copier_ids = itertools.count()
@@ -46,10 +47,10 @@ _copier_ids = itertools.count()
 _BACKOFF_MIN_S = 20e-6
 _BACKOFF_MAX_S = 1e-3
 
-_Entry = tuple[CopyJob, "torch.cuda.Event | None", BaseException | None]
+_Entry = tuple[J, "torch.cuda.Event | None", BaseException | None]
 
 
-class CudaCopier:
+class CudaCopier(Generic[J]):
     """Copies between a CUDA ``device_cache`` and the (pinned) host ``pool``, or in a
     ``layout`` (:mod:`kvactors.transfer.layouts`) instead of those two, on ``device``."""
 
@@ -58,8 +59,8 @@ class CudaCopier:
         *,
         device_cache: torch.Tensor | None = None,
         pool: torch.Tensor | None = None,
-        done: JobDone,
-        fault_injector: FaultInjector | None,
+        done: JobDone[J],
+        fault_injector: JobFault[J] | None,
         layout: Layout | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -74,7 +75,7 @@ class CudaCopier:
             ONBOARD: torch.cuda.Stream(device=self._device),
         }
         self._issue_locks: dict[Direction, threading.Lock] = {OFFLOAD: threading.Lock(), ONBOARD: threading.Lock()}
-        self._pending: dict[Direction, deque[_Entry]] = {OFFLOAD: deque(), ONBOARD: deque()}
+        self._pending: dict[Direction, deque[_Entry[J]]] = {OFFLOAD: deque(), ONBOARD: deque()}
         self._cond = threading.Condition()
         self._stopping = False
         self._done = done
@@ -85,7 +86,7 @@ class CudaCopier:
 
     # ------------------------------------------------------------ issue (caller's thread)
 
-    def submit(self, job: CopyJob) -> None:
+    def submit(self, job: J) -> None:
         direction = job.direction
         stream = self._streams[direction]
         with self._issue_locks[direction]:
@@ -93,7 +94,7 @@ class CudaCopier:
             event: torch.cuda.Event | None = None
             try:
                 if self._inject is not None:
-                    self._inject(direction, job.ctx, job.keys)
+                    self._inject(job)
                 stream.wait_stream(torch.cuda.current_stream(self._device))
                 with torch.cuda.stream(stream):
                     self._layout.copy(direction, job.runs, non_blocking=True)

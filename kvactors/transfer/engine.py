@@ -25,7 +25,7 @@ from kvactors.logs import component_logger
 from kvactors.transfer.choice import COPIERS as COPIERS  # re-exported: the scripts import it from here
 from kvactors.transfer.choice import check_copier, host_copier, native_threads
 from kvactors.transfer.cpu import CpuCopier
-from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, CopyJob, Direction, FaultInjector
+from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, Direction, FaultInjector, JobFault, RequestCopy
 from kvactors.transfer.native import NativeCopier, supports
 from kvactors.transfer.runs import copy_runs
 from kvactors.types import OffloadKey, ReqContext
@@ -43,6 +43,19 @@ def _resolved(value: Any) -> Future[Any]:
     future.set_running_or_notify_cancel()
     future.set_result(value)
     return future
+
+
+def _job_fault(fault_injector: FaultInjector | None) -> JobFault[RequestCopy] | None:
+    """The copiers' hook for the engine's ``fault_injector``: called with the job, it calls
+    ``fault_injector(direction, ctx, keys)``."""
+    if fault_injector is None:
+        return None
+    inject = fault_injector
+
+    def on_job(job: RequestCopy) -> None:
+        inject(job.direction, job.ctx, job.keys)
+
+    return on_job
 
 
 class TransferEngine:
@@ -162,14 +175,14 @@ class TransferEngine:
         self._closed = False
         self._in_flight = 0
         self._shut = threading.Event()
-        self._copier: Copier
+        self._copier: Copier[RequestCopy]
         if device_cache.is_cuda:
             from kvactors.transfer.cuda import CudaCopier
 
             if not pool.is_pinned():
                 self._log.warning("pool_not_pinned", detail="host copies will block the issuing thread")
             self._copier = CudaCopier(device_cache=device_cache, pool=pool, done=self._job_done,
-                                      fault_injector=fault_injector)
+                                      fault_injector=_job_fault(fault_injector))
         else:
             self._copier = self._cpu_copier(copier, pool, copy_workers, fault_injector)
 
@@ -312,7 +325,7 @@ class TransferEngine:
     # ------------------------------------------------------------ internals
 
     def _cpu_copier(self, copier: str, pool: torch.Tensor, copy_workers: int,
-                    fault_injector: FaultInjector | None) -> Copier:
+                    fault_injector: FaultInjector | None) -> Copier[RequestCopy]:
         """The copier :func:`~kvactors.transfer.choice.host_copier` chooses for a device cache on the CPU.
 
         A fault injector runs on the torch copier's threads only.
@@ -328,7 +341,7 @@ class TransferEngine:
             native=lambda: NativeCopier(device_cache=device_cache, pool=pool, threads=native_threads(copy_workers),
                                         done=self._job_done),
             torch_copier=lambda: CpuCopier(device_cache=device_cache, pool=pool, workers=copy_workers,
-                                           done=self._job_done, fault_injector=fault_injector))
+                                           done=self._job_done, fault_injector=_job_fault(fault_injector)))
         return chosen
 
     def _check_args(
@@ -380,23 +393,24 @@ class TransferEngine:
     def _make_job(
         self, direction: Direction, ctx: ReqContext, keys: tuple[OffloadKey, ...],
         src_ids: Sequence[int], dst_ids: Sequence[int],
-    ) -> CopyJob:
+    ) -> RequestCopy:
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()  # not cancellable: the manager holds rows for it
         timeout = self._copy_timeout_s
-        return CopyJob(
+        return RequestCopy(
             job_id=next(self._job_ids),
             direction=direction,
             ctx=ctx,
             keys=keys,
             runs=tuple(copy_runs(src_ids, dst_ids)),
             nbytes=len(keys) * self._block_bytes,
+            blocks=len(keys),
             future=future,
             deadline=None if timeout is None else time.monotonic() + timeout,
             timeout_s=timeout,
         )
 
-    def _job_done(self, job: CopyJob, error: BaseException | None) -> None:
+    def _job_done(self, job: RequestCopy, error: BaseException | None) -> None:
         """Post the completion, then resolve the future.
 
         Runs on an engine thread and never raises.
@@ -411,7 +425,7 @@ class TransferEngine:
         finally:
             self._end()
 
-    def _post_completion(self, job: CopyJob, error: BaseException | None) -> TransferError | None:
+    def _post_completion(self, job: RequestCopy, error: BaseException | None) -> TransferError | None:
         """Post ``complete_store`` or ``complete_load``, and return what the future must raise, if anything."""
         if error is not None:
             self._log.warning(
@@ -438,7 +452,7 @@ class TransferEngine:
             failure.__cause__ = completion_error
         return failure
 
-    def _resolve(self, job: CopyJob, failure: TransferError | None) -> None:
+    def _resolve(self, job: RequestCopy, failure: TransferError | None) -> None:
         """Resolve the job's future, which runs its callbacks on this thread.
 
         A callback is foreign code.
@@ -454,7 +468,7 @@ class TransferEngine:
         except BaseException as exc:  # a callback's: foreign code, contained here (the policy above)
             self._log_completion_failed(job, exc)
 
-    def _log_completion_failed(self, job: CopyJob, exc: BaseException) -> None:
+    def _log_completion_failed(self, job: RequestCopy, exc: BaseException) -> None:
         self._log.warning("completion_failed", direction=job.direction, req_id=job.ctx.req_id,
                           attempt=job.ctx.attempt, keys=len(job.keys), job_id=job.job_id,
                           error=f"{type(exc).__name__}: {exc}")

@@ -1,4 +1,4 @@
-"""What the engine hands to a copier, and what a copier promises back."""
+"""What a submitter (the engine, the vLLM worker) hands to a copier, and what a copier promises back."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from kvactors.transfer.runs import Run
 from kvactors.types import OffloadKey, ReqContext
@@ -16,7 +16,7 @@ OFFLOAD: Direction = "offload"
 ONBOARD: Direction = "onboard"
 
 FaultInjector = Callable[[str, ReqContext, Sequence[OffloadKey]], None]
-"""Testing hook: ``(direction, ctx, keys)``, called just before a copy; raising fails that copy."""
+"""The engine's testing hook: ``(direction, ctx, keys)``, called just before a copy; raising fails that copy."""
 
 
 class CopyTimeoutError(TimeoutError):
@@ -25,37 +25,56 @@ class CopyTimeoutError(TimeoutError):
 
 @dataclass(eq=False, slots=True)
 class CopyJob:
-    """One request's copy: ``runs`` from the direction's source to its destination.
+    """What a copier copies: ``runs`` from the direction's source to its destination, by a deadline.
 
-    Immutable once handed to a copier, except that the copier owns ``started``.
+    Whoever submits jobs subclasses it with what its own completion needs (:class:`RequestCopy`
+    for the engine, the vLLM worker's job for the worker). A copier reads only these fields.
+    Immutable once handed to a copier.
     """
 
     job_id: int
     direction: Direction
-    ctx: ReqContext
-    keys: tuple[OffloadKey, ...]
     runs: tuple[Run, ...]
     nbytes: int
-    future: Future[Any]
+    blocks: int
+    """The blocks (pool rows) it copies, for messages."""
     deadline: float | None
     timeout_s: float | None
 
     def check_deadline(self) -> None:
         """Raise :class:`CopyTimeoutError` if the job is past its deadline."""
         if self.deadline is not None and time.monotonic() > self.deadline:
-            raise CopyTimeoutError(f"{self.direction} copy of {len(self.keys)} blocks exceeded "
+            raise CopyTimeoutError(f"{self.direction} copy of {self.blocks} blocks exceeded "
                                    f"copy_timeout_s={self.timeout_s}")
 
 
-JobDone = Callable[[CopyJob, BaseException | None], None]
-"""The engine's completion callback: called exactly once per job, from a copier thread,
+@dataclass(eq=False, slots=True)
+class RequestCopy(CopyJob):
+    """The :class:`~kvactors.transfer.engine.TransferEngine`'s job: one request's blocks, by key,
+    and the future its caller holds."""
+
+    ctx: ReqContext
+    keys: tuple[OffloadKey, ...]
+    future: Future[Any]
+
+
+J = TypeVar("J", bound=CopyJob)
+"""The job type a copier is built for (its submitter's)."""
+J_contra = TypeVar("J_contra", bound=CopyJob, contravariant=True)
+
+JobDone = Callable[[J, BaseException | None], None]
+"""The submitter's completion callback: called exactly once per job, from a copier thread,
 with ``None`` (copied) or the error; it never raises."""
 
+JobFault = Callable[[J], None]
+"""Testing hook of a copier: called with the job just before its copy; raising fails that copy."""
 
-class Copier(Protocol):
-    """Moves the bytes of the jobs the :class:`~kvactors.transfer.engine.TransferEngine` submits.
 
-    Preconditions (the engine guarantees):
+class Copier(Protocol[J_contra]):
+    """Moves the bytes of the jobs its submitter (the :class:`~kvactors.transfer.engine.TransferEngine`,
+    the vLLM worker) submits, jobs of type ``J_contra``, a :class:`CopyJob`.
+
+    Preconditions (the submitter guarantees):
 
     * ``submit`` is called from any thread (the caller's of ``offload``/``onboard``),
       possibly from several at once, and never after ``shutdown``.
@@ -66,7 +85,7 @@ class Copier(Protocol):
 
     The copier is responsible for:
 
-    * Reporting every submitted job exactly once to the engine's ``done`` callback
+    * Reporting every submitted job exactly once to the submitter's ``done`` callback
       (:data:`JobDone`), from one of its own threads, with ``None`` or the error
       that failed it, and only once nothing touches the job's rows any more.
     * Honouring ``job.deadline`` (:meth:`CopyJob.check_deadline`) before and between
@@ -74,7 +93,7 @@ class Copier(Protocol):
     * Never blocking ``submit`` on a copy, and never raising from it.
     """
 
-    def submit(self, job: CopyJob) -> None:
+    def submit(self, job: J_contra) -> None:
         """Take the job; never raises (a failure is reported through ``done``). Thread-safe."""
 
     def shutdown(self) -> None:

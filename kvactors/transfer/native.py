@@ -36,11 +36,12 @@ import math
 import os
 import threading
 from functools import cache
+from typing import Generic
 
 import torch
 
 from kvactors.logs import component_logger
-from kvactors.transfer.jobs import CopyJob, CopyTimeoutError, JobDone
+from kvactors.transfer.jobs import CopyTimeoutError, J, JobDone
 from kvactors.transfer.layouts import Layout, resolve
 
 _copier_ids = itertools.count()
@@ -96,7 +97,7 @@ def supports(device_cache: torch.Tensor, pool: torch.Tensor) -> bool:
             and device_cache.is_contiguous() and pool.is_contiguous())
 
 
-class NativeCopier:
+class NativeCopier(Generic[J]):
     """``threads`` native threads copying between ``device_cache`` and ``pool`` (both on the CPU,
     contiguous: :func:`supports`), or in a ``layout`` (:mod:`kvactors.transfer.layouts`) instead
     of those two, one whose :meth:`~kvactors.transfer.layouts.Layout.native` is true.
@@ -108,7 +109,7 @@ class NativeCopier:
         device_cache: torch.Tensor | None = None,
         pool: torch.Tensor | None = None,
         threads: int,
-        done: JobDone,
+        done: JobDone[J],
         piece_bytes: int = PIECE_BYTES,
         stream: bool = True,
         layout: Layout | None = None,
@@ -129,10 +130,10 @@ class NativeCopier:
         self._layout = self._layout_of()
         self._done = done
         self._log = component_logger("transfer")
-        self._jobs: dict[int, CopyJob] = {}
+        self._jobs: dict[int, J] = {}
         self._ids = itertools.count(1)
         self._posted: collections.deque[tuple[int, int]] = collections.deque()  # jobs submit ended itself
-        self._invalid: dict[CopyJob, BaseException] = {}  # why the layout refused a job's runs
+        self._invalid: dict[J, BaseException] = {}  # why the layout refused a job's runs
         self._stopped = False
         self._pid = os.getpid()
         handle = lib.kvc_start(threads, piece_bytes, int(stream))
@@ -152,7 +153,7 @@ class NativeCopier:
     def _layout_of(self) -> tuple[tuple[int, torch.Size, bool], ...]:
         return tuple((t.data_ptr(), t.shape, t.is_contiguous()) for t in self._tensors)
 
-    def submit(self, job: CopyJob) -> None:
+    def submit(self, job: J) -> None:
         if self._stopped or os.getpid() != self._pid:
             # Not the engine's use (it never submits after shutdown, nor in a forked child): no
             # thread of ours is left to report the job, so it fails here.
@@ -215,10 +216,10 @@ class NativeCopier:
         except Exception as exc:  # JobDone never raises: a job id we never gave (a bug); log it, report the others
             self._log.warning("report_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
 
-    def _report(self, job: CopyJob, status: int) -> None:
+    def _report(self, job: J, status: int) -> None:
         error: BaseException | None = None
         if status == _STATUS_DEADLINE:
-            error = CopyTimeoutError(f"{job.direction} copy of {len(job.keys)} blocks exceeded "
+            error = CopyTimeoutError(f"{job.direction} copy of {job.blocks} blocks exceeded "
                                      f"copy_timeout_s={job.timeout_s}")
         elif status == _STATUS_FORKED:
             error = RuntimeError("this TransferEngine was inherited through os.fork: its copy threads are the "
@@ -229,6 +230,6 @@ class NativeCopier:
             error = RuntimeError("the device cache or the pool was resized or re-pointed since the engine started "
                                  "(the engine copies between the tensors it was given, in place)")
         elif status != _STATUS_OK:
-            error = RuntimeError(f"the native copier refused a {job.direction} of {len(job.keys)} blocks "
+            error = RuntimeError(f"the native copier refused a {job.direction} of {job.blocks} blocks "
                                  "(out of memory, or no bytes to copy)")
         self._done(job, error)

@@ -69,7 +69,7 @@ def _disk(tmp: str) -> list[dict[str, Any]]:
 
 
 def _set_injector(fn: Callable[[str, Any, Any], None]) -> None:
-    """The transfer layer's fault injector, ``(direction, ctx, keys)``, on every live worker."""
+    """The worker's fault injector, ``(direction, job_id, rows)``, on every live worker."""
     from kvactors.integrations.vllm.worker import WORKERS
 
     for w in list(WORKERS):
@@ -98,7 +98,7 @@ def mooncake_promotion(tmp: str, model: str) -> dict[str, Any]:
 def negative_control(tmp: str, model: str) -> dict[str, Any]:
     from kvactors.integrations.vllm.worker import WORKERS
 
-    def corrupt(direction: str, ctx: Any, keys: Any) -> None:
+    def corrupt(direction: str, job_id: Any, rows: Any) -> None:
         if direction == "onboard":
             for w in list(WORKERS):
                 w.pool.random_(0, 255)  # planted: every pool row becomes garbage before the load
@@ -113,7 +113,7 @@ def multiprocess(tmp: str, model: str) -> dict[str, Any]:
 
 @scenario
 def store_copy_fails(tmp: str, model: str) -> dict[str, Any]:
-    def fail_stores(direction: str, ctx: Any, keys: Any) -> None:
+    def fail_stores(direction: str, job_id: Any, rows: Any) -> None:
         if direction == "offload":
             raise OSError("planted: the store copy failed")
 

@@ -123,7 +123,7 @@ def test_the_connector_keeps_nothing_per_finished_request(tmp_path):
     # new one whenever a label value is first seen).
     not_adapter_state = (TieringManager, StatsReporter)
 
-    def fail_some_stores(direction, ctx, keys):  # the adapter completes them with success=False
+    def fail_some_stores(direction, job_id, rows):  # the adapter completes them with success=False
         if direction == "offload" and next(stores) % 9 == 4:
             raise OSError("planted store failure")
 

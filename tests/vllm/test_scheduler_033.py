@@ -360,21 +360,21 @@ def test_worker_of_rank_one_writes_its_half_of_each_row_and_its_status_column(tm
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("copier", WORKER_COPIERS)
-def test_worker_fault_injector_has_the_transfer_layers_signature(tmp_path, copier):
-    """``(direction, ctx, keys)`` as the engine's: a raising store is reported done to vLLM (it
-    asserts success) and marked failed in the status table; nothing of it reaches the pool."""
+def test_worker_fault_injector_sees_the_job_id_and_rows(tmp_path, copier):
+    """``(direction, job_id, rows)``: vLLM's job, no made-up request or keys (issue 37 item 7). A
+    raising store is reported done to vLLM (it asserts success) and marked failed in the status
+    table; nothing of it reaches the pool."""
     import torch
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    from kvactors import ReqContext
     from kvactors.integrations.vllm.shm import STORE_FAILED
 
     worker, _, shared = _worker(tmp_path, bpc=1, copier=copier)
     calls = []
 
-    def inject(direction, ctx, keys):
-        calls.append((direction, ctx, tuple(keys)))
+    def inject(direction, job_id, rows):
+        calls.append((direction, job_id, rows))
         if direction == "offload":
             raise OSError("planted")
 
@@ -385,7 +385,7 @@ def test_worker_fault_injector_has_the_transfer_layers_signature(tmp_path, copie
         worker.submit_load(8, CPULoadStoreSpec([5]), GPULoadStoreSpec([6], [1], [0]))
         results = _finished(worker, [7, 8])
         assert results[7].success and results[8].success  # vLLM asserts it; kvactors learns from the status
-        assert calls == [("offload", ReqContext("vllm-job-7"), ()), ("onboard", ReqContext("vllm-job-8"), ())]
+        assert calls == [("offload", 7, (3, 4)), ("onboard", 8, (5,))]
         assert shared.status[3, 0] == STORE_FAILED and shared.status[4, 0] == STORE_FAILED
         assert torch.equal(shared.pool, before)
         assert worker.store_failures == 1 and worker.load_failures == 0
@@ -480,7 +480,8 @@ def test_worker_shutdown_leaves_copier_and_pool_to_a_job_that_outlives_the_wait(
     worker, _, shared = _worker(tmp_path, bpc=1, copier="torch")
     copier, held, stopped = worker._copier, [], []
     worker._copier = type("HungCopier", (), {"submit": lambda self, job: held.append(job),
-                                              "shutdown": lambda self: stopped.append(True)})()
+                                              "shutdown": lambda self: stopped.append(True),
+                                              "owns_current_thread": lambda self: False})()
     worker.transfer_timeout_s = 0.2
     worker.submit_store(1, GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([0]))
     (job,) = held
@@ -491,6 +492,19 @@ def test_worker_shutdown_leaves_copier_and_pool_to_a_job_that_outlives_the_wait(
     assert [r.job_id for r in worker.get_finished()] == [1]
     copier.shutdown()
     shared.close(unlink=True)
+
+
+@pytest.mark.timeout(60)
+def test_worker_shutdown_on_a_copier_thread_is_refused(tmp_path):
+    """The ``Copier`` protocol: shutdown never runs on the copier's own thread, which would wait for itself."""
+    worker, _, shared = _worker(tmp_path, bpc=1, copier="torch")
+    copier = worker._copier
+    worker._copier = type("OwnThreadCopier", (), {"owns_current_thread": lambda self: True})()
+    with pytest.raises(RuntimeError, match="copier's threads"):
+        worker.shutdown()
+    worker._copier = copier
+    worker.shutdown()  # not closed by the refused call: this one stops it
+    assert not os.path.exists(shared.path)
 
 
 @pytest.mark.timeout(60)

@@ -1,8 +1,10 @@
 """The kvactors keys of vLLM's ``kv_connector_extra_config``, checked.
 
-Plain code, no vLLM import: :func:`parse_config` turns the mapping into a
-:class:`KvactorsConfig` or raises ``ValueError`` naming the key at fault, and
-:func:`build_tiers` constructs the secondary tiers it names. Keys not listed
+Plain code, no vLLM import. :func:`parse_config` turns the mapping into a
+:class:`KvactorsConfig` or raises ``ValueError`` naming the key at fault. Each
+``tiers`` entry becomes a :class:`~kvactors.integrations.vllm.tier_spec.TierSpec`
+there, and everything after reads those. :func:`build_tiers` constructs the
+secondary tiers they name. Keys not listed
 in :data:`TOP_LEVEL_KEYS` belong to vLLM (``spec_name``, ``offload_prompt_only``,
 ...) and are left alone.
 """
@@ -16,10 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvactors.core.admission import parse_admission
 from kvactors.core.arguments import check_int, check_timeout
 from kvactors.core.policies import POLICIES
 from kvactors.integrations.vllm.identity import BlockIdentity
+from kvactors.integrations.vllm.tier_spec import TierSpec, TierType, parse_tier
 from kvactors.integrations.vllm.weights import IdentityBy
 from kvactors.logs import component_logger
 from kvactors.tiers.base import SecondaryTier
@@ -35,28 +37,13 @@ MAX_MODEL_ID_CHARS = 1024
 """The longest ``model_id`` accepted: a hub name with a revision is well under it; a
 longer value is a mistake (a file's content pasted in), not a name."""
 
-# Keys every tier entry may carry besides its type's (docs/controls.md): they go to TieringManager.start.
-CONTROL_KEYS = ("admission", "max_queued_bytes")
-
-# Per tier type: (required keys, optional keys) besides "type" and CONTROL_KEYS.
-TIER_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "disk": (("root", "capacity_bytes"), ("name", "io_workers", "fsync")),
-    "redis": (("url",), ("name", "namespace", "capacity_bytes", "cluster", "timeout_s", "io_workers",
-                         "retry_after_s")),
-    "memory": (("capacity_blocks",), ("name",)),
-    "mooncake": (("master",), ("name", "namespace", "segment_bytes", "local_buffer_bytes", "timeout_s", "io_workers",
-                               "retry_after_s", "local_host")),
-    "custom": (("class",), ("kwargs",)),
-}
-
-
 @dataclass(frozen=True)
 class KvactorsConfig:
     """The checked kvactors settings of one vLLM engine."""
 
     cpu_bytes_to_use: int
     eviction_policy: str = "lru"
-    tiers: tuple[Mapping[str, Any], ...] = field(default=())
+    tiers: tuple[TierSpec, ...] = field(default=())
     transfer_timeout_s: float = 30.0
     lookup_timeout_s: float = 5.0
     event_log: str | None = None
@@ -78,50 +65,6 @@ def _positive_float(key: str, value: object) -> float:
     return seconds
 
 
-def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
-    where = f"tiers[{index}]"
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"kvactors: {where} must be a mapping, got {type(entry).__name__}")
-    kind = entry.get("type")
-    if not isinstance(kind, str) or kind not in TIER_KEYS:
-        raise ValueError(f"kvactors: {where}.type must be one of {sorted(TIER_KEYS)}, got {kind!r}")
-    required, optional = TIER_KEYS[kind]
-    optional = optional + CONTROL_KEYS
-    for key in entry:
-        if key != "type" and key not in required and key not in optional:
-            raise ValueError(f"kvactors: unknown key {where}.{key} for a {kind} tier "
-                             f"(known: {', '.join(required + optional)})")
-    for key in required:
-        if key not in entry:
-            raise ValueError(f"kvactors: {where}.{key} is required for a {kind} tier")
-    for key in ("capacity_bytes", "capacity_blocks", "io_workers"):
-        if key in entry and not (key == "capacity_bytes" and kind == "redis" and entry[key] is None):
-            _positive_int(f"{where}.{key}", entry[key])
-    for key in ("fsync", "cluster"):
-        if key in entry and type(entry[key]) is not bool:
-            raise ValueError(f"kvactors: {where}.{key} must be true or false, got {entry[key]!r}")
-    for key in ("root", "url", "master", "name", "namespace", "class"):
-        if key in entry and (not isinstance(entry[key], str | os.PathLike) or not str(entry[key])):
-            raise ValueError(f"kvactors: {where}.{key} must be a non-empty string, got {entry[key]!r}")
-    if "admission" in entry:
-        try:
-            parse_admission(entry["admission"], f"kvactors: {where}.admission")
-        except TypeError as exc:
-            raise ValueError(str(exc)) from None
-    if "max_queued_bytes" in entry:
-        limit = entry["max_queued_bytes"]
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise ValueError(f"kvactors: {where}.max_queued_bytes must be an int >= 0 (bytes), got {limit!r}")
-    if kind == "custom":
-        spec = str(entry["class"])
-        module_name, _, attr = spec.partition(":")
-        if not module_name.strip() or not attr.strip():
-            raise ValueError(f"kvactors: {where}.class must be 'module:Class', got {spec!r}")
-        if not isinstance(entry.get("kwargs", {}), Mapping):
-            raise ValueError(f"kvactors: {where}.kwargs must be a mapping, got {entry['kwargs']!r}")
-    return dict(entry)
-
-
 def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
     """Check the kvactors keys of ``extra``; ``ValueError`` naming the key at fault."""
     if not isinstance(extra, Mapping):
@@ -137,10 +80,10 @@ def parse_config(extra: Mapping[str, Any]) -> KvactorsConfig:
         tiers_raw = []
     if not isinstance(tiers_raw, Sequence) or isinstance(tiers_raw, str | bytes):
         raise ValueError(f"kvactors: tiers must be a list of tier entries, got {tiers_raw!r}")
-    tiers = tuple(_check_tier(i, entry) for i, entry in enumerate(tiers_raw))
-    for i, entry in enumerate(tiers):
-        if "admission" in entry and parse_admission(entry["admission"]).mode == "write_back" and policy != "lru":
-            raise ValueError(f"kvactors: tiers[{i}].admission 'write_back' needs eviction_policy 'lru', "
+    tiers = tuple(parse_tier(i, entry) for i, entry in enumerate(tiers_raw))
+    for spec in tiers:
+        if spec.writes_back and policy != "lru":
+            raise ValueError(f"kvactors: {spec.where}.admission 'write_back' needs eviction_policy 'lru', "
                              f"got {policy!r}")
     event_log = extra.get("event_log")
     if event_log is not None:
@@ -211,12 +154,30 @@ def tier_controls(config: KvactorsConfig, tiers: Sequence[SecondaryTier]
     defaults: write-through, half the pool's bytes and at least 256 MiB)."""
     admission: dict[str, Any] = {}
     limits: dict[str, int] = {}
-    for tier, entry in zip(tiers, config.tiers, strict=True):
-        if "admission" in entry:
-            admission[tier.name] = entry["admission"]
-        if "max_queued_bytes" in entry:
-            limits[tier.name] = entry["max_queued_bytes"]
+    for tier, spec in zip(tiers, config.tiers, strict=True):
+        if spec.admission is not None:
+            admission[tier.name] = spec.admission
+        if spec.max_queued_bytes is not None:
+            limits[tier.name] = spec.max_queued_bytes
     return admission, limits
+
+
+def _build_tier(spec: TierSpec) -> SecondaryTier:
+    """The tier ``spec`` names, built with its options; raises what its constructor raises."""
+    kwargs = dict(spec.options)
+    if spec.type is TierType.DISK:
+        return DiskTier(kwargs.pop("root"), **kwargs)
+    if spec.type is TierType.REDIS:
+        return RedisTier(kwargs.pop("url"), **kwargs)
+    if spec.type is TierType.MEMORY:
+        return MemoryTier(**kwargs)
+    if spec.type is TierType.MOONCAKE:
+        from kvactors.tiers.mooncake import MooncakeTier  # the extra mooncake
+
+        return MooncakeTier(kwargs.pop("master"), **kwargs)
+    cls = _load_class(str(kwargs["class"]), spec.where)
+    tier: SecondaryTier = cls(**dict(kwargs.get("kwargs", {})))
+    return tier
 
 
 def build_tiers(config: KvactorsConfig, identity: BlockIdentity | None) -> list[SecondaryTier]:
@@ -233,26 +194,13 @@ def build_tiers(config: KvactorsConfig, identity: BlockIdentity | None) -> list[
     tiers built before the failing one are shut down."""
     tiers: list[SecondaryTier] = []
     try:
-        for index, entry in enumerate(config.tiers):
-            kind = entry["type"]
-            kwargs = {k: v for k, v in entry.items() if k != "type" and k not in CONTROL_KEYS}
-            where = f"tiers[{index}]"
+        for spec in config.tiers:
+            kind, where = spec.type, spec.where
             try:
-                if kind == "disk":
-                    tier: SecondaryTier = DiskTier(kwargs.pop("root"), **kwargs)
-                elif kind == "redis":
-                    tier = RedisTier(kwargs.pop("url"), **kwargs)
-                elif kind == "memory":
-                    tier = MemoryTier(**kwargs)
-                elif kind == "mooncake":
-                    from kvactors.tiers.mooncake import MooncakeTier  # the extra mooncake
-
-                    tier = MooncakeTier(kwargs.pop("master"), **kwargs)
-                else:
-                    cls = _load_class(str(entry["class"]), where)
-                    tier = cls(**dict(entry.get("kwargs", {})))
+                tier = _build_tier(spec)
             except OSError as exc:  # a root it may not create or write
-                raise ValueError(f"kvactors: {where}{'.root' if kind == 'disk' else ''} ({kind}): {exc}") from exc
+                raise ValueError(f"kvactors: {where}{'.root' if kind is TierType.DISK else ''} ({kind}): "
+                                 f"{exc}") from exc
             except (TypeError, ValueError, ImportError) as exc:
                 raise ValueError(f"kvactors: {where} ({kind}): {exc}") from exc
             except Exception as exc:  # a custom tier's constructor raised something else

@@ -101,22 +101,10 @@ def post(requests: Requests, job: LookupJob) -> list[OffloadKey]:
     A job whose request finished, or that a newer job replaced, gives all its pins back.
     """
     req = requests.get(job.ctx.req_id)
-    if job.stale or req is None or req.job is not job:
+    taken = None if req is None else req.accept(job, time.monotonic())
+    if req is None or taken is None:
         return list(job.pinned)
-    req.job = None
-    for k, r in job.answers.items():
-        if r is LookupResult.HIT_PENDING:
-            req.promoted.add(k)
-            requests.counters["pending_answers"] += 1
-    req.answers.update(job.answers)
-    # A key pinned for the request already keeps that pin: the new one is released.
-    release = [k for k in job.pinned if k in req.pinned]
-    if job.pinned and not req.pinned:
-        req.pinned_since = time.monotonic()
-    req.pinned.update((k, row) for k, row in job.pinned.items() if k not in req.pinned)
-    # Fresh answers are unread, even if vLLM asked (and got RETRY) earlier this step:
-    # otherwise this step's end would drop them and the request would ask again forever.
-    req.read = False
-    req.age = 0
+    release, pending = taken
+    requests.counters["pending_answers"] += pending
     requests.with_answers.add(req.req_id)
     return release

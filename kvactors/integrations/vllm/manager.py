@@ -35,7 +35,7 @@ never held across a call that waits for the TieringManager (``lookup``,
 ``prepare_*`` call takes what it needs from the request under the lock, asks
 the TieringManager without it (the lookup thread may post answers and pins
 meanwhile), and records the outcome under it again; the request is not
-forgotten in between (``Request.calls``).
+forgotten in between (:meth:`~.requests.Requests.kept`).
 
 The pieces, one idea each: :mod:`.requests` (req_ids as attempts, their
 answers, pins and owed completions), :mod:`.lookups` (one batch lookup per
@@ -118,7 +118,7 @@ class KvactorsOffloadingManager(OffloadingManager):
         self._config_info = dict(config_info or {})
         self._lock = threading.Lock()
         self.counters: dict[str, int] = defaultdict(int)
-        self._requests = Requests(tm, self.counters)
+        self._requests = Requests(tm, self.counters, self._lock)
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvactors-vllm-lookup")
         self._events = EventPump(tm, enabled=events_enabled, tier_kinds=tier_kinds, log=self._log)
         self._stale = StaleJobs(tm, has_reset_fence=compat.HAS_RESET_FENCE, flush_steps=compat.RESET_FLUSH_STEPS)
@@ -174,7 +174,7 @@ class KvactorsOffloadingManager(OffloadingManager):
         (one round trip for the rest of the prefix). The caller holds ``self._lock``."""
         max_load = parse_request_params(req.ctx.params).max_load_tokens if req.ctx.params else None
         job = LookupJob(lookups.remaining_keys(key, compat.offload_key_positions(req_context), max_load), req.ctx)
-        req.job = job
+        req.begin_lookup(job)
         self._jobs_in_flight += 1
         self.counters["lookup_calls"] += 1
         self.counters["lookup_keys"] += len(job.keys)
@@ -196,21 +196,20 @@ class KvactorsOffloadingManager(OffloadingManager):
             req = self._requests.get(req_context.req_id)
             if req is None:
                 return result
-            now = time.monotonic()
-            if req.unsure_since is None:
-                req.unsure_since, req.unsure_step = now, self._step
-            elif (now - req.unsure_since > self.lookup_timeout_s
-                  or (self._step - req.unsure_step > self.lookup_wait_steps
-                      and now - req.unsure_since > self.lookup_wait_min_s)):
-                self.counters["lookups_given_up"] += 1
-                return VLookup.MISS
+            waited = req.unsure_for(time.monotonic(), self._step)
+            if waited is not None:
+                seconds, steps = waited
+                if seconds > self.lookup_timeout_s or (steps > self.lookup_wait_steps
+                                                       and seconds > self.lookup_wait_min_s):
+                    self.counters["lookups_given_up"] += 1
+                    return VLookup.MISS
         return result
 
     def _lookup(self, key: OffloadKey, req_context: VReqContext) -> VLookup:
         with self._lock:
             req = self._request(req_context)
-            req.read = True
-            answer = req.answers.get(key)
+            req.mark_read()
+            answer = req.answer(key)
             if answer is not None:
                 return self._answered(req, answer)
             job = req.job if req.job is not None else self._start_lookup(req, key, req_context)
@@ -221,7 +220,7 @@ class KvactorsOffloadingManager(OffloadingManager):
             with self._lock:
                 self._step_waited += time.monotonic() - started
         with self._lock:
-            answer = req.answers.get(key)
+            answer = req.answer(key)
             if answer is not None:
                 return self._answered(req, answer)
             if job.done.is_set() and req.job is None and not req.finished:
@@ -238,13 +237,13 @@ class KvactorsOffloadingManager(OffloadingManager):
         a new one, instead of losing its hits once the first wait would have run out."""
         result = _TO_VLLM[answer]
         if result is VLookup.HIT or result is VLookup.MISS:
-            req.unsure_since = None
+            req.sure()
         return result
 
     def get_load_source(self, key: OffloadKey, req_context: VReqContext) -> CacheHitSource:
         with self._lock:
             req = self._requests.get(req_context.req_id)
-            if req is not None and bytes(key) in req.promoted:
+            if req is not None and req.was_promoted(bytes(key)):
                 return self._hit_source
         return CacheHitSource.HOST
 
@@ -253,46 +252,39 @@ class KvactorsOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: VReqContext) -> CPULoadStoreSpec:
         """The pool rows of ``keys``: the pins this manager took when it answered them ``HIT``,
         and for keys it did not answer so this step (vLLM's own bookkeeping), pins taken now
-        from the TieringManager, outside the lock (see :meth:`_pin_missing`). ``ValueError``
-        if a key is given twice; the TieringManager's ``LifecycleError`` if a key is not ready
-        (nothing is pinned for the call then)."""
+        from the TieringManager, outside the lock. ``ValueError`` if a key is given twice; the
+        TieringManager's ``LifecycleError`` if a key is not ready (nothing is pinned for the
+        call then)."""
         keys = [bytes(k) for k in keys]
         if len(set(keys)) != len(keys):
             raise ValueError("prepare_load: a key is given twice")
         with self._lock:
             req = self._request(req_context)
             # Taken from the request now, so that nothing (a step's end) releases them meanwhile.
-            taken = {k: req.pinned.pop(k) for k in keys if k in req.pinned}
-            missing = [k for k in keys if k not in taken]
-            req.calls += 1
-        fresh = self._pin_missing(req, missing, taken)
-        with self._lock:
-            req.calls -= 1
-            rows = [taken[k] if k in taken else fresh[k] for k in keys]
-            for k in keys:
-                req.loads.setdefault(k, []).append(req.ctx)
-                req.answers.pop(k, None)
-            self.counters["keys_loaded"] += len(keys)
-            req.unsure_since = None
+            taken = req.take_pins(keys)
+            with self._requests.kept(req):  # not forgotten meanwhile: its loads are recorded after
+                fresh = self._pin_missing(req, [k for k in keys if k not in taken], taken)
+                rows = [taken[k] if k in taken else fresh[k] for k in keys]
+                req.loading(keys)
+                self.counters["keys_loaded"] += len(keys)
         return CPULoadStoreSpec(rows)
 
-    def _pin_missing(self, req: Request, missing: list[OffloadKey],
-                     taken: dict[OffloadKey, int]) -> dict[OffloadKey, int]:
-        """Pin ``missing`` (primary only) for ``req``, without the lock: the lookup thread may post
-        answers and pins for the request meanwhile (a pin it posts for one of these keys stays
-        the request's, an unused pin released at the step's end). If the TieringManager refuses,
-        the ``taken`` pins go back to the request (or are released) and the error is raised."""
+    def _pin_missing(self, req: Request, missing: list[OffloadKey], taken: dict[OffloadKey, int]
+                     ) -> dict[OffloadKey, int]:
+        """Pin ``missing`` (primary only) for ``req``; the caller holds the lock, which is released
+        for the TieringManager's call. The lookup thread may post answers and pins for the request
+        meanwhile (a pin it posts for one of these keys stays the request's, an unused pin
+        released at the step's end). If the TieringManager refuses, the ``taken`` pins go back to
+        the request (or are released) and the error is raised."""
         if not missing:
             return {}
         try:
-            spec = self.tm.prepare_load(missing, req.ctx)
+            with self._requests.unlocked():
+                spec = self.tm.prepare_load(missing, req.ctx)
         except BaseException:
-            with self._lock:
-                req.calls -= 1
-                release = self._requests.restore_pins(req, taken)
-                self._requests.forget_if_done(req)
+            release = self._requests.restore_pins(req, taken)
             if release:
-                self.tm.complete_load(release, req.ctx)
+                self.tm.complete_load(release, req.ctx)  # a message to the actors: it never waits
             raise
         return dict(zip(missing, spec.block_ids, strict=True))
 
@@ -304,13 +296,11 @@ class KvactorsOffloadingManager(OffloadingManager):
                 return
             by_ctx: dict[ReqContext, list[OffloadKey]] = defaultdict(list)
             for k in map(bytes, keys):
-                ctxs = req.loads.get(k)
-                if not ctxs:
+                ctx = req.take_load(k)
+                if ctx is None:
                     self.counters["unknown_completions"] += 1
                     continue
-                by_ctx[ctxs.pop(0)].append(k)
-                if not ctxs:
-                    del req.loads[k]
+                by_ctx[ctx].append(k)
             for ctx, ks in by_ctx.items():
                 self.tm.complete_load(ks, ctx)
             self._requests.forget_if_done(req)
@@ -332,26 +322,17 @@ class KvactorsOffloadingManager(OffloadingManager):
         with self._lock:
             req = self._request(req_context)
             ctx = req.ctx
-            req.calls += 1  # not forgotten while the call runs: its stores are recorded after it
-        try:
-            out = self.tm.prepare_store(keys, ctx)
-        except BaseException:
-            with self._lock:
-                req.calls -= 1
-                self._requests.forget_if_done(req)
-            raise
-        rows = [] if out is None else list(out.store_spec.block_ids)
-        if rows and self.shared is not None:
-            self.shared.mark_pending(rows)  # before vLLM submits the store (one writer: no lock)
-        with self._lock:
-            req.calls -= 1
-            if out is None:
-                self.counters["stores_refused"] += 1
-                self._requests.forget_if_done(req)
-                return None
-            for k, row in zip(out.keys_to_store, rows, strict=True):
-                req.stores[k] = (ctx, row)
-            self.counters["keys_stored"] += len(rows)
+            with self._requests.kept(req):  # not forgotten meanwhile: its stores are recorded after
+                with self._requests.unlocked():
+                    out = self.tm.prepare_store(keys, ctx)
+                    rows = [] if out is None else list(out.store_spec.block_ids)
+                    if rows and self.shared is not None:
+                        self.shared.mark_pending(rows)  # before vLLM submits the store (one writer: no lock)
+                if out is None:
+                    self.counters["stores_refused"] += 1
+                    return None
+                req.storing(ctx, dict(zip(out.keys_to_store, rows, strict=True)))
+                self.counters["keys_stored"] += len(rows)
         return VPrepareStoreOutput(keys_to_store=list(out.keys_to_store), store_spec=CPULoadStoreSpec(rows),
                                    evicted_keys=list(out.evicted_keys))
 
@@ -360,7 +341,7 @@ class KvactorsOffloadingManager(OffloadingManager):
             req = self._requests.get(req_context.req_id)
             groups: dict[tuple[ReqContext, bool], list[OffloadKey]] = defaultdict(list)
             for k in map(bytes, keys):
-                entry = req.stores.pop(k, None) if req is not None else None
+                entry = req.take_store(k) if req is not None else None
                 if entry is None:
                     continue  # already present when prepared, or stale after a reset
                 ctx, row = entry
@@ -405,10 +386,7 @@ class KvactorsOffloadingManager(OffloadingManager):
             stale = []
             for req in list(self._requests.by_id.values()):
                 self._requests.drop_answers(req)
-                if req.job is not None:
-                    req.job.stale = True
-                    req.job = None
-                req.promoted.clear()
+                req.forget_lookups()
                 # vLLM drops the jobs in flight: their completions never come. The rows stay
                 # reserved inside kvactors until the workers are done with them.
                 stale += take_owed(req)

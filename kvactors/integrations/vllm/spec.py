@@ -22,6 +22,7 @@ from kvactors.integrations.vllm.engine_config import check_shutdown_timeout, fin
 from kvactors.integrations.vllm.identity import block_identity
 from kvactors.integrations.vllm.manager import KvactorsOffloadingManager
 from kvactors.integrations.vllm.shm import SharedPool, check_pool_fits, pool_file_size, pool_path
+from kvactors.integrations.vllm.tier_spec import TierType
 from kvactors.integrations.vllm.weights import model_fingerprint
 from kvactors.integrations.vllm.worker import KvactorsOffloadingWorker
 from kvactors.manager import TieringManager
@@ -92,7 +93,7 @@ class KvactorsOffloadingSpec(OffloadingSpec):
             raise
         except Exception as exc:  # a tier's attach raised, say: say so, and which tiers there are
             shared.close(unlink=True)
-            names = ", ".join(f"tiers[{i}] ({entry['type']})" for i, entry in enumerate(self.kv_config.tiers))
+            names = ", ".join(f"{spec.where} ({spec.type})" for spec in self.kv_config.tiers)
             raise ValueError(f"kvactors: the runtime did not start ({names or 'no tiers'}): "
                              f"{type(exc).__name__}: {exc}") from exc
         except BaseException:
@@ -100,8 +101,8 @@ class KvactorsOffloadingSpec(OffloadingSpec):
             raise
         # Said once per engine, at its start: vLLM's log and the lifecycle log (engine_config.py).
         check_shutdown_timeout(self.vllm_config, tm.door.log)
-        kinds = {tier.name: entry["type"] for tier, entry in zip(tiers, self.kv_config.tiers, strict=True)}
-        source = CacheHitSource.DISK if kinds and set(kinds.values()) == {"disk"} \
+        kinds = {tier.name: spec.type.value for tier, spec in zip(tiers, self.kv_config.tiers, strict=True)}
+        source = CacheHitSource.DISK if kinds and set(kinds.values()) == {TierType.DISK.value} \
             else CacheHitSource.EXTERNAL_UNSPECIFIED
         info: dict[str, Any] = {"kvactors_num_blocks": self.num_blocks, "kvactors_block_bytes": self.block_bytes,
                                 "kvactors_tiers": ",".join(kinds) or "none"}

@@ -26,9 +26,9 @@ Entry = tuple[str, OffloadKey, ReqContext, int]
 
 def take_owed(req: Request) -> list[Entry]:
     """The stores and loads ``req`` still owes, taken from it (it owes nothing after)."""
-    owed: list[Entry] = [("store", k, ctx, row) for k, (ctx, row) in req.stores.items()]
-    owed += [("load", k, ctx, -1) for k, ctxs in req.loads.items() for ctx in ctxs]
-    req.stores, req.loads = {}, {}
+    taken = req.take_owed()
+    owed: list[Entry] = [("store", k, ctx, row) for k, (ctx, row) in taken.stores.items()]
+    owed += [("load", k, ctx, -1) for k, ctxs in taken.loads.items() for ctx in ctxs]
     return owed
 
 

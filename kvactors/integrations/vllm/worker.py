@@ -36,9 +36,9 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
@@ -48,11 +48,10 @@ from kvactors.integrations.vllm.shm import STORE_FAILED, STORE_OK, SharedPool
 from kvactors.logs import component_logger
 from kvactors.transfer.choice import check_copier, host_copier, native_threads
 from kvactors.transfer.cpu import CpuCopier
-from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, CopyJob, Direction, FaultInjector
+from kvactors.transfer.jobs import OFFLOAD, ONBOARD, Copier, CopyJob, Direction
 from kvactors.transfer.layouts import PageLayout
 from kvactors.transfer.native import NativeCopier
 from kvactors.transfer.runs import Run, copy_runs
-from kvactors.types import ReqContext
 
 if TYPE_CHECKING:
     from kvactors.transfer.cuda import HostRegistration
@@ -63,13 +62,18 @@ WORKERS: weakref.WeakSet[KvactorsOffloadingWorker] = weakref.WeakSet()
 _KIND: dict[Direction, str] = {OFFLOAD: "store", ONBOARD: "load"}  # the log's names for the two directions
 
 
-@dataclass(eq=False, slots=True)
-class _WorkerJob(CopyJob):
-    """A vLLM job: a :class:`~kvactors.transfer.jobs.CopyJob` whose ``ctx`` names the vLLM job
-    (``vllm-job-<id>``) and whose ``keys`` are empty (a worker sees block ids, never keys)."""
+WorkerFault = Callable[[Direction, int, tuple[int, ...]], None]
+"""The worker's testing hook: ``(direction, job_id, rows)``, vLLM's job id and its pool rows."""
 
-    rows: tuple[int, ...] = ()
-    submitted: float = 0.0
+
+@dataclass(eq=False, slots=True)
+class WorkerJob(CopyJob):
+    """One vLLM transfer job: a :class:`~kvactors.transfer.jobs.CopyJob` and the pool rows it
+    copies to or from (a worker sees block ids and rows, never keys)."""
+
+    rows: tuple[int, ...]
+    submitted: float
+    """When vLLM submitted it (``time.monotonic``), for the time its result reports."""
 
 
 class KvactorsOffloadingWorker(OffloadingWorker):
@@ -80,12 +84,11 @@ class KvactorsOffloadingWorker(OffloadingWorker):
     for the last two. ``owns_shared``: close and remove the pool at :meth:`shutdown`;
     otherwise its owner closes it, and must do so only after :meth:`shutdown`.
 
-    ``fault_injector``: a **testing hook** with the transfer layer's signature
-    (:data:`~kvactors.transfer.jobs.FaultInjector`), ``(direction, ctx, keys)``
-    with ``direction`` ``"offload"`` (a store) or ``"onboard"`` (a load), ``ctx``
-    ``ReqContext("vllm-job-<id>")`` and no keys; called on vLLM's thread just
-    before a job goes to the copier; if it raises, the job fails as a failed
-    copy would.
+    ``fault_injector``: a **testing hook** (:data:`WorkerFault`),
+    ``(direction, job_id, rows)`` with ``direction`` ``"offload"`` (a store) or
+    ``"onboard"`` (a load), vLLM's job id and the job's pool rows. It is called
+    on vLLM's thread just before a job goes to the copier. If it raises, the job
+    fails as a failed copy would.
 
     Threading: vLLM calls every method from its one worker thread; the copier's
     threads report each job once, and the results are handed over under a
@@ -103,7 +106,7 @@ class KvactorsOffloadingWorker(OffloadingWorker):
         self.bpc = blocks_per_chunk
         self.transfer_timeout_s = transfer_timeout_s
         self._owns_shared = owns_shared
-        self.fault_injector: FaultInjector | None = None
+        self.fault_injector: WorkerFault | None = None
         self.load_failures = 0
         self.store_failures = 0
         # Bytes copied by jobs that succeeded, per direction (for operators and benchmarks).
@@ -142,7 +145,7 @@ class KvactorsOffloadingWorker(OffloadingWorker):
             groups.append(planes)
         return groups
 
-    def _make_copier(self, choice: str) -> Copier:
+    def _make_copier(self, choice: str) -> Copier[WorkerJob]:
         """The transfer layer's copier for this layout; sets :attr:`copier` to its name."""
         if self.device.type == "cuda":
             if choice != "auto":
@@ -152,8 +155,8 @@ class KvactorsOffloadingWorker(OffloadingWorker):
             # Paired with its release in shutdown(), which runs before the pool is unmapped.
             self._registration = HostRegistration(self.pool)
             try:
-                cuda_copier = CudaCopier(layout=self.layout, device=self.device, done=self._copied,
-                                         fault_injector=None)
+                cuda_copier: Copier[WorkerJob] = CudaCopier(layout=self.layout, device=self.device,
+                                                            done=self._copied, fault_injector=None)
             except BaseException:
                 self._registration.release()
                 raise
@@ -212,25 +215,26 @@ class KvactorsOffloadingWorker(OffloadingWorker):
     def _submit(self, direction: Direction, job_id: int, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> bool:
         rows = tuple(int(r) for r in cpu.block_ids)
         submitted = time.monotonic()
-        job = _WorkerJob(job_id=job_id, direction=direction, ctx=ReqContext(f"vllm-job-{job_id}"), keys=(),
-                         runs=(), nbytes=0, future=Future(), deadline=submitted + self.transfer_timeout_s,
-                         timeout_s=self.transfer_timeout_s, rows=rows, submitted=submitted)
         with self._cond:
             closed = self._closed
             self._open.add(job_id)
+        runs: list[Run] = []
+        nbytes = 0
         error: Exception | None = None
         if closed:  # vLLM's own misuse: the job fails (logged with its result), nothing is copied
             error = RuntimeError("the kvactors worker is shut down")
         else:
             try:
-                runs, job.nbytes = self._plan(direction, gpu, rows)
-                job.runs = tuple(runs)
+                runs, nbytes = self._plan(direction, gpu, rows)
             except Exception as exc:  # a spec we cannot map: fail the job, never the engine
                 self._log.error("transfer_plan_failed", job_id=job_id, kind=_KIND[direction], error=repr(exc))
                 error = exc
+        job = WorkerJob(job_id=job_id, direction=direction, runs=tuple(runs), nbytes=nbytes, blocks=len(rows),
+                        deadline=submitted + self.transfer_timeout_s, timeout_s=self.transfer_timeout_s, rows=rows,
+                        submitted=submitted)
         if error is None and self.fault_injector is not None:
             try:
-                self.fault_injector(direction, job.ctx, job.keys)
+                self.fault_injector(direction, job_id, rows)
             except Exception as exc:
                 error = exc
         if error is not None:
@@ -275,7 +279,10 @@ class KvactorsOffloadingWorker(OffloadingWorker):
         Then it stops the copier, unregisters the pool from CUDA, and closes the pool if this worker owns it.
         A job still open after the wait may still write into the pool.
         The ``Copier`` protocol allows no shutdown then, so the copier and the pool are left to the process's exit.
+        ``RuntimeError`` on one of the copier's threads, which would wait for itself (as ``TransferEngine.close``).
         """
+        if self._copier.owns_current_thread():
+            raise RuntimeError("KvactorsOffloadingWorker.shutdown() called from one of its copier's threads")
         with self._cond:
             if self._closed:
                 return
@@ -296,11 +303,10 @@ class KvactorsOffloadingWorker(OffloadingWorker):
 
     # ------------------------------------------------------------ completions
 
-    def _copied(self, copy_job: CopyJob, error: BaseException | None) -> None:
+    def _copied(self, job: WorkerJob, error: BaseException | None) -> None:
         """A job ended (the copier's :data:`~kvactors.transfer.jobs.JobDone`): the status bytes first,
         then the result vLLM polls. On a copier thread, or vLLM's for a job that never reached
         the copier; never raises."""
-        job = cast(_WorkerJob, copy_job)
         try:
             if job.direction == OFFLOAD:
                 self.shared.mark(job.rows, self.rank, STORE_OK if error is None else STORE_FAILED)
