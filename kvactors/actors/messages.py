@@ -1,21 +1,22 @@
 """The messages the actors exchange: named tuples, immutable payloads.
 
-Messages are passed by reference, so every field is an immutable value
-(tuples, frozen dataclasses, ints); the only mutable thing a message carries
-is a :class:`~kvactors.actors.reply.Reply`, which exactly one actor resolves,
-exactly once. Named tuples rather than frozen dataclasses: a request's
-lifecycle sends about twenty messages, and a frozen dataclass is several times
-dearer to build (one ``object.__setattr__`` per field; ``docs/performance.md``).
+Messages are passed by reference, so every field is an immutable value (tuples, frozen dataclasses, ints).
+The only mutable thing a message carries is a :class:`~kvactors.actors.reply.Reply`.
+Exactly one actor resolves it, exactly once.
+
+They are named tuples rather than frozen dataclasses.
+A request's lifecycle sends about twenty messages,
+and a frozen dataclass is several times dearer to build (one ``object.__setattr__`` per field).
+``docs/performance.md`` has the figures.
 Handlers are found by the message's exact type, never by its tuple-ness.
 
-Routing (who sends what to whom) is part of the contract's proof; see
-:mod:`kvactors.actors.supervisor`:
+Routing (who sends what to whom) is part of the contract's proof (see :mod:`kvactors.actors.supervisor`).
 
-* frontend (the manager's callers) -> primary: every public call;
-* primary -> supervisor: lifecycle facts, in the order the primary saw them;
-* supervisor -> tiers: every hook and every submit (it is their only sender);
-* tiers and their worker threads -> supervisor: lookup answers and job reports;
-* supervisor -> primary: allocations for promotions, job ends, finalizations.
+* frontend (the manager's callers) -> primary carries every public call.
+* primary -> supervisor carries lifecycle facts, in the order the primary saw them.
+* supervisor -> tiers carries every hook and every submit, as the supervisor is their only sender.
+* tiers and their worker threads -> supervisor carries lookup answers and job reports.
+* supervisor -> primary carries allocations for promotions, job ends and finalizations.
 """
 
 from __future__ import annotations
@@ -231,9 +232,12 @@ class AllocatePromotions(NamedTuple):
 
 
 class JobEnded(NamedTuple):
-    """Release what a job holds in the pool. ``hold``: it timed out; keep its rows
-    unreusable until :class:`HoldReleased`. ``ok_keys``: the job ended per key,
-    only these keys of a promotion become ready (``None``: all follow ``success``)."""
+    """Release what a job holds in the pool.
+
+    With ``hold``, the job timed out, and its rows stay unreusable until :class:`HoldReleased`.
+    With ``ok_keys``, the job ended per key, and only these keys of a promotion become ready.
+    ``None`` means all keys follow ``success``.
+    """
 
     job_id: int
     is_promotion: bool
@@ -278,9 +282,11 @@ class TierSubmit(NamedTuple):
 
 
 class TierLookup(NamedTuple):
-    """``inline_answer`` is given only for a lookup run by a claim (an inline call,
-    on the caller's thread): the answer is appended to it instead of coming back as
-    a :class:`TierLookupAnswered` (a list, not a :class:`Reply`: nobody waits on it)."""
+    """``inline_answer`` is given only for a lookup run by a claim (an inline call, on the caller's thread).
+
+    The answer is appended to it instead of coming back as a :class:`TierLookupAnswered`.
+    It is a list, not a :class:`Reply`, as nobody waits on it.
+    """
 
     lookup_id: int
     keys: Keys
