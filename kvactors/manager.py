@@ -90,7 +90,10 @@ def _check_controls(tiers: Sequence[SecondaryTier], admission: Mapping[str, Any]
 def _check_start(num_blocks: int, block_bytes: int, secondary_tiers: Sequence[SecondaryTier], eviction: str,
                  transfer_timeout_s: float, lookup_timeout_s: float, event_log: str | os.PathLike[str] | None,
                  pool: torch.Tensor | None) -> list[SecondaryTier]:
-    """:meth:`TieringManager.start`'s arguments checked (``ValueError``, nothing built); the tiers as a list."""
+    """Check :meth:`TieringManager.start`'s arguments (``ValueError``, nothing built).
+
+    Returns the tiers as a list.
+    """
     check_int(num_blocks, "num_blocks")
     check_int(block_bytes, "block_bytes")
     if not isinstance(eviction, str) or eviction not in POLICIES:
@@ -349,27 +352,34 @@ class TieringManager:
     def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         """Allocate not-ready rows for the keys not present (evicting if needed).
 
-        Duplicates are stored once. The keys left out as present are never
-        evicted by this call; ``None`` (nothing changes) if there is no room
-        without evicting them. The rows are protected until
-        :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
-        ``LifecycleError`` if the request is unknown or finished."""
+        Duplicates are stored once.
+        The keys left out as present are never evicted by this call.
+        Returns ``None`` (nothing changes) if there is no room without evicting them.
+        The rows are protected until :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
+        Raises ``LifecycleError`` if the request is unknown or finished.
+        """
         return self._ask(calls.prepare_store(keys, ctx))
 
     def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
-        """The copy into the prepared rows ended. Success makes the blocks ready
-        and cascades them to every secondary tier; failure removes them. Either
-        way the store is no longer pending. Non-blocking."""
+        """The copy into the prepared rows ended.
+
+        Success makes the blocks ready and cascades them to every secondary tier.
+        Failure removes them.
+        Either way the store is no longer pending.
+        Non-blocking.
+        """
         self._door.send(calls.complete_store(keys, ctx, success))
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submit calls for this attempt. Idempotent. Non-blocking.
 
-        The primary tier is told at once; each secondary tier once nothing can
-        still submit to it for this request. A finish for a request the runtime
-        does not know (never started, or finalized already) does nothing and is
-        not a contract violation: after finalize nothing of a request is kept,
-        so it cannot be told from a repeated finish, which is legal."""
+        The primary tier is told at once.
+        Each secondary tier is told once nothing can still submit to it for this request.
+        A finish for a request the runtime does not know (never started, or finalized already)
+        does nothing and is not a contract violation.
+        After finalize nothing of a request is kept, so it cannot be told from a repeated finish,
+        which is legal.
+        """
         self._door.send(calls.finish(ctx))
 
     def reset_cache(self) -> None:

@@ -181,8 +181,10 @@ _TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram
 
 
 def _family(name: str, **value: float) -> Any:
-    """An empty family ``name`` as :data:`FAMILIES` declares it (type, help, labels); a label-less
-    one may be given its ``value`` at once."""
+    """An empty family ``name`` as :data:`FAMILIES` declares it (type, help, labels).
+
+    A label-less one may be given its ``value`` at once.
+    """
     d = _BY_NAME[name]
     if value:
         return _TYPES[d.kind](name, d.doc, **value)
@@ -192,9 +194,9 @@ def _family(name: str, **value: float) -> Any:
 def stuck_tiers(stats: dict[str, int | float]) -> tuple[int | None, dict[str, int]]:
     """How many tiers ``stats()`` reports stuck, and which.
 
-    Reads ``stats["tiers_stuck"]`` (a count) and ``stats["tier_stuck.NAME"]``
-    (1 while tier NAME is stuck); ``(None, {})`` when they are absent (nothing
-    is exported then rather than a made-up 0).
+    Reads ``stats["tiers_stuck"]`` (a count) and ``stats["tier_stuck.NAME"]`` (1 while tier NAME is stuck).
+    Returns ``(None, {})`` when they are absent.
+    Nothing is exported then, rather than a made-up 0.
     """
     count = stats.get("tiers_stuck")
     per_tier = {key.split(".", 1)[1]: int(value) for key, value in stats.items() if key.startswith("tier_stuck.")}
@@ -303,9 +305,10 @@ def serve_metrics(manager: TieringManager, port: int, addr: str = "127.0.0.1"
                   ) -> tuple[WSGIServer, threading.Thread, CollectorRegistry]:
     """Serve ``manager``'s metrics at ``http://addr:port/metrics`` (port 0: any free one).
 
-    A registry of its own with one :class:`KvactorsCollector`; the server runs on
-    one daemon thread. Returns ``(server, thread, registry)``: ``server.server_port``
-    is the port, ``server.shutdown()`` stops it.
+    The metrics get a registry of their own with one :class:`KvactorsCollector`.
+    The server runs on one daemon thread.
+    Returns ``(server, thread, registry)``.
+    ``server.server_port`` is the port, and ``server.shutdown()`` stops it.
     """
     check_int(port, "port", minimum=0, maximum=65535)
     registry = CollectorRegistry()

@@ -62,7 +62,7 @@ def _nothing() -> None:
 
 
 class Mailbox:
-    """One actor's (or colocated actors') queue and turn; see the module docstring.
+    """One actor's (or colocated actors') queue and turn (see the module docstring).
 
     Thread-safe: every transition is taken under ``lock``.
     Handlers run outside it, holding ``turn``.
@@ -89,8 +89,10 @@ class Mailbox:
         self.actors.append(actor)
 
     def put(self, actor: Actor, message: object, name: str) -> None:
-        """Queue ``message`` for ``actor``; once closed, ``ActorStoppedError`` naming ``name``
-        (nothing queued)."""
+        """Queue ``message`` for ``actor``.
+
+        Once the mailbox is closed, raises ``ActorStoppedError`` naming ``name``, and nothing is queued.
+        """
         with self.lock:
             if self.closed:
                 raise ActorStoppedError(f"actor {name} is stopped")
@@ -106,9 +108,11 @@ class Mailbox:
                 raise
 
     def claim(self) -> bool:
-        """Take the turn for the calling thread if the mailbox is idle; never blocks.
+        """Take the turn for the calling thread if the mailbox is idle.
 
-        True: the caller must call :meth:`run_claimed` (or :meth:`end_claim`) once."""
+        Never blocks.
+        On True, the caller must call :meth:`run_claimed` (or :meth:`end_claim`) once.
+        """
         if self.owner != IDLE:
             return False  # busy, as seen without the lock: a sure "no" (checked again under it otherwise)
         with self.lock:
@@ -189,8 +193,11 @@ class Mailbox:
             return self.pending.popleft()
 
     def close(self, stop: Callable[[], T]) -> T | None:
-        """Refuse every later :meth:`put`; the first call returns ``stop()``, run under
-        the lock (a drain woken before it is queued before it), later ones ``None``."""
+        """Refuse every later :meth:`put`.
+
+        The first call returns ``stop()``, run under the lock, so a drain woken before it is queued before it.
+        Later calls return ``None``.
+        """
         with self.lock:
             if self.closed:
                 return None

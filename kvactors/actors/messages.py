@@ -113,8 +113,10 @@ class Shutdown(NamedTuple):
 
 
 class RequestStarted(NamedTuple):
-    """Sent at once only when some tier wants ``on_new_request``; otherwise the
-    supervisor opens a request's state with its first fact that has ``opens`` set."""
+    """Sent at once only when some tier wants ``on_new_request``.
+
+    Otherwise the supervisor opens a request's state with its first fact that has ``opens`` set.
+    """
 
     ctx: ReqContext
 
@@ -134,10 +136,11 @@ class CascadeJob(NamedTuple):
 
 
 class StoresCompleted(NamedTuple):
-    """``live`` pending keys of ``ctx`` completed; ``cascades`` are to be submitted.
+    """``live`` pending keys of ``ctx`` completed, and ``cascades`` are to be submitted.
 
     Sent when there are cascades, or when the request is finished (the count matters then).
-    ``opens``: the first fact about ``ctx`` the supervisor gets (see :class:`RequestStarted`)."""
+    ``opens`` marks the first fact about ``ctx`` the supervisor gets (see :class:`RequestStarted`).
+    """
 
     ctx: ReqContext
     live: int
@@ -158,7 +161,7 @@ class RequestFinished(NamedTuple):
 class SecondaryLookup(NamedTuple):
     """Keys the primary does not hold: ask the tiers, then maybe promote.
 
-    ``results`` is the whole answer so far (MISS at ``missing`` positions);
+    ``results`` is the whole answer so far (MISS at ``missing`` positions).
     ``lookup_id`` was drawn from the shared work sequence by the primary.
     """
 

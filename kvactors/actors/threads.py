@@ -122,7 +122,10 @@ class _MailboxThread:
         pykka_ref.tell(_DRAIN)
 
     def stop(self) -> pykka.Future[Any] | None:
-        """Queue the thread's stop after the drains already queued; ``None`` if it never started."""
+        """Queue the thread's stop after the drains already queued.
+
+        Returns ``None`` if it never started.
+        """
         return None if self._pykka_ref is None else self._pykka_ref.stop(block=False)
 
 
@@ -154,9 +157,12 @@ class ThreadActorRef:
         self._mailbox.put(self._actor, message, self.name)
 
     def claim(self) -> bool:
-        """See :meth:`ActorRef.claim`. Never blocks; always False once closed
-        (or with ``claims=False``). Claims the thread's turn: the actors
-        colocated with this one are idle too until :meth:`run_claimed`."""
+        """See :meth:`ActorRef.claim`.
+
+        Never blocks.
+        Always False once closed (or with ``claims=False``).
+        Claims the thread's turn, so the actors colocated with this one are idle too until :meth:`run_claimed`.
+        """
         return self._claims and self._mailbox.claim()
 
     def run_claimed(self, message: object, until: Callable[[], bool] | None = None) -> None:
@@ -171,7 +177,7 @@ class ThreadActorRef:
         self._mailbox.run_claimed(self._actor, message, until)
 
     def close(self) -> pykka.Future[Any] | None:
-        """Queue the stop after every message already told; refuse all later ones."""
+        """Queue the stop after every message already told, and refuse all later ones."""
         return self._mailbox.close(self._thread.stop)
 
     @property
@@ -238,8 +244,11 @@ class _TimerThread:
                 ref.tell(message)
 
     def stop(self, timeout_s: float) -> bool:
-        """Drop what is scheduled and end the thread; whether it ended within ``timeout_s``
-        (it may be in the middle of a ``tell`` to an actor whose put blocks)."""
+        """Drop what is scheduled and end the thread.
+
+        Returns whether it ended within ``timeout_s``.
+        It may not, when it is in the middle of a ``tell`` to an actor whose put blocks.
+        """
         with self._cond:
             self._stopped = True
             self._heap.clear()

@@ -196,11 +196,12 @@ class Histogram:
 class MetricsSnapshot:
     """Every figure the metrics show, copied in one pass on the actors' thread.
 
-    ``figures``: what ``stats()`` shows, typed (:attr:`stats` is its dict).
-    The rest is keyed by tier name (``"cpu"`` for the primary) and, for jobs,
-    by kind (``store``, ``load`` at ``cpu``; ``cascade``, ``promotion`` at a
-    secondary tier) and outcome (``ok``, ``failed``, ``timed_out``). Block
-    counts, not bytes: the reader multiplies by the pool's ``block_bytes``.
+    ``figures`` is what ``stats()`` shows, typed (:attr:`stats` is its dict).
+    The rest is keyed by tier name (``"cpu"`` for the primary).
+    Jobs are also keyed by kind and outcome (``ok``, ``failed``, ``timed_out``).
+    The kinds are ``store`` and ``load`` at ``cpu``, and ``cascade`` and ``promotion`` at a secondary tier.
+    The figures are block counts, not bytes.
+    The reader multiplies by the pool's ``block_bytes``.
     """
 
     figures: StatsSnapshot

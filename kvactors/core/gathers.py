@@ -50,7 +50,7 @@ class Gather(Generic[D]):
 
 
 class GatherBook(Generic[D]):
-    """Open gathers, their deadlines, and late payloads; see the module docstring."""
+    """Open gathers, their deadlines, and late payloads (see the module docstring)."""
 
     __slots__ = ("_deadlines", "_ids", "_late", "_open")
 
@@ -131,5 +131,8 @@ class GatherBook(Generic[D]):
         return list(self._open.values())
 
     def take_late(self, tier: str) -> list[Any]:
-        """The payloads ``tier`` brought too late for their gathers, oldest first; forgotten here."""
+        """The payloads ``tier`` brought too late for their gathers, oldest first.
+
+        The book forgets them.
+        """
         return self._late.pop(tier, [])

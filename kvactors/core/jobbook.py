@@ -94,7 +94,7 @@ class Report:
 
 
 class JobBook:
-    """Queues, slots, deadlines and held jobs of every secondary tier; see the module docstring.
+    """Queues, slots, deadlines and held jobs of every secondary tier (see the module docstring).
 
     ``live(ctx)`` says whether ``ctx``'s request may still get a submit (the owner's lifecycle table).
     A job whose request is not live is refused, never sent.

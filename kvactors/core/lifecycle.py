@@ -107,10 +107,11 @@ class LifecycleTable:
         return state
 
     def add(self, ctx: ReqContext, counter: Pending, delta: int) -> RequestState | None:
-        """Change one count of a live request; ``None`` if the request is not live.
+        """Change one count of a live request.
 
-        A counter never goes below zero: that would mean an event was counted
-        twice, and raises :class:`InvariantError` without changing anything.
+        Returns ``None`` if the request is not live.
+        A counter never goes below zero, as that would mean an event was counted twice.
+        Such a change raises :class:`InvariantError` without changing anything.
         """
         state = self._states.get(ctx.identity)
         if state is None:
@@ -122,7 +123,10 @@ class LifecycleTable:
         return state
 
     def finish(self, ctx: ReqContext) -> RequestState | None:
-        """Mark finished (idempotent); ``None`` if the request is not live."""
+        """Mark finished (idempotent).
+
+        Returns ``None`` if the request is not live.
+        """
         state = self._states.get(ctx.identity)
         if state is not None:
             state.is_finished = True

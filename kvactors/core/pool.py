@@ -111,7 +111,10 @@ class BlockPool:
     # ------------------------------------------------------------------ queries
 
     def lookup(self, keys: Iterable[OffloadKey]) -> list[LookupResult]:
-        """``HIT`` (ready), ``HIT_PENDING`` (being written) or ``MISS`` per key; hits count as uses."""
+        """``HIT`` (ready), ``HIT_PENDING`` (being written) or ``MISS`` per key.
+
+        Hits count as uses.
+        """
         results = []
         index_get, ready = self._index.get, self._ready
         miss, hit, pending = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
@@ -157,7 +160,7 @@ class BlockPool:
         return self._pin_book.outstanding_of(identity)
 
     def figures(self) -> PoolFigures:
-        """Row counts by state, and the jobs pinning or holding rows; O(1)."""
+        """Row counts by state, and the jobs pinning or holding rows, in O(1)."""
         return PoolFigures(
             blocks_total=self.num_blocks,
             blocks_free=len(self._free),
@@ -171,7 +174,7 @@ class BlockPool:
         )
 
     def stats(self) -> dict[str, int]:
-        """:meth:`figures` by their ``stats()`` keys; O(1)."""
+        """:meth:`figures` by their ``stats()`` keys, in O(1)."""
         return asdict(self.figures())
 
     def state_counts(self) -> dict[str, int]:
@@ -190,7 +193,7 @@ class BlockPool:
     # ------------------------------------------------------------------ stores
 
     def prepare_store(self, keys: Sequence[OffloadKey], writer: Identity) -> StorePlan | None:
-        """Allocate not-ready rows for the keys that are not present; evict if needed.
+        """Allocate not-ready rows for the keys that are not present, evicting if needed.
 
         Keys already indexed are left out.
         So are duplicates within ``keys``, as each key is stored once, at its first place.
@@ -377,7 +380,7 @@ class BlockPool:
     # ------------------------------------------------------------------ loads
 
     def pin_for_load(self, keys: Sequence[OffloadKey], owner: PinOwner) -> tuple[int, ...]:
-        """Pin the rows of ready ``keys`` for ``owner``; one pin per key given.
+        """Pin the rows of ready ``keys`` for ``owner``, one pin per key given.
 
         Raises :class:`PoolError` (nothing changed) if a key is not ready.
         """
@@ -396,17 +399,17 @@ class BlockPool:
         return tuple(rows)
 
     def unpin_load(self, keys: Sequence[OffloadKey], owner: PinOwner) -> None:
-        """Release pins taken by :meth:`pin_for_load`: one pin per key given,
-        each released once, on the row it was taken on.
+        """Release pins taken by :meth:`pin_for_load`.
 
-        Usually all of ``owner``'s pins of a key lie on one row, and the
-        release takes effect at once. After a reset they may lie on two rows
-        (a pin on the key's old, detached row, and one on its new row), and a
-        release does not say which copy ended: releasing either row could
-        free a row still being read (TRT-LLM #8274). Such releases are owed
-        until ``owner`` has released every pin of that key; then each row loses
-        the pins taken on it. A row is therefore never freed before every copy
-        that may read it has ended, and every pin is released exactly once.
+        One pin is released per key given, once, on the row it was taken on.
+        Usually all of ``owner``'s pins of a key lie on one row, and the release takes effect at once.
+        After a reset they may lie on two rows (a pin on the key's old, detached row, and one on its new row).
+        A release does not say which copy ended.
+        So releasing either row could free a row still being read (TRT-LLM #8274).
+        Such releases are owed until ``owner`` has released every pin of that key.
+        Then each row loses the pins taken on it.
+        A row is therefore never freed before every copy that may read it has ended,
+        and every pin is released exactly once.
 
         Raises :class:`PoolError` (nothing changed) if ``owner`` does not hold
         that many unreleased pins on a key.
@@ -563,10 +566,11 @@ class BlockPool:
     # ------------------------------------------------------------------ reset
 
     def reset(self) -> int:
-        """Unindex every block (lookups miss from now on); free the rows nobody uses.
+        """Unindex every block (lookups miss from now on), and free the rows nobody uses.
 
-        Rows still being written or read stay reserved until their writer or
-        reader ends, exactly as after a deadline. Returns the number of keys removed.
+        Rows still being written or read stay reserved until their writer or reader ends,
+        exactly as after a deadline.
+        Returns the number of keys removed.
         """
         removed_ready = []
         rows = list(self._index.values())
@@ -592,7 +596,10 @@ class BlockPool:
     # ------------------------------------------------------------------ per row
 
     def _ready_rows(self, keys: Sequence[OffloadKey]) -> list[int]:
-        """The rows of ``keys``; :class:`PoolError` if one is not ready."""
+        """The rows of ``keys``.
+
+        Raises :class:`PoolError` if one is not ready.
+        """
         rows = list(map(self._index.get, keys))
         try:
             if all(map(self._ready.__getitem__, rows)):  # type: ignore[arg-type]  # None: TypeError

@@ -119,12 +119,12 @@ class SimulationStuck(RuntimeError):
 
 
 class SimRuntime:
-    """The deterministic scheduler; see the module docstring.
+    """The deterministic scheduler (see the module docstring).
 
-    ``time_jump_chance``: how often, when other work is possible, the scheduler
-    jumps to the next timer instead (higher makes deadlines fire "early", as a
-    slow machine would). ``claim_chance``: how often a claim of an idle actor
-    is granted. ``trace``: keep a readable log of every choice.
+    ``time_jump_chance`` is how often, when other work is possible, the scheduler jumps to the next timer instead.
+    Higher makes deadlines fire "early", as a slow machine would.
+    ``claim_chance`` is how often a claim of an idle actor is granted.
+    ``trace`` keeps a readable log of every choice.
     """
 
     def __init__(self, seed: int, *, time_jump_chance: float = 0.02, claim_chance: float = 0.5,
@@ -286,7 +286,10 @@ class SimRuntime:
             client.pause()
 
     def close(self) -> None:
-        """End the client threads still parked (a run given up); they raise nothing here."""
+        """End the client threads still parked (a run given up).
+
+        They raise nothing here.
+        """
         for client in list(self._clients):
             self._resume_client(client, cancel=True)
 
@@ -303,9 +306,11 @@ class SimRuntime:
         return sum(len(box.pending) for box in self._boxes) + len(self._tasks) + len(self._clients)
 
     def run(self, max_steps: int = 1_000_000) -> int:
-        """Step until nothing is left to do (timers included); returns the steps taken.
+        """Step until nothing is left to do (timers included).
 
-        ``SimulationStuck`` if a client still waits then: on threads it would wait for ever."""
+        Returns the steps taken.
+        Raises ``SimulationStuck`` if a client still waits then, as on threads it would wait for ever.
+        """
         start = self.steps
         while self.steps - start < max_steps:
             if not self.step():
@@ -335,13 +340,14 @@ class SimRuntime:
     # ------------------------------------------------------------ the scheduler
 
     def step(self, until: float | None = None) -> bool:
-        """Do one thing; ``False`` if there was nothing to do.
+        """Do one thing.
 
-        Timers fire only when time advances; with ``until``, time never
-        advances past it. A client's wait with a bound ends when time reaches
-        it, which it does only once nothing else can run (then it is the next
-        thing that happens, as on threads), never by a jump chosen at random
-        (such a jump moves the bound with it).
+        Returns ``False`` if there was nothing to do.
+        Timers fire only when time advances.
+        With ``until``, time never advances past it.
+        A client's wait with a bound ends when time reaches it.
+        Time does so only once nothing else can run, and then it is the next thing that happens, as on threads.
+        It never does so by a jump chosen at random, as such a jump moves the bound with it.
         """
         options: list[object] = []  # a mailbox (its thread's step), a client, _TASKS or a _Stop
         for box in self._boxes:
