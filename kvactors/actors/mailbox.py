@@ -131,7 +131,7 @@ class Mailbox:
         The claimer handles them rather than waking the thread for them, which costs no thread hand-off.
         Then the next call from the same caller finds the mailbox idle.
 
-        It stops once ``until()`` is true, as the caller's reply is in and it returns at once.
+        It stops once ``until()`` is true, that is once the caller's reply is in, and it returns at once.
         It also stops when nothing is pending, or when it handled :data:`CLAIM_FOLLOW_LIMIT` more messages.
         That bound is there because what others tell meanwhile must not keep a caller for ever.
         The rest goes to the thread.

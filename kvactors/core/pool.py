@@ -198,7 +198,7 @@ class BlockPool:
         Keys already indexed are left out.
         So are duplicates within ``keys``, as each key is stored once, at its first place.
 
-        A key ``writer`` is still writing from an earlier store that a reset or a deadline detached
+        A key that ``writer`` is still writing, from an earlier store that a reset or a deadline detached,
         gets a new row.
         Its completions cannot tell the writes apart.
         So every row of the key stays held until the writer completed each of them,
