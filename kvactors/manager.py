@@ -90,7 +90,10 @@ def _check_controls(tiers: Sequence[SecondaryTier], admission: Mapping[str, Any]
 def _check_start(num_blocks: int, block_bytes: int, secondary_tiers: Sequence[SecondaryTier], eviction: str,
                  transfer_timeout_s: float, lookup_timeout_s: float, event_log: str | os.PathLike[str] | None,
                  pool: torch.Tensor | None) -> list[SecondaryTier]:
-    """:meth:`TieringManager.start`'s arguments checked (``ValueError``, nothing built); the tiers as a list."""
+    """Check :meth:`TieringManager.start`'s arguments (``ValueError``, nothing built).
+
+    Returns the tiers as a list.
+    """
     check_int(num_blocks, "num_blocks")
     check_int(block_bytes, "block_bytes")
     if not isinstance(eviction, str) or eviction not in POLICIES:
@@ -124,32 +127,30 @@ def _check_start(num_blocks: int, block_bytes: int, secondary_tiers: Sequence[Se
 class TieringManager:
     """Tiered KV-cache offloading: a primary CPU pool and secondary tiers.
 
-    Threading: any number of threads may call any method at once. Calls from
-    one thread take effect in the order they were made: a blocking call sees
-    the effect of every earlier call from the same thread. Non-blocking calls
-    (``complete_store``, ``complete_load``, ``touch``, ``on_request_finished``)
-    return once their message is queued; misuse found there is logged as a
-    ``contract_violation`` event and counted in ``stats()``, never raised.
+    Threading: any number of threads may call any method at once.
+    Calls from one thread take effect in the order they were made.
+    A blocking call sees the effect of every earlier call from the same thread.
+    Non-blocking calls (``complete_store``, ``complete_load``, ``touch``, ``on_request_finished``)
+    return once their message is queued.
+    Misuse found there is logged as a ``contract_violation`` event and counted in ``stats()``, never raised.
 
-    Every call goes to the primary tier's actor first, as one message, whatever
-    the number of keys. When the primary is idle (no handler running, nothing
-    queued to it), the calling thread claims it and runs the handler itself,
-    then what was told to the primary's mailbox meanwhile (what its call
-    caused: the supervisor's part, the tiers' inline calls; and other
-    senders' messages), up to its own reply or 16 messages: still one handler
-    at a time and in order, but no thread hand-off (a lookup then waits only
-    for the tiers that answer on their own threads). On the main thread a
-    claim runs the call's own handler alone.
-    Otherwise the message is queued to the primary's thread: at most one round
-    trip per blocking call.
+    Every call goes to the primary tier's actor first, as one message, whatever the number of keys.
+    When the primary is idle (no handler running, nothing queued to it), the calling thread claims it
+    and runs the handler itself.
+    It then runs what was told to the primary's mailbox meanwhile, up to its own reply or 16 messages.
+    That is what its call caused (the supervisor's part, the tiers' inline calls) and other senders' messages.
+    It is still one handler at a time and in order, but with no thread hand-off.
+    A lookup then waits only for the tiers that answer on their own threads.
+    On the main thread a claim runs the call's own handler alone.
+    Otherwise the message is queued to the primary's thread, with at most one round trip per blocking call.
 
-    Arguments are checked at the caller, before anything is queued, by every
-    method (non-blocking ones too): a bad one is a ``ValueError`` and changes
-    nothing. ``keys`` is an iterable of non-empty ``bytes`` (``b""`` is not a
-    key), ``ctx`` a :class:`ReqContext`, ``success`` a ``bool``, a timeout
-    ``None`` or finite seconds ``>= 0``.
+    Every method (non-blocking ones too) checks its arguments at the caller, before anything is queued.
+    A bad one is a ``ValueError`` and changes nothing.
+    ``keys`` is an iterable of non-empty ``bytes`` (``b""`` is not a key).
+    ``ctx`` is a :class:`ReqContext`, ``success`` a ``bool``, a timeout ``None`` or finite seconds ``>= 0``.
 
-    Use :meth:`start` to create one; it is a context manager that stops on exit.
+    Use :meth:`start` to create one.
+    It is a context manager that stops on exit.
     """
 
     def __init__(self, *, runtime: Runtime, pool: torch.Tensor, door: PrimaryDoor, actors: Sequence[ActorRef],
@@ -182,30 +183,38 @@ class TieringManager:
     ) -> TieringManager:
         """Allocate the primary pool and start the actors.
 
-        ``num_blocks`` rows of ``block_bytes`` bytes (pinned memory when CUDA is
-        available). ``transfer_timeout_s`` is the deadline of every transfer: a
-        primary store not completed, or a tier job not reported, in that time
-        fails. ``lookup_timeout_s`` bounds how long a lookup waits for the
-        secondary tiers (keys they did not answer for are ``RETRY``).
-        ``event_log``: a file to append the lifecycle events to, as JSON lines
-        (default: the ``KVACTORS_EVENT_LOG`` environment variable, if set).
-        ``runtime``: where the actors run (default: pykka threads).
-        ``pool``: a caller-provided primary pool (e.g. a view of shared memory
-        that another process copies into): a contiguous CPU ``uint8`` tensor of
-        shape ``(num_blocks, block_bytes)``, used as is (not zeroed, not
-        pinned); the caller keeps it alive and releases it after :meth:`stop`.
-        Default: a new zeroed tensor.
-        ``admission``: per secondary tier (by name), which ready blocks go to it:
-        ``"write_through"`` (the default), ``{"min_seen": N}`` or ``"write_back"`` (needs
-        ``eviction="lru"``). ``max_queued_bytes``: per tier, the bytes of cascades accepted and not
-        yet reported, past which new cascades to it are dropped (default: half the pool's bytes,
-        at least 256 MiB; ``0`` drops every cascade). See docs/controls.md.
+        The pool has ``num_blocks`` rows of ``block_bytes`` bytes (pinned memory when CUDA is available).
+        ``transfer_timeout_s`` is the deadline of every transfer.
+        A primary store not completed, or a tier job not reported, in that time fails.
+        ``lookup_timeout_s`` bounds how long a lookup waits for the secondary tiers.
+        Keys they did not answer for are ``RETRY``.
 
-        Bad arguments raise ``ValueError`` (sizes are ints ``> 0``, not
-        ``True``; timeouts finite numbers ``> 0``); a pool that cannot be
-        allocated (more than the machine's memory, or refused by the
-        allocator) raises ``MemoryError`` naming ``num_blocks`` and
-        ``block_bytes``. Either way nothing is left running.
+        ``event_log`` is a file to append the lifecycle events to, as JSON lines.
+        It defaults to the ``KVACTORS_EVENT_LOG`` environment variable, if set.
+
+        ``runtime`` is where the actors run (default: pykka threads).
+
+        ``pool`` is a caller-provided primary pool, e.g. a view of shared memory that another process copies into.
+        It must be a contiguous CPU ``uint8`` tensor of shape ``(num_blocks, block_bytes)``.
+        It is used as is, neither zeroed nor pinned.
+        The caller keeps it alive and releases it after :meth:`stop`.
+        The default is a new zeroed tensor.
+
+        ``admission`` says, per secondary tier (by name), which ready blocks go to it.
+        It is ``"write_through"`` (the default), ``{"min_seen": N}`` or ``"write_back"``.
+        ``"write_back"`` needs ``eviction="lru"``.
+
+        ``max_queued_bytes`` is, per tier, the bytes of cascades accepted and not yet reported,
+        past which new cascades to it are dropped.
+        The default is half the pool's bytes, at least 256 MiB.
+        ``0`` drops every cascade.
+        See docs/controls.md.
+
+        Bad arguments raise ``ValueError``.
+        Sizes must be ints ``> 0``, not ``True``, and timeouts finite numbers ``> 0``.
+        A pool that cannot be allocated raises ``MemoryError`` naming ``num_blocks`` and ``block_bytes``.
+        That is a pool larger than the machine's memory, or one the allocator refuses.
+        Either way nothing is left running.
         """
         tiers = _check_start(num_blocks, block_bytes, secondary_tiers, eviction, transfer_timeout_s,
                              lookup_timeout_s, event_log, pool)
@@ -343,27 +352,34 @@ class TieringManager:
     def prepare_store(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         """Allocate not-ready rows for the keys not present (evicting if needed).
 
-        Duplicates are stored once. The keys left out as present are never
-        evicted by this call; ``None`` (nothing changes) if there is no room
-        without evicting them. The rows are protected until
-        :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
-        ``LifecycleError`` if the request is unknown or finished."""
+        Duplicates are stored once.
+        The keys left out as present are never evicted by this call.
+        Returns ``None`` (nothing changes) if there is no room without evicting them.
+        The rows are protected until :meth:`complete_store`, or until ``transfer_timeout_s`` passes.
+        Raises ``LifecycleError`` if the request is unknown or finished.
+        """
         return self._ask(calls.prepare_store(keys, ctx))
 
     def complete_store(self, keys: Iterable[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
-        """The copy into the prepared rows ended. Success makes the blocks ready
-        and cascades them to every secondary tier; failure removes them. Either
-        way the store is no longer pending. Non-blocking."""
+        """The copy into the prepared rows ended.
+
+        Success makes the blocks ready and cascades them to every secondary tier.
+        Failure removes them.
+        Either way the store is no longer pending.
+        Non-blocking.
+        """
         self._door.send(calls.complete_store(keys, ctx, success))
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """No more submit calls for this attempt. Idempotent. Non-blocking.
 
-        The primary tier is told at once; each secondary tier once nothing can
-        still submit to it for this request. A finish for a request the runtime
-        does not know (never started, or finalized already) does nothing and is
-        not a contract violation: after finalize nothing of a request is kept,
-        so it cannot be told from a repeated finish, which is legal."""
+        The primary tier is told at once.
+        Each secondary tier is told once nothing can still submit to it for this request.
+        A finish for a request the runtime does not know (never started, or finalized already)
+        does nothing and is not a contract violation.
+        After finalize nothing of a request is kept, so it cannot be told from a repeated finish,
+        which is legal.
+        """
         self._door.send(calls.finish(ctx))
 
     def reset_cache(self) -> None:

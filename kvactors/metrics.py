@@ -1,49 +1,52 @@
 """Prometheus metrics of a :class:`~kvactors.TieringManager` (extra ``metrics``: ``prometheus-client``).
 
-:class:`KvactorsCollector` is a ``prometheus_client`` collector: register it in
-a registry, and every scrape reads the manager's figures in one round trip
-(:meth:`TieringManager.metrics_snapshot`), however many series. The counters
-themselves are plain ints the actors keep as they work
-(:mod:`kvactors.core.counters`); a scrape only copies them.
+:class:`KvactorsCollector` is a ``prometheus_client`` collector to register in a registry.
+Every scrape reads the manager's figures in one round trip (:meth:`TieringManager.metrics_snapshot`),
+however many series.
+The counters themselves are plain ints the actors keep as they work (:mod:`kvactors.core.counters`).
+A scrape only copies them.
 
-Families (``tier`` is ``"cpu"`` for the primary pool, else a secondary tier's name):
+The families follow.
+``tier`` is ``"cpu"`` for the primary pool, else a secondary tier's name.
 
-* ``kvactors_lookup_keys_total{tier}``, ``kvactors_hit_keys_total{tier}``: keys
-  asked at that tier, keys it answered ``HIT`` (at ``cpu``: ready in the pool;
-  a secondary tier is asked only the keys the pool missed);
-* ``kvactors_stored_bytes_total{tier}``, ``kvactors_loaded_bytes_total{tier}``:
-  block payload (``block_bytes`` per block) of successful transfers: at ``cpu``
-  completed stores and loads, at a tier its cascades and promotions;
-* ``kvactors_jobs_total{tier,kind,outcome}``: ended transfers; ``kind`` ``store``,
-  ``load`` (at ``cpu``: ``prepare_*`` calls completed, or past their deadline),
-  ``cascade``, ``promotion`` (a tier's jobs); ``outcome`` ``ok``, ``failed``,
-  ``timed_out``;
-* ``kvactors_jobs_started_total{tier,kind}``, ``kvactors_jobs_dropped_total{tier,kind}``:
-  cascades and promotions submitted to a tier, and those failed before they
-  reached it (a reset, a stop);
-* ``kvactors_job_duration_seconds{tier,kind}``: histogram, submit to report (or
-  deadline) of a tier's cascades and promotions;
-* ``kvactors_tier_jobs_queued{tier}``, ``kvactors_tier_jobs_in_flight{tier}``: a
-  tier's queue depth (jobs waiting for a slot) and jobs submitted, not reported;
-* ``kvactors_pool_blocks{state}``: rows of the pool by exclusive state, ``ready``,
-  ``pinned``, ``pending``, ``detached``, ``free``, summing to ``num_blocks``;
-* ``kvactors_evicted_keys_total{tier}``: keys evicted to make room (``cpu``);
-* ``kvactors_active_requests``, ``kvactors_lookups_in_flight``;
+* ``kvactors_lookup_keys_total{tier}`` and ``kvactors_hit_keys_total{tier}`` count the keys asked at that tier,
+  and the keys it answered ``HIT``.
+  At ``cpu`` a hit is a key ready in the pool.
+  A secondary tier is asked only the keys the pool missed.
+* ``kvactors_stored_bytes_total{tier}`` and ``kvactors_loaded_bytes_total{tier}`` count the block payload
+  (``block_bytes`` per block) of successful transfers.
+  At ``cpu`` these are completed stores and loads, at a tier its cascades and promotions.
+* ``kvactors_jobs_total{tier,kind,outcome}`` counts ended transfers.
+  ``kind`` is ``store`` or ``load`` at ``cpu`` (``prepare_*`` calls completed, or past their deadline),
+  and ``cascade`` or ``promotion`` for a tier's jobs.
+  ``outcome`` is ``ok``, ``failed`` or ``timed_out``.
+* ``kvactors_jobs_started_total{tier,kind}`` and ``kvactors_jobs_dropped_total{tier,kind}`` count the cascades
+  and promotions submitted to a tier, and those failed before they reached it (a reset, a stop).
+* ``kvactors_job_duration_seconds{tier,kind}`` is a histogram of a tier's cascades and promotions,
+  from submit to report (or deadline).
+* ``kvactors_tier_jobs_queued{tier}`` is a tier's queue depth (jobs waiting for a slot).
+  ``kvactors_tier_jobs_in_flight{tier}`` is its jobs submitted and not reported.
+* ``kvactors_pool_blocks{state}`` counts the rows of the pool by exclusive state
+  (``ready``, ``pinned``, ``pending``, ``detached``, ``free``), summing to ``num_blocks``.
+* ``kvactors_evicted_keys_total{tier}`` counts the keys evicted to make room (``cpu``).
+* ``kvactors_active_requests`` and ``kvactors_lookups_in_flight`` are gauges.
 * ``kvactors_contract_violations_total``, ``kvactors_lookups_timed_out_total``,
-  ``kvactors_late_reports_total``, ``kvactors_requests_finalized_total``,
-  ``kvactors_internal_errors_total``;
-* ``kvactors_tiers_stuck`` and ``kvactors_tier_stuck{tier}``: tiers stuck inside a
-  call (see :func:`stuck_tiers`).
+  ``kvactors_late_reports_total``, ``kvactors_requests_finalized_total`` and
+  ``kvactors_internal_errors_total`` are counters.
+* ``kvactors_tiers_stuck`` and ``kvactors_tier_stuck{tier}`` show the tiers stuck inside a call
+  (see :func:`stuck_tiers`).
 
-Every series from the start: each family declares the label sets it knows
-(:class:`Series`: from the configured tier names, the job kinds and outcomes,
-the pool states), and a scrape exports each of them, at 0 until it counts
-something, so a dashboard or an alert on a tier that has not been used yet reads
-0, not "no data" (:func:`known_series`). The one exception: the stuck-tier gauges
-are exported only while the runtime reports them (``stats()``'s ``tiers_stuck``).
+Every series exists from the start.
+Each family declares the label sets it knows (:class:`Series`).
+They come from the configured tier names, the job kinds and outcomes, and the pool states.
+A scrape exports each of them, at 0 until it counts something (:func:`known_series`).
+So a dashboard or an alert on a tier that has not been used yet reads 0, not "no data".
+The one exception is the stuck-tier gauges.
+They are exported only while the runtime reports them (``stats()``'s ``tiers_stuck``).
 
-Threading: ``collect`` may run on any thread (the HTTP server's); it blocks for
-one round trip to the actors. A stopped manager yields no samples.
+Threading: ``collect`` may run on any thread (the HTTP server's).
+It blocks for one round trip to the actors.
+A stopped manager yields no samples.
 """
 
 from __future__ import annotations
@@ -178,8 +181,10 @@ _TYPES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram
 
 
 def _family(name: str, **value: float) -> Any:
-    """An empty family ``name`` as :data:`FAMILIES` declares it (type, help, labels); a label-less
-    one may be given its ``value`` at once."""
+    """An empty family ``name`` as :data:`FAMILIES` declares it (type, help, labels).
+
+    A label-less one may be given its ``value`` at once.
+    """
     d = _BY_NAME[name]
     if value:
         return _TYPES[d.kind](name, d.doc, **value)
@@ -189,9 +194,9 @@ def _family(name: str, **value: float) -> Any:
 def stuck_tiers(stats: dict[str, int | float]) -> tuple[int | None, dict[str, int]]:
     """How many tiers ``stats()`` reports stuck, and which.
 
-    Reads ``stats["tiers_stuck"]`` (a count) and ``stats["tier_stuck.NAME"]``
-    (1 while tier NAME is stuck); ``(None, {})`` when they are absent (nothing
-    is exported then rather than a made-up 0).
+    Reads ``stats["tiers_stuck"]`` (a count) and ``stats["tier_stuck.NAME"]`` (1 while tier NAME is stuck).
+    Returns ``(None, {})`` when they are absent.
+    Nothing is exported then, rather than a made-up 0.
     """
     count = stats.get("tiers_stuck")
     per_tier = {key.split(".", 1)[1]: int(value) for key, value in stats.items() if key.startswith("tier_stuck.")}
@@ -300,9 +305,10 @@ def serve_metrics(manager: TieringManager, port: int, addr: str = "127.0.0.1"
                   ) -> tuple[WSGIServer, threading.Thread, CollectorRegistry]:
     """Serve ``manager``'s metrics at ``http://addr:port/metrics`` (port 0: any free one).
 
-    A registry of its own with one :class:`KvactorsCollector`; the server runs on
-    one daemon thread. Returns ``(server, thread, registry)``: ``server.server_port``
-    is the port, ``server.shutdown()`` stops it.
+    The metrics get a registry of their own with one :class:`KvactorsCollector`.
+    The server runs on one daemon thread.
+    Returns ``(server, thread, registry)``.
+    ``server.server_port`` is the port, and ``server.shutdown()`` stops it.
     """
     check_int(port, "port", minimum=0, maximum=65535)
     registry = CollectorRegistry()

@@ -1,40 +1,40 @@
 """The mailbox: one actor's queue and turn, and the claims, for every runtime.
 
-A :class:`Mailbox` is a plain state machine: it starts no thread and knows
-nothing of pykka or of a scheduler. Both runtimes drive this one class:
+A :class:`Mailbox` is a plain state machine.
+It starts no thread and knows nothing of pykka or of a scheduler.
+Both runtimes drive this one class.
 
-* :class:`~kvactors.actors.threads.ThreadRuntime`: the owner ``THREAD`` is a
-  pykka thread, woken by ``wake`` (a drain told to it) and running
-  :meth:`Mailbox.take_batch` until the mailbox goes idle;
-* :class:`~kvactors.testing.SimRuntime`: ``wake`` does nothing, and the seed
-  picks, among the mailboxes owned by ``THREAD``, which one handles its next
-  message (:meth:`Mailbox.take_one`), one step at a time.
+* With :class:`~kvactors.actors.threads.ThreadRuntime`, the owner ``THREAD`` is a pykka thread.
+  ``wake`` wakes it by telling it a drain.
+  It then runs :meth:`Mailbox.take_batch` until the mailbox goes idle.
+* With :class:`~kvactors.testing.SimRuntime`, ``wake`` does nothing.
+  The seed picks, among the mailboxes owned by ``THREAD``, which one handles its next message
+  (:meth:`Mailbox.take_one`), one step at a time.
 
-They differ only in who picks the next step. The transitions are these, each
-under ``lock``:
+They differ only in who picks the next step.
+The transitions are these, each taken under ``lock``.
 
-* :meth:`~Mailbox.put`: queue a message; an idle mailbox becomes the
-  thread's, and ``wake`` is called (under the lock: on pykka the drain
-  reaches the thread's inbox before a stop that :meth:`~Mailbox.close`
-  queues);
-* :meth:`~Mailbox.claim`: an idle mailbox (nothing pending, no handler
-  running, not closed) becomes a caller's, who then runs one message on its
-  own thread (:meth:`~Mailbox.run_claimed`), and then what was told
-  meanwhile, a bounded number;
-* :meth:`~Mailbox.end_claim`: the claimer's turn ends; what was told
-  meanwhile goes to the thread, or, once closed (no drain can follow the
-  stop), is handled by the claimer itself;
-* :meth:`~Mailbox.take_batch` / :meth:`~Mailbox.take_one`: the thread takes
-  what is pending; nothing pending, the mailbox goes idle.
+* :meth:`~Mailbox.put` queues a message.
+  An idle mailbox becomes the thread's, and ``wake`` is called.
+  That call is under the lock, so on pykka the drain reaches the thread's inbox
+  before a stop that :meth:`~Mailbox.close` queues.
+* :meth:`~Mailbox.claim` makes an idle mailbox (nothing pending, no handler running, not closed) a caller's.
+  The caller then runs one message on its own thread (:meth:`~Mailbox.run_claimed`).
+  After it, the caller runs what was told meanwhile, a bounded number.
+* :meth:`~Mailbox.end_claim` ends the claimer's turn.
+  What was told meanwhile goes to the thread.
+  Once the mailbox is closed, the claimer handles it itself, as no drain can follow the stop.
+* :meth:`~Mailbox.take_batch` and :meth:`~Mailbox.take_one` let the thread take what is pending.
+  With nothing pending, the mailbox goes idle.
 
-Whoever owns the turn also holds ``turn`` (a lock) while it runs handlers,
-so handlers never overlap and a stop waits for a claimer still running.
-Several actors may share one mailbox (colocation): ``pending`` holds
-``(actor, message)`` pairs, the host first in ``actors``.
+Whoever owns the turn also holds ``turn`` (a lock) while it runs handlers.
+So handlers never overlap, and a stop waits for a claimer still running.
+Several actors may share one mailbox (colocation).
+Then ``pending`` holds ``(actor, message)`` pairs, and the host comes first in ``actors``.
 
-A mailbox is made with its ``wake`` and before its actors (their refs are
-handed to their peers before the actors are built); the runtime adds each
-actor when it starts it (:meth:`Mailbox.admit`).
+A mailbox is made with its ``wake`` and before its actors,
+as their refs are handed to their peers before the actors are built.
+The runtime adds each actor when it starts it (:meth:`Mailbox.admit`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ from kvactors.actors.runtime import Actor, ActorStoppedError, alone
 T = TypeVar("T")
 
 CLAIM_FOLLOW_LIMIT = 16
-"""At most this many messages told during a claimed run are handled by the claimer after its
-own (a bound: what others tell meanwhile must not keep a caller's thread for ever)."""
+"""At most this many messages told during a claimed run are handled by the claimer after its own.
+
+It is a bound because what others tell meanwhile must not keep a caller's thread for ever."""
 
 IDLE, THREAD, CLAIMER = 0, 1, 2
 """Who owns a mailbox's turn: nobody, the actor's thread, or a caller that claimed it."""
@@ -61,11 +62,12 @@ def _nothing() -> None:
 
 
 class Mailbox:
-    """One actor's (or colocated actors') queue and turn; see the module docstring.
+    """One actor's (or colocated actors') queue and turn (see the module docstring).
 
-    Thread-safe: every transition is taken under ``lock``; handlers run
-    outside it, holding ``turn``. ``wake`` is called under ``lock`` when an
-    idle mailbox becomes the thread's; it must not call back into the mailbox.
+    Thread-safe: every transition is taken under ``lock``.
+    Handlers run outside it, holding ``turn``.
+    ``wake`` is called under ``lock`` when an idle mailbox becomes the thread's.
+    It must not call back into the mailbox.
     """
 
     __slots__ = ("actors", "closed", "lock", "owner", "pending", "turn", "wake")
@@ -87,8 +89,10 @@ class Mailbox:
         self.actors.append(actor)
 
     def put(self, actor: Actor, message: object, name: str) -> None:
-        """Queue ``message`` for ``actor``; once closed, ``ActorStoppedError`` naming ``name``
-        (nothing queued)."""
+        """Queue ``message`` for ``actor``.
+
+        Once the mailbox is closed, raises ``ActorStoppedError`` naming ``name``, and nothing is queued.
+        """
         with self.lock:
             if self.closed:
                 raise ActorStoppedError(f"actor {name} is stopped")
@@ -104,9 +108,11 @@ class Mailbox:
                 raise
 
     def claim(self) -> bool:
-        """Take the turn for the calling thread if the mailbox is idle; never blocks.
+        """Take the turn for the calling thread if the mailbox is idle.
 
-        True: the caller must call :meth:`run_claimed` (or :meth:`end_claim`) once."""
+        Never blocks.
+        On True, the caller must call :meth:`run_claimed` (or :meth:`end_claim`) once.
+        """
         if self.owner != IDLE:
             return False  # busy, as seen without the lock: a sure "no" (checked again under it otherwise)
         with self.lock:
@@ -119,14 +125,18 @@ class Mailbox:
         """Handle ``message`` on the calling thread (which holds the claim), then what was
         told meanwhile, in order, then end the claim.
 
-        What was told meanwhile is mostly what the handler caused (a colocated actor's
-        part of the call, the releases it sent), and also other senders' messages: the
-        claimer handles them rather than waking the thread for them, which costs no
-        thread hand-off, and the next call from the same caller finds the mailbox idle.
-        It stops once ``until()`` is true (the caller's reply is in: it returns at once),
-        nothing is pending, or it handled :data:`CLAIM_FOLLOW_LIMIT` more messages (what
-        others tell meanwhile must not keep a caller for ever); the rest goes to the thread.
-        ``until`` returning True at once: the claimed message alone."""
+        What was told meanwhile is mostly what the handler caused
+        (a colocated actor's part of the call, the releases it sent).
+        It is also other senders' messages.
+        The claimer handles them rather than waking the thread for them, which costs no thread hand-off.
+        Then the next call from the same caller finds the mailbox idle.
+
+        It stops once ``until()`` is true, that is once the caller's reply is in, and it returns at once.
+        It also stops when nothing is pending, or when it handled :data:`CLAIM_FOLLOW_LIMIT` more messages.
+        That bound is there because what others tell meanwhile must not keep a caller for ever.
+        The rest goes to the thread.
+        With ``until`` returning True at once, it handles the claimed message alone.
+        """
         try:
             self.deliver(actor, message)
             if until is alone:  # an inline tier call, the main thread's: nothing to follow
@@ -143,9 +153,12 @@ class Mailbox:
             self.end_claim()
 
     def end_claim(self) -> None:
-        """A claimer's turn ends: what was told meanwhile goes to the thread
-        (once closed, the claimer handles it: no drain can follow the stop).
-        Releases ``turn`` whatever a handler raised."""
+        """End a claimer's turn.
+
+        What was told meanwhile goes to the thread.
+        Once the mailbox is closed, the claimer handles it, as no drain can follow the stop.
+        Releases ``turn`` whatever a handler raised.
+        """
         try:
             while True:
                 with self.lock:
@@ -180,8 +193,11 @@ class Mailbox:
             return self.pending.popleft()
 
     def close(self, stop: Callable[[], T]) -> T | None:
-        """Refuse every later :meth:`put`; the first call returns ``stop()``, run under
-        the lock (a drain woken before it is queued before it), later ones ``None``."""
+        """Refuse every later :meth:`put`.
+
+        The first call returns ``stop()``, run under the lock, so a drain woken before it is queued before it.
+        Later calls return ``None``.
+        """
         with self.lock:
             if self.closed:
                 return None

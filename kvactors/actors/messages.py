@@ -1,21 +1,22 @@
 """The messages the actors exchange: named tuples, immutable payloads.
 
-Messages are passed by reference, so every field is an immutable value
-(tuples, frozen dataclasses, ints); the only mutable thing a message carries
-is a :class:`~kvactors.actors.reply.Reply`, which exactly one actor resolves,
-exactly once. Named tuples rather than frozen dataclasses: a request's
-lifecycle sends about twenty messages, and a frozen dataclass is several times
-dearer to build (one ``object.__setattr__`` per field; ``docs/performance.md``).
+Messages are passed by reference, so every field is an immutable value (tuples, frozen dataclasses, ints).
+The only mutable thing a message carries is a :class:`~kvactors.actors.reply.Reply`.
+Exactly one actor resolves it, exactly once.
+
+They are named tuples rather than frozen dataclasses.
+A request's lifecycle sends about twenty messages,
+and a frozen dataclass is several times dearer to build (one ``object.__setattr__`` per field).
+``docs/performance.md`` has the figures.
 Handlers are found by the message's exact type, never by its tuple-ness.
 
-Routing (who sends what to whom) is part of the contract's proof; see
-:mod:`kvactors.actors.supervisor`:
+Routing (who sends what to whom) is part of the contract's proof (see :mod:`kvactors.actors.supervisor`).
 
-* frontend (the manager's callers) -> primary: every public call;
-* primary -> supervisor: lifecycle facts, in the order the primary saw them;
-* supervisor -> tiers: every hook and every submit (it is their only sender);
-* tiers and their worker threads -> supervisor: lookup answers and job reports;
-* supervisor -> primary: allocations for promotions, job ends, finalizations.
+* frontend (the manager's callers) -> primary carries every public call.
+* primary -> supervisor carries lifecycle facts, in the order the primary saw them.
+* supervisor -> tiers carries every hook and every submit, as the supervisor is their only sender.
+* tiers and their worker threads -> supervisor carries lookup answers and job reports.
+* supervisor -> primary carries allocations for promotions, job ends and finalizations.
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ class Shutdown(NamedTuple):
 
 
 class RequestStarted(NamedTuple):
-    """Sent at once only when some tier wants ``on_new_request``; otherwise the
-    supervisor opens a request's state with its first fact that has ``opens`` set."""
+    """Sent at once only when some tier wants ``on_new_request``.
+
+    Otherwise the supervisor opens a request's state with its first fact that has ``opens`` set.
+    """
 
     ctx: ReqContext
 
@@ -133,10 +136,11 @@ class CascadeJob(NamedTuple):
 
 
 class StoresCompleted(NamedTuple):
-    """``live`` pending keys of ``ctx`` completed; ``cascades`` are to be submitted.
+    """``live`` pending keys of ``ctx`` completed, and ``cascades`` are to be submitted.
 
     Sent when there are cascades, or when the request is finished (the count matters then).
-    ``opens``: the first fact about ``ctx`` the supervisor gets (see :class:`RequestStarted`)."""
+    ``opens`` marks the first fact about ``ctx`` the supervisor gets (see :class:`RequestStarted`).
+    """
 
     ctx: ReqContext
     live: int
@@ -157,7 +161,7 @@ class RequestFinished(NamedTuple):
 class SecondaryLookup(NamedTuple):
     """Keys the primary does not hold: ask the tiers, then maybe promote.
 
-    ``results`` is the whole answer so far (MISS at ``missing`` positions);
+    ``results`` is the whole answer so far (MISS at ``missing`` positions).
     ``lookup_id`` was drawn from the shared work sequence by the primary.
     """
 
@@ -231,9 +235,12 @@ class AllocatePromotions(NamedTuple):
 
 
 class JobEnded(NamedTuple):
-    """Release what a job holds in the pool. ``hold``: it timed out; keep its rows
-    unreusable until :class:`HoldReleased`. ``ok_keys``: the job ended per key,
-    only these keys of a promotion become ready (``None``: all follow ``success``)."""
+    """Release what a job holds in the pool.
+
+    With ``hold``, the job timed out, and its rows stay unreusable until :class:`HoldReleased`.
+    With ``ok_keys``, the job ended per key, and only these keys of a promotion become ready.
+    ``None`` means all keys follow ``success``.
+    """
 
     job_id: int
     is_promotion: bool
@@ -278,9 +285,11 @@ class TierSubmit(NamedTuple):
 
 
 class TierLookup(NamedTuple):
-    """``inline_answer`` is given only for a lookup run by a claim (an inline call,
-    on the caller's thread): the answer is appended to it instead of coming back as
-    a :class:`TierLookupAnswered` (a list, not a :class:`Reply`: nobody waits on it)."""
+    """``inline_answer`` is given only for a lookup run by a claim (an inline call, on the caller's thread).
+
+    The answer is appended to it instead of coming back as a :class:`TierLookupAnswered`.
+    It is a list, not a :class:`Reply`, as nobody waits on it.
+    """
 
     lookup_id: int
     keys: Keys

@@ -52,11 +52,14 @@ class Reply(Generic[T]):
             self._run_callbacks()
 
     def add_done_callback(self, fn: Callable[[Reply[T]], object]) -> None:
-        """Call ``fn(self)`` once it is set: on the thread that sets it, or here and
-        now if it is set already. Exactly once per callback, whichever thread wins
-        (each is popped from the list, atomically, by the thread that runs it).
-        ``fn`` must be short and must not raise; adders of one Reply must not race
-        each other (one waiter adds)."""
+        """Call ``fn(self)`` once it is set.
+
+        It runs on the thread that sets it, or here and now if it is set already.
+        Each callback runs exactly once, whichever thread wins.
+        The thread that runs it pops it from the list, atomically.
+        ``fn`` must be short and must not raise.
+        Adders of one Reply must not race each other (one waiter adds).
+        """
         if self._callbacks is None:
             self._callbacks = []
         self._callbacks.append(fn)
@@ -74,7 +77,10 @@ class Reply(Generic[T]):
             fn(self)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until set or ``timeout`` passed; return whether it is set."""
+        """Block until set or ``timeout`` passed.
+
+        Returns whether it is set.
+        """
         if self._set:
             return True
         if self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):

@@ -1,27 +1,28 @@
 """The thread runtime: each :class:`~kvactors.actors.mailbox.Mailbox` drained by a pykka thread.
 
-Messages wait in kvactors' own mailbox, not in pykka's inbox: pykka carries
-one "drain" per burst (the mailbox's ``wake``), and the thread handles
-everything that arrived meanwhile. A busy actor thus costs a deque append
-per message instead of a pykka envelope and a wake-up.
+Messages wait in kvactors' own mailbox, not in pykka's inbox.
+pykka carries one "drain" per burst (the mailbox's ``wake``).
+The thread then handles everything that arrived meanwhile.
+A busy actor thus costs a deque append per message instead of a pykka envelope and a wake-up.
 
-pykka's own weak spots are kept out here:
+pykka's own weak spots are kept out here.
 
-* **the stop race**: pykka's ``tell`` checks ``is_alive()`` and then puts, so a
-  message put while the actor tears down is never read. The mailbox puts and
-  closes under one lock: once :meth:`ThreadActorRef.close` has queued the
-  stop message, every later ``tell`` raises
-  :class:`~kvactors.actors.runtime.ActorStoppedError` at its sender instead
-  of vanishing, and everything queued before it is processed;
-* **the global registry**: actors are unregistered from pykka's
-  ``ActorRegistry`` right after they start, so another library's
-  ``ActorRegistry.stop_all()`` cannot stop them, and kvactors never calls it.
+* **The stop race.**
+  pykka's ``tell`` checks ``is_alive()`` and then puts.
+  So a message put while the actor tears down is never read.
+  The mailbox puts and closes under one lock.
+  Once :meth:`ThreadActorRef.close` has queued the stop message, every later ``tell`` raises
+  :class:`~kvactors.actors.runtime.ActorStoppedError` at its sender instead of vanishing.
+  Everything queued before the stop is processed.
+* **The global registry.**
+  Actors are unregistered from pykka's ``ActorRegistry`` right after they start.
+  So another library's ``ActorRegistry.stop_all()`` cannot stop them, and kvactors never calls it.
 
-Threads: one per mailbox (an actor and those colocated with it), and one
-timer thread per runtime that delivers every delayed message. A ref is made
-before its actor (:meth:`ThreadRuntime.new_ref`): no thread starts until the
-first actor does (:meth:`ThreadRuntime.start`), so a manager whose actors fail
-to build leaves none behind.
+There is one thread per mailbox (an actor and those colocated with it).
+There is also one timer thread per runtime, which delivers every delayed message.
+A ref is made before its actor (:meth:`ThreadRuntime.new_ref`).
+No thread starts until the first actor does (:meth:`ThreadRuntime.start`).
+So a manager whose actors fail to build leaves none behind.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ class _MailboxThread:
         pykka_ref.tell(_DRAIN)
 
     def stop(self) -> pykka.Future[Any] | None:
-        """Queue the thread's stop after the drains already queued; ``None`` if it never started."""
+        """Queue the thread's stop after the drains already queued.
+
+        Returns ``None`` if it never started.
+        """
         return None if self._pykka_ref is None else self._pykka_ref.stop(block=False)
 
 
@@ -153,9 +157,12 @@ class ThreadActorRef:
         self._mailbox.put(self._actor, message, self.name)
 
     def claim(self) -> bool:
-        """See :meth:`ActorRef.claim`. Never blocks; always False once closed
-        (or with ``claims=False``). Claims the thread's turn: the actors
-        colocated with this one are idle too until :meth:`run_claimed`."""
+        """See :meth:`ActorRef.claim`.
+
+        Never blocks.
+        Always False once closed (or with ``claims=False``).
+        Claims the thread's turn, so the actors colocated with this one are idle too until :meth:`run_claimed`.
+        """
         return self._claims and self._mailbox.claim()
 
     def run_claimed(self, message: object, until: Callable[[], bool] | None = None) -> None:
@@ -170,7 +177,7 @@ class ThreadActorRef:
         self._mailbox.run_claimed(self._actor, message, until)
 
     def close(self) -> pykka.Future[Any] | None:
-        """Queue the stop after every message already told; refuse all later ones."""
+        """Queue the stop after every message already told, and refuse all later ones."""
         return self._mailbox.close(self._thread.stop)
 
     @property
@@ -237,8 +244,11 @@ class _TimerThread:
                 ref.tell(message)
 
     def stop(self, timeout_s: float) -> bool:
-        """Drop what is scheduled and end the thread; whether it ended within ``timeout_s``
-        (it may be in the middle of a ``tell`` to an actor whose put blocks)."""
+        """Drop what is scheduled and end the thread.
+
+        Returns whether it ended within ``timeout_s``.
+        It may not, when it is in the middle of a ``tell`` to an actor whose put blocks.
+        """
         with self._cond:
             self._stopped = True
             self._heap.clear()
@@ -257,11 +267,11 @@ class _TimerThread:
 class ThreadRuntime:
     """Actors on pykka threads: one per actor not colocated with another, plus one timer thread.
 
-    Thread count is fixed by the actors (one per actor not colocated with
-    another) and never grows with requests. For comparisons:
-    ``claims=False`` makes every :meth:`ThreadActorRef.claim` fail, so every
-    message goes through the actors' threads; ``colocation=False`` gives
-    every actor its own thread, whatever ``colocate_with`` says.
+    Thread count is fixed by the actors (one per actor not colocated with another).
+    It never grows with requests.
+    Two switches are there for comparisons.
+    ``claims=False`` makes every :meth:`ThreadActorRef.claim` fail, so every message goes through the actors' threads.
+    ``colocation=False`` gives every actor its own thread, whatever ``colocate_with`` says.
     """
 
     _instances = itertools.count()

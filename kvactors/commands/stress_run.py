@@ -1,8 +1,8 @@
 """One ``kvactors stress`` run, once its options were checked: the tiers, the frontends, the settling, the summary.
 
-See :mod:`kvactors.commands.stress` for what is checked. Every wait has a bound
-(:class:`~kvactors.commands.watch.Watch`); everything started is stopped by the
-caller's exit stack.
+See :mod:`kvactors.commands.stress` for what is checked.
+Every wait has a bound (:class:`~kvactors.commands.watch.Watch`).
+Everything started is stopped by the caller's exit stack.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _figures(manager: Any) -> StatsSnapshot:
 
 def _settle(env: Any, manager: Any, watch: Watch, timeout_s: float,
             stalled: Callable[[], int]) -> StatsSnapshot | None:
-    """Let copies, late reports and store deadlines run out; then the stats."""
+    """Let copies, late reports and store deadlines run out, then read the stats."""
     deadline = time.monotonic() + timeout_s
     while (env.outstanding_copies or env.deferrer.pending()) and time.monotonic() < deadline:
         time.sleep(0.01)  # copies and slow reports run on the worker pool: nothing to wait on but their count
@@ -117,7 +117,10 @@ class _Run:
         return sum(len(getattr(t, "stalled", ())) for t in self.tiers)
 
     def shutdown(self) -> bool:
-        """Stop the frontends and the manager, each within the hang bound; whether the manager stopped."""
+        """Stop the frontends and the manager, each within the hang bound.
+
+        Returns whether the manager stopped.
+        """
         if self.stopped:
             return self.stopped[0]
         self.abort.set()
@@ -133,7 +136,7 @@ class _Run:
 
 def run_planned(args: argparse.Namespace, plan: Plan, cleanup: contextlib.ExitStack,
                 state: dict[str, Any]) -> dict[str, Any]:
-    """One run, step by step; the summary :mod:`kvactors.commands.stress` prints.
+    """One run, step by step, returning the summary :mod:`kvactors.commands.stress` prints.
 
     Everything a step starts is stopped by ``cleanup``.
     """
@@ -302,7 +305,10 @@ def _check(run: _Run) -> tuple[list[str], StatsSnapshot | None]:
 
 
 def _summary(run: _Run, violations: list[str], stats: StatsSnapshot | None, elapsed: float) -> dict[str, Any]:
-    """The run's figures, as ``--json`` prints them (0 where the stats could not be read); the hangs go to stderr."""
+    """The run's figures, as ``--json`` prints them (0 where the stats could not be read).
+
+    The hangs go to stderr.
+    """
     args, env, watch = run.args, run.env, run.watch
     stalled = run.stalled()
     leaks = pins = jobs = submitted = jobs_timed_out = stores_timed_out = ready = unusable = 0

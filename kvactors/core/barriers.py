@@ -3,8 +3,8 @@
 The primary takes each barrier with a *snapshot*, the newest work id it had
 handed out then. A barrier is **due** once no job or lookup whose origin is at
 most its snapshot is left in the supervisor's books. The supervisor then runs
-one round through the tiers and the primary for it; this book hands each due
-barrier out once. A stop cuts every barrier still waiting short.
+one round through the tiers and the primary for it.
+This book hands each due barrier out once. A stop cuts every barrier still waiting short.
 
 No threads, no I/O, no logging. The supervisor's actor owns one book and is its
 only caller. ``R`` is the owner's reply type, carried along untouched.
@@ -18,7 +18,7 @@ R = TypeVar("R")
 
 
 class BarrierBook(Generic[R]):
-    """Barriers waiting for the work at or before their snapshot; see the module docstring."""
+    """Barriers waiting for the work at or before their snapshot (see the module docstring)."""
 
     __slots__ = ("_waiting",)
 

@@ -35,14 +35,14 @@ OUTCOMES: tuple[JobOutcome, ...] = tuple(JobOutcome)
 class PrimaryCounters:
     """The primary tier's counters (tier ``"cpu"``), owned by its actor.
 
-    ``store_*``: ``prepare_store`` calls whose keys were completed (``ok``:
-    ``complete_store(success=True)``, ``failed``: ``success=False``) or
-    passed their deadline (``timed_out``, a store with at least one key
-    still pending then); ``store_keys_timed_out``: those keys;
-    ``load_ok``: ``complete_load`` calls; ``*_blocks``: blocks stored (made
-    ready) and loaded (unpinned after a load); ``contract_violations``:
-    misuse found in its non-blocking calls; ``promotions_refused``: lookups
-    whose promotions the pool could not hold (all or some).
+    ``store_*`` count the ``prepare_store`` calls whose keys were completed, or passed their deadline.
+    ``ok`` is ``complete_store(success=True)`` and ``failed`` is ``success=False``.
+    ``timed_out`` is a store with at least one key still pending at its deadline.
+    ``store_keys_timed_out`` counts those keys.
+    ``load_ok`` counts ``complete_load`` calls.
+    ``*_blocks`` count the blocks stored (made ready) and loaded (unpinned after a load).
+    ``contract_violations`` counts misuse found in its non-blocking calls.
+    ``promotions_refused`` counts the lookups whose promotions the pool could not hold (all or some).
     """
 
     __slots__ = ("contract_violations", "hit_keys", "load_ok", "loaded_blocks", "lookup_keys", "promotions_refused",
@@ -74,8 +74,9 @@ class PrimaryCounters:
 class PrimaryFigures:
     """The primary's part of ``stats()`` and of a metrics snapshot, copied on its thread.
 
-    ``pool``: :meth:`~kvactors.core.pool.BlockPool.figures`; ``pool_blocks``: its
-    rows by state (:meth:`~kvactors.core.pool.BlockPool.state_counts`)."""
+    ``pool`` is :meth:`~kvactors.core.pool.BlockPool.figures`.
+    ``pool_blocks`` is its rows by state (:meth:`~kvactors.core.pool.BlockPool.state_counts`).
+    """
 
     counters: PrimaryCounters
     pool: PoolFigures
@@ -173,7 +174,11 @@ class SupervisorCounters:
 
 @dataclass(frozen=True, slots=True)
 class Histogram:
-    """One duration histogram: per-bucket (not cumulative) counts, the last one +Inf; the sum in seconds."""
+    """One duration histogram.
+
+    ``counts`` are per bucket (not cumulative), the last one +Inf.
+    ``sum_s`` is the sum in seconds.
+    """
 
     counts: tuple[int, ...]
     sum_s: float
@@ -191,11 +196,12 @@ class Histogram:
 class MetricsSnapshot:
     """Every figure the metrics show, copied in one pass on the actors' thread.
 
-    ``figures``: what ``stats()`` shows, typed (:attr:`stats` is its dict).
-    The rest is keyed by tier name (``"cpu"`` for the primary) and, for jobs,
-    by kind (``store``, ``load`` at ``cpu``; ``cascade``, ``promotion`` at a
-    secondary tier) and outcome (``ok``, ``failed``, ``timed_out``). Block
-    counts, not bytes: the reader multiplies by the pool's ``block_bytes``.
+    ``figures`` is what ``stats()`` shows, typed (:attr:`stats` is its dict).
+    The rest is keyed by tier name (``"cpu"`` for the primary).
+    Jobs are also keyed by kind and outcome (``ok``, ``failed``, ``timed_out``).
+    The kinds are ``store`` and ``load`` at ``cpu``, and ``cascade`` and ``promotion`` at a secondary tier.
+    The figures are block counts, not bytes.
+    The reader multiplies by the pool's ``block_bytes``.
     """
 
     figures: StatsSnapshot

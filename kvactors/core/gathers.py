@@ -1,15 +1,17 @@
 """The supervisor's gathers: rounds through every secondary tier (events, barrier, shutdown).
 
-A gather asks each tier once and **ends** once, when every tier it waits for
-has answered, or was found stuck (unless the gather is *patient*: a caller's
-own timeout bounds it), or its deadline passed, or a stop cut it short. The
-tiers that did not answer are its ``missing``. An answer that comes after its
-gather ended (or from a tier no longer waited for) is *late*: the book keeps
-the events it brings for the next events gather.
+A gather asks each tier once and **ends** once.
+It ends when every tier it waits for has answered or was found stuck, when its deadline passed,
+or when a stop cut it short.
+A stuck tier does not end a *patient* gather, which a caller's own timeout bounds.
+The tiers that did not answer are its ``missing``.
+An answer that comes after its gather ended (or from a tier no longer waited for) is *late*.
+The book keeps the events a late answer brings for the next events gather.
 
-No threads, no I/O, no logging: the supervisor's actor owns one book and is
-its only caller; ``D`` is the owner's done-callback type, carried along
-untouched. Times are the owner's clock.
+No threads, no I/O, no logging.
+The supervisor's actor owns one book and is its only caller.
+``D`` is the owner's done-callback type, carried along untouched.
+Times are the owner's clock.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Gather(Generic[D]):
 
 
 class GatherBook(Generic[D]):
-    """Open gathers, their deadlines, and late payloads; see the module docstring."""
+    """Open gathers, their deadlines, and late payloads (see the module docstring)."""
 
     __slots__ = ("_deadlines", "_ids", "_late", "_open")
 
@@ -66,7 +68,10 @@ class GatherBook(Generic[D]):
 
     def begin(self, what: GatherKind, on_done: D, *, waiting: Iterable[str], missing: Iterable[str] = (),
               patient: bool = False) -> Gather[D]:
-        """A new gather (a fresh id) waiting for ``waiting``; ``missing``: tiers not waited for."""
+        """A new gather (a fresh id) waiting for ``waiting``.
+
+        ``missing`` is the tiers not waited for.
+        """
         self._ids += 1
         return Gather(self._ids, what, set(waiting), on_done, patient, missing=set(missing))
 
@@ -79,10 +84,13 @@ class GatherBook(Generic[D]):
             self._deadlines.add(gather.gather_id, due)
 
     def end(self, gather: Gather[D]) -> bool:
-        """``gather`` ends now: what it still waits for is missing. False (nothing changes)
-        if it had ended already: a list from :meth:`expire` or :meth:`tier_stuck` may hold a
-        gather that ending an earlier one in it (a stop's) ended too; the owner must not
-        run its callback twice."""
+        """``gather`` ends now, and what it still waits for is missing.
+
+        Returns False, and changes nothing, if it had ended already.
+        That happens because a list from :meth:`expire` or :meth:`tier_stuck` may hold a gather
+        that ending an earlier one in it (a stop's) ended too.
+        The owner must not run its callback twice.
+        """
         if gather.ended:
             return False
         gather.ended = True
@@ -123,5 +131,8 @@ class GatherBook(Generic[D]):
         return list(self._open.values())
 
     def take_late(self, tier: str) -> list[Any]:
-        """The payloads ``tier`` brought too late for their gathers, oldest first; forgotten here."""
+        """The payloads ``tier`` brought too late for their gathers, oldest first.
+
+        The book forgets them.
+        """
         return self._late.pop(tier, [])

@@ -1,22 +1,26 @@
 """The supervisor's job book: every cascade and promotion from its creation to its end.
 
-A job is in exactly one place at a time:
+A job is in exactly one of these places at a time.
 
-* **queued**: waiting for a slot at its tier (each tier has at most
-  ``max_inflight`` jobs in flight; the queue is FIFO and nothing overtakes it);
-* **in flight**: sent to its tier, waiting for the tier's report until its deadline;
-* **held**: its deadline passed before its report; it failed, but its rows stay
-  held (the tier may still be touching them) until its late report comes;
-* **done**: reported, dropped before it was sent, or its late report came.
+* **queued**: it waits for a slot at its tier.
+  Each tier has at most ``max_inflight`` jobs in flight.
+  The queue is FIFO and nothing overtakes it.
+* **in flight**: it was sent to its tier, and waits for the tier's report until its deadline.
+* **held**: its deadline passed before its report, so it failed.
+  Its rows stay held until its late report comes, as the tier may still be touching them.
+* **done**: it was reported, dropped before it was sent, or its late report came.
 
-Deadlines: a promotion's runs from its booking (its keys are ``HIT_PENDING``
-from then on), queued or not, so a queued promotion can expire before it is
-sent; a cascade's runs from its submit. A freed slot goes to the queue's head
-at once (:meth:`JobBook._pump`): a tier with a queue always has every slot busy.
+A promotion's deadline runs from its booking, queued or not.
+Its keys are ``HIT_PENDING`` from then on.
+So a queued promotion can expire before it is sent.
+A cascade's deadline runs from its submit.
+A freed slot goes to the queue's head at once (:meth:`JobBook._pump`).
+So a tier with a queue always has every slot busy.
 
-No threads, no I/O, no logging: each operation returns the :class:`Step` s it
-took, in order, and the owner (the supervisor's actor, its only caller) does
-what each means (send the job, tell the primary, log, count).
+No threads, no I/O, no logging.
+Each operation returns the :class:`Step` s it took, in order.
+The owner (the supervisor's actor, its only caller) does what each means
+(send the job, tell the primary, log, count).
 """
 
 from __future__ import annotations
@@ -90,11 +94,12 @@ class Report:
 
 
 class JobBook:
-    """Queues, slots, deadlines and held jobs of every secondary tier; see the module docstring.
+    """Queues, slots, deadlines and held jobs of every secondary tier (see the module docstring).
 
-    ``live(ctx)``: whether ``ctx``'s request may still get a submit (the owner's
-    lifecycle table); a job whose request is not live is refused, never sent.
-    Not thread-safe: one owner. Times are the owner's clock.
+    ``live(ctx)`` says whether ``ctx``'s request may still get a submit (the owner's lifecycle table).
+    A job whose request is not live is refused, never sent.
+    Not thread-safe: one owner.
+    Times are the owner's clock.
     """
 
     __slots__ = (
@@ -206,8 +211,11 @@ class JobBook:
         return Step.STARTED
 
     def _pump(self, tier: str, now: float) -> list[tuple[Step, BookedJob]]:
-        """Give ``tier``'s free slots to its queue's head: ``STARTED``, or ``EXPIRED`` for a
-        promotion whose tick is late (it is past its deadline: it fails unsent)."""
+        """Give ``tier``'s free slots to its queue's head.
+
+        Each job there is ``STARTED``, or ``EXPIRED`` for a promotion whose tick is late.
+        Such a promotion is past its deadline, and it fails unsent.
+        """
         steps: list[tuple[Step, BookedJob]] = []
         queue = self._queues[tier]
         while queue and self._inflight[tier] < self.max_inflight[tier]:
@@ -221,9 +229,13 @@ class JobBook:
         return steps
 
     def report(self, tier: str, result: JobResult, now: float) -> Report:
-        """Route ``tier``'s report. ``ENDED``: the job is done (its per-key outcome read
-        with :func:`~kvactors.core.outcomes.key_outcomes`), its slot goes to the queue.
-        ``LATE``: a held job's report; it is done. ``UNEXPECTED``: nothing changes."""
+        """Route ``tier``'s report.
+
+        ``ENDED`` means the job is done, and its slot goes to the queue.
+        Its per-key outcome is read with :func:`~kvactors.core.outcomes.key_outcomes`.
+        ``LATE`` means a held job's report came, and that job is done.
+        ``UNEXPECTED`` means nothing changes.
+        """
         job_id = result.job_id
         if type(job_id) is not int:  # a plugin's garbage: unhashable, or True standing for job 1
             return Report(Route.UNEXPECTED)

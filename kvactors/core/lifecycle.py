@@ -1,19 +1,21 @@
 """Per-request lifecycle state and the one finalize decision.
 
-This is the rule kvactors exists to keep (``docs/contract.md``): a
-secondary tier may be told that a request is finished only when the request
-is finished **and** nothing can still submit to that tier for it. What can
-still submit, per request attempt, is counted here:
+This module keeps the rule kvactors exists to keep (``docs/contract.md``).
+A secondary tier may be told that a request is finished only when the request is finished
+**and** nothing can still submit to that tier for it.
+What can still submit, per request attempt, is counted here.
 
-* ``pending_primary_stores``: keys the request prepared in the primary pool
-  and has not completed yet; each successful completion cascades to the tiers;
-* ``pending_lookups``: secondary lookups in progress, each of which may start
-  promotions (``submit_load``) on the request's behalf;
-* ``unsent_promotions``: promotions decided or queued, not yet submitted;
-* ``parked_cascades``: cascades waiting for a tier slot, not yet submitted.
+* ``pending_primary_stores`` counts the keys the request prepared in the primary pool
+  and has not completed yet.
+  Each successful completion cascades to the tiers.
+* ``pending_lookups`` counts the secondary lookups in progress.
+  Each of them may start promotions (``submit_load``) on the request's behalf.
+* ``unsent_promotions`` counts the promotions decided or queued, not yet submitted.
+* ``parked_cascades`` counts the cascades waiting for a tier slot, not yet submitted.
 
-:meth:`LifecycleTable.maybe_finalize` is the only place that decides. No
-threads, no I/O: the supervisor actor owns one table and is its only caller.
+:meth:`LifecycleTable.maybe_finalize` is the only place that decides.
+No threads, no I/O.
+The supervisor actor owns one table and is its only caller.
 """
 
 from __future__ import annotations
@@ -105,10 +107,11 @@ class LifecycleTable:
         return state
 
     def add(self, ctx: ReqContext, counter: Pending, delta: int) -> RequestState | None:
-        """Change one count of a live request; ``None`` if the request is not live.
+        """Change one count of a live request.
 
-        A counter never goes below zero: that would mean an event was counted
-        twice, and raises :class:`InvariantError` without changing anything.
+        Returns ``None`` if the request is not live.
+        A counter never goes below zero, as that would mean an event was counted twice.
+        Such a change raises :class:`InvariantError` without changing anything.
         """
         state = self._states.get(ctx.identity)
         if state is None:
@@ -120,7 +123,10 @@ class LifecycleTable:
         return state
 
     def finish(self, ctx: ReqContext) -> RequestState | None:
-        """Mark finished (idempotent); ``None`` if the request is not live."""
+        """Mark finished (idempotent).
+
+        Returns ``None`` if the request is not live.
+        """
         state = self._states.get(ctx.identity)
         if state is not None:
             state.is_finished = True
@@ -137,10 +143,10 @@ class LifecycleTable:
         return state
 
     def reset(self) -> list[RequestState]:
-        """``reset_cache``: zero every request's counts; finalize the finished ones.
+        """Zero every request's counts and finalize the finished ones, for ``reset_cache``.
 
-        Active requests keep their (zeroed) state and can go on. Returns the
-        states finalized, in start order.
+        Active requests keep their (zeroed) state and can go on.
+        Returns the states finalized, in start order.
         """
         finalized = []
         for identity, state in list(self._states.items()):

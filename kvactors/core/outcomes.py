@@ -18,9 +18,9 @@ from kvactors.types import JobResult, OffloadKey
 class KeyOutcomes:
     """What one report says about each key of its job.
 
-    ``ok``: the keys that succeeded, in the job's order, each once; ``failed``:
-    the others, likewise. ``problem``: why the report was not taken at its
-    word (every key then failed), or ``None``.
+    ``ok`` is the keys that succeeded, in the job's order, each once.
+    ``failed`` is the others, likewise.
+    ``problem`` says why the report was not taken at its word (every key then failed), or is ``None``.
     """
 
     ok: tuple[OffloadKey, ...]
@@ -39,14 +39,14 @@ class KeyOutcomes:
 def key_outcomes(job_keys: Sequence[OffloadKey], result: JobResult) -> KeyOutcomes:
     """The per-key outcome of ``result`` for a job of ``job_keys``.
 
-    * ``successful_keys is None``: every key follows ``success``, which must be
-      a ``bool``.
-    * a tuple of keys of the job: those succeeded, the job's others failed,
-      whatever ``success`` says (the public API's rule), also ``success=False`` with every key
-      named. A key named twice counts once.
-    * anything else fails every key, with a ``problem``: ``success`` not a
-      bool; ``successful_keys`` not a tuple, holding a non-``bytes`` item or a
-      key the job does not have.
+    * With ``successful_keys is None``, every key follows ``success``, which must be a ``bool``.
+    * With a tuple of keys of the job, those keys succeeded and the job's others failed,
+      whatever ``success`` says (the public API's rule).
+      That holds for ``success=False`` with every key named too.
+      A key named twice counts once.
+    * Anything else fails every key, with a ``problem``.
+      That is a ``success`` that is not a bool, or a ``successful_keys`` that is not a tuple,
+      holds a non-``bytes`` item, or holds a key the job does not have.
     """
     unique = tuple(dict.fromkeys(job_keys))
     success, named = result.success, result.successful_keys

@@ -1,34 +1,35 @@
 """The primary pool's block bookkeeping: which row holds which key, in which state.
 
-No threads, no torch: the rows themselves live in a tensor owned elsewhere;
-this class decides which rows may be read, written, evicted or reused.
+No threads, no torch.
+The rows themselves live in a tensor owned elsewhere.
+This class decides which rows may be read, written, evicted or reused.
 
-A row is
+A row has these states.
 
-* **indexed** when its key is visible to lookups (``index[key] == row``);
-* **ready** when its bytes are complete (only ready rows are ``HIT``);
-* **busy** while someone may still touch its bytes: a *writer* (a request's
-  store, or a promotion job) until that write ends, *pins* (loads by requests,
-  cascade jobs reading it) until they are released, and *holds* (jobs that
-  timed out: their tier may still be reading, so the row waits for the late
-  report).
+* It is **indexed** when its key is visible to lookups (``index[key] == row``).
+* It is **ready** when its bytes are complete (only ready rows are ``HIT``).
+* It is **busy** while someone may still touch its bytes.
+  A *writer* (a request's store, or a promotion job) keeps it busy until that write ends.
+  *Pins* (loads by requests, cascade jobs reading it) keep it busy until they are released.
+  *Holds* (jobs that timed out) keep it busy until the late report comes,
+  as their tier may still be reading the row.
 
-A row is **evictable** only when indexed, ready and not busy, and it is
-**reused** only when neither indexed nor busy. ``reset`` and deadlines
-*detach* rows (unindex them, so lookups miss) without freeing rows that are
-still busy: a row being written or read is never handed out again until the
-job touching it has ended (TRT-LLM #8274).
+A row is **evictable** only when indexed, ready and not busy.
+It is **reused** only when neither indexed nor busy.
+``reset`` and deadlines *detach* rows, unindexing them so lookups miss,
+without freeing rows that are still busy.
+A row being written or read is never handed out again until the job touching it has ended (TRT-LLM #8274).
 
-Every holder is booked on the row it holds, never on its key: once a row is
-detached, its key may be stored, promoted and pinned again in a new row while
-the old row still has holders, and each of them is released on its own row
-(see :meth:`BlockPool.unpin_load` for a request that pins both).
+Every holder is booked on the row it holds, never on its key.
+Once a row is detached, its key may be stored, promoted and pinned again in a new row
+while the old row still has holders.
+Each of them is released on its own row (see :meth:`BlockPool.unpin_load` for a request that pins both).
 
-``prepare_store`` never evicts a key of its own call: the caller is told those
-keys are present, so they must still be when it returns (vLLM PR #35846).
+``prepare_store`` never evicts a key of its own call.
+The caller is told those keys are present, so they must still be when it returns (vLLM PR #35846).
 
-Every operation validates its whole input before changing anything: a
-:class:`PoolError` means nothing changed.
+Every operation validates its whole input before changing anything.
+So a :class:`PoolError` means nothing changed.
 
 Not thread-safe: one pool lives inside one actor.
 """
@@ -72,8 +73,10 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy, tier: str = PRIMARY_TIER_NAME, *,
                  on_events_dropped: Callable[[EventBuffer], None] | None = None) -> None:
-        """``on_events_dropped(buffer)``: called when the events not taken yet overflow
-        their bound (once per overflow: until the next ``take_events``)."""
+        """``on_events_dropped(buffer)`` is called when the events not taken yet overflow their bound.
+
+        It is called once per overflow, that is once until the next ``take_events``.
+        """
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -108,7 +111,10 @@ class BlockPool:
     # ------------------------------------------------------------------ queries
 
     def lookup(self, keys: Iterable[OffloadKey]) -> list[LookupResult]:
-        """``HIT`` (ready), ``HIT_PENDING`` (being written) or ``MISS`` per key; hits count as uses."""
+        """``HIT`` (ready), ``HIT_PENDING`` (being written) or ``MISS`` per key.
+
+        Hits count as uses.
+        """
         results = []
         index_get, ready = self._index.get, self._ready
         miss, hit, pending = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
@@ -154,7 +160,7 @@ class BlockPool:
         return self._pin_book.outstanding_of(identity)
 
     def figures(self) -> PoolFigures:
-        """Row counts by state, and the jobs pinning or holding rows; O(1)."""
+        """Row counts by state, and the jobs pinning or holding rows, in O(1)."""
         return PoolFigures(
             blocks_total=self.num_blocks,
             blocks_free=len(self._free),
@@ -168,7 +174,7 @@ class BlockPool:
         )
 
     def stats(self) -> dict[str, int]:
-        """:meth:`figures` by their ``stats()`` keys; O(1)."""
+        """:meth:`figures` by their ``stats()`` keys, in O(1)."""
         return asdict(self.figures())
 
     def state_counts(self) -> dict[str, int]:
@@ -187,24 +193,26 @@ class BlockPool:
     # ------------------------------------------------------------------ stores
 
     def prepare_store(self, keys: Sequence[OffloadKey], writer: Identity) -> StorePlan | None:
-        """Allocate not-ready rows for the keys that are not present; evict if needed.
+        """Allocate not-ready rows for the keys that are not present, evicting if needed.
 
-        Left out: keys already indexed, and duplicates within ``keys`` (each key
-        is stored once, at its first place). A key ``writer`` is still writing
-        from an earlier store that a reset or a deadline detached gets a new
-        row: its completions cannot tell the writes apart, so every row of the
-        key stays held until the writer completed each of them, and the new row
-        becomes ready only if every one succeeded (:class:`Rewrite`). Once only:
-        a key whose second write was detached too is left out until the
-        writer's writes of it end (a copy that never ends holds two rows, not
-        one more per retry).
+        Keys already indexed are left out.
+        So are duplicates within ``keys``, as each key is stored once, at its first place.
 
-        The keys of the call that are present (left out because indexed) are
-        never evicted to make room for the others: the caller is told they are
-        cached. Returns ``None``, and changes nothing, when the free rows and
-        the evictable rows of *other* keys are too few for every new key (all
-        or nothing, as ``TieringManager.prepare_store``: "``None`` if there is no room"; storing
-        only some of the keys would leave holes in a request's prefix).
+        A key that ``writer`` is still writing, from an earlier store that a reset or a deadline detached,
+        gets a new row.
+        Its completions cannot tell the writes apart.
+        So every row of the key stays held until the writer completed each of them,
+        and the new row becomes ready only if every one succeeded (:class:`Rewrite`).
+        This happens once only.
+        A key whose second write was detached too is left out until the writer's writes of it end.
+        So a copy that never ends holds two rows, not one more per retry.
+
+        The keys of the call that are present (left out because indexed) are never evicted
+        to make room for the others, as the caller is told they are cached.
+        Returns ``None``, and changes nothing, when the free rows and the evictable rows of *other* keys
+        are too few for every new key.
+        It is all or nothing, as ``TieringManager.prepare_store`` says ("``None`` if there is no room").
+        Storing only some of the keys would leave holes in a request's prefix.
         """
         index = self._index
         mine = self._pending_writes.get(writer)
@@ -232,10 +240,12 @@ class BlockPool:
         return StorePlan(tuple(new), rows, evicted)
 
     def eviction_candidates(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-        """The keys a :meth:`prepare_store` of ``keys`` would evict now (oldest first), changing
-        nothing; empty when the free rows suffice, or when the policy cannot tell (ARC: see
-        :attr:`peeks_victims`). The write-back admission asks it before a store
-        (:mod:`kvactors.core.admission`)."""
+        """The keys a :meth:`prepare_store` of ``keys`` would evict now (oldest first), changing nothing.
+
+        It is empty when the free rows suffice, or when the policy cannot tell
+        (ARC, see :attr:`peeks_victims`).
+        The write-back admission asks it before a store (:mod:`kvactors.core.admission`).
+        """
         index = self._index
         unique = dict.fromkeys(keys)
         new = sum(1 for key in unique if key not in index)
@@ -305,8 +315,12 @@ class BlockPool:
         return StoreOutcome(live, len(rows) - live, tuple(done), tuple(rows))
 
     def _end_write(self, key: OffloadKey, row: int, ok: bool, done: list[OffloadKey]) -> bool:
-        """The write of ``key`` into ``row`` ended: ready if ``ok`` (appended to ``done``), else removed;
-        a detached row is only freed. Whether the write was still live (indexed)."""
+        """The write of ``key`` into ``row`` ended.
+
+        The row becomes ready if ``ok`` (and ``key`` is appended to ``done``), else it is removed.
+        A detached row is only freed.
+        Returns whether the write was still live (indexed).
+        """
         self._writer[row] = None
         live = bool(self._indexed[row])
         if live:
@@ -366,7 +380,7 @@ class BlockPool:
     # ------------------------------------------------------------------ loads
 
     def pin_for_load(self, keys: Sequence[OffloadKey], owner: PinOwner) -> tuple[int, ...]:
-        """Pin the rows of ready ``keys`` for ``owner``; one pin per key given.
+        """Pin the rows of ready ``keys`` for ``owner``, one pin per key given.
 
         Raises :class:`PoolError` (nothing changed) if a key is not ready.
         """
@@ -385,17 +399,17 @@ class BlockPool:
         return tuple(rows)
 
     def unpin_load(self, keys: Sequence[OffloadKey], owner: PinOwner) -> None:
-        """Release pins taken by :meth:`pin_for_load`: one pin per key given,
-        each released once, on the row it was taken on.
+        """Release pins taken by :meth:`pin_for_load`.
 
-        Usually all of ``owner``'s pins of a key lie on one row, and the
-        release takes effect at once. After a reset they may lie on two rows
-        (a pin on the key's old, detached row, and one on its new row), and a
-        release does not say which copy ended: releasing either row could
-        free a row still being read (TRT-LLM #8274). Such releases are owed
-        until ``owner`` has released every pin of that key; then each row loses
-        the pins taken on it. A row is therefore never freed before every copy
-        that may read it has ended, and every pin is released exactly once.
+        One pin is released per key given, once, on the row it was taken on.
+        Usually all of ``owner``'s pins of a key lie on one row, and the release takes effect at once.
+        After a reset they may lie on two rows (a pin on the key's old, detached row, and one on its new row).
+        A release does not say which copy ended.
+        So releasing either row could free a row still being read (TRT-LLM #8274).
+        Such releases are owed until ``owner`` has released every pin of that key.
+        Then each row loses the pins taken on it.
+        A row is therefore never freed before every copy that may read it has ended,
+        and every pin is released exactly once.
 
         Raises :class:`PoolError` (nothing changed) if ``owner`` does not hold
         that many unreleased pins on a key.
@@ -454,10 +468,12 @@ class BlockPool:
                       ok_keys: Collection[OffloadKey] | None = None) -> tuple[OffloadKey, ...]:
         """A promotion ended: its rows become ready (success) or are removed.
 
-        ``ok_keys``: the job ended per key; the rows of those keys become ready
-        (when ``success``), every other row of the job is removed, never served.
-        ``hold``: it timed out; the rows are removed from lookups but stay
-        unreusable (the tier may still write them) until :meth:`release_hold`.
+        With ``ok_keys``, the job ended per key.
+        The rows of those keys become ready (when ``success``).
+        Every other row of the job is removed, never served.
+        With ``hold``, the job timed out.
+        The rows are removed from lookups but stay unreusable until :meth:`release_hold`,
+        as the tier may still write them.
         Returns the keys that became ready.
         """
         entries = self._promotions.pop(job_id, None)
@@ -550,10 +566,11 @@ class BlockPool:
     # ------------------------------------------------------------------ reset
 
     def reset(self) -> int:
-        """Unindex every block (lookups miss from now on); free the rows nobody uses.
+        """Unindex every block (lookups miss from now on), and free the rows nobody uses.
 
-        Rows still being written or read stay reserved until their writer or
-        reader ends, exactly as after a deadline. Returns the number of keys removed.
+        Rows still being written or read stay reserved until their writer or reader ends,
+        exactly as after a deadline.
+        Returns the number of keys removed.
         """
         removed_ready = []
         rows = list(self._index.values())
@@ -579,7 +596,10 @@ class BlockPool:
     # ------------------------------------------------------------------ per row
 
     def _ready_rows(self, keys: Sequence[OffloadKey]) -> list[int]:
-        """The rows of ``keys``; :class:`PoolError` if one is not ready."""
+        """The rows of ``keys``.
+
+        Raises :class:`PoolError` if one is not ready.
+        """
         rows = list(map(self._index.get, keys))
         try:
             if all(map(self._ready.__getitem__, rows)):  # type: ignore[arg-type]  # None: TypeError
@@ -643,10 +663,12 @@ class BlockPool:
     def _allocate(
         self, keys: Sequence[OffloadKey], writer: Writer, present: Sequence[OffloadKey] = ()
     ) -> tuple[tuple[int, ...], tuple[OffloadKey, ...]] | None:
-        """Not-ready rows for absent ``keys``, evicting if needed: ``(rows, evicted)``,
-        or ``None`` (nothing changed) when free and evictable rows are too few.
+        """Not-ready rows for absent ``keys``, evicting if needed, as ``(rows, evicted)``.
 
-        ``present``: the caller's keys that are indexed; eviction spares them."""
+        Returns ``None`` (nothing changed) when free and evictable rows are too few.
+        ``present`` is the caller's keys that are indexed.
+        Eviction spares them.
+        """
         free = self._free
         count = len(keys)
         shortfall = count - len(free)

@@ -20,7 +20,7 @@ Writer: TypeAlias = Identity | int
 
 
 class PoolError(ValueError):
-    """An operation's input does not match the pool's state; nothing changed."""
+    """An operation's input does not match the pool's state, and nothing changed."""
 
 
 class StorePlan(NamedTuple):
@@ -34,9 +34,9 @@ class StorePlan(NamedTuple):
 class StoreOutcome(NamedTuple):
     """What :meth:`BlockPool.complete_store` did (a named tuple: made per call, cheaply).
 
-    ``live`` writes were still indexed (they counted as the request's pending
-    stores); ``stale`` ones had been detached by a deadline or a reset and only
-    freed their rows. ``stored`` are the keys that became ready.
+    ``live`` writes were still indexed (they counted as the request's pending stores).
+    ``stale`` ones had been detached by a deadline or a reset and only freed their rows.
+    ``stored`` are the keys that became ready.
     """
 
     live: int

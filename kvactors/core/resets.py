@@ -1,6 +1,7 @@
 """The supervisor's resets: ``reset_cache`` calls waiting for their jobs and one round through the tiers.
 
-A reset zeroes the counts at once; its call returns once two things happened.
+A reset zeroes the counts at once.
+Its call returns once two things happened.
 Every job in flight at its start ended (reported or timed out), and one round
 through the tiers (a barrier gather) ended, so the tiers have processed the
 finishes the reset sent. A stop stops waiting for the jobs.
@@ -36,7 +37,7 @@ class ResetWait(Generic[R]):
 
 
 class ResetBook(Generic[R]):
-    """Resets waiting for their jobs and their round; see the module docstring."""
+    """Resets waiting for their jobs and their round (see the module docstring)."""
 
     __slots__ = ("_waits",)
 

@@ -50,7 +50,7 @@ class ShutdownRound:
 
 
 class Shutdown(Generic[R]):
-    """One supervisor's stop, from its request to its reply; see the module docstring."""
+    """One supervisor's stop, from its request to its reply (see the module docstring)."""
 
     __slots__ = ("_reply", "awaits_round", "deadline", "grace_s", "phase", "stopping")
 
@@ -66,9 +66,11 @@ class Shutdown(Generic[R]):
         self._reply: R | None = None
 
     def begin(self, reply: R, now: float, budget_s: float) -> float:
-        """The stop asked now with ``budget_s`` to drain; returns its deadline.
+        """The stop asked now with ``budget_s`` to drain.
 
-        ``ValueError`` for a second stop, and nothing changes."""
+        Returns its deadline.
+        Raises ``ValueError`` for a second stop, and nothing changes.
+        """
         if self.phase is not ShutdownPhase.RUNNING:
             raise ValueError(f"a stop is {self.phase.value} already")
         self.phase = ShutdownPhase.DRAINING
@@ -93,8 +95,10 @@ class Shutdown(Generic[R]):
     def round_due(self, now: float, *, work_left: bool) -> ShutdownRound | None:
         """The shutdown round, if it begins now (the stop goes ``ROUND``), else ``None``.
 
-        ``work_left``: jobs are in flight or promotions being allocated. A
-        draining stop waits for them; one out of time does not."""
+        ``work_left`` says jobs are in flight or promotions being allocated.
+        A draining stop waits for them.
+        One out of time does not.
+        """
         if not self.awaits_round or (self.phase is ShutdownPhase.DRAINING and work_left):
             return None
         self.phase = ShutdownPhase.ROUND

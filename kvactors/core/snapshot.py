@@ -4,8 +4,8 @@
 (:class:`~kvactors.core.counters.MetricsSnapshot`), the vLLM stats and the
 CLI read. :meth:`StatsSnapshot.as_dict` writes it as the ``stats()`` dict,
 with the key names the docs give (``docs/metrics.md`` lists them). Per-tier
-figures are a mapping by tier name here; only the dict packs the tier into
-the key (``tier_stuck.<name>``). Frozen values, built on the actors' thread
+figures are a mapping by tier name here.
+Only the dict packs the tier into the key (``tier_stuck.<name>``). Frozen values, built on the actors' thread
 (:mod:`kvactors.core.statsbook`) and safe to read from any thread.
 """
 
@@ -19,8 +19,10 @@ from dataclasses import asdict, dataclass
 class PoolFigures:
     """The primary pool's rows by state, and its jobs (:meth:`~kvactors.core.pool.BlockPool.figures`).
 
-    Each field is a ``stats()`` key of the same name. The ``blocks_*`` counts
-    overlap (a pinned row is ready too); ``state_counts`` gives exclusive ones."""
+    Each field is a ``stats()`` key of the same name.
+    The ``blocks_*`` counts overlap (a pinned row is ready too).
+    ``state_counts`` gives exclusive ones.
+    """
 
     blocks_total: int
     blocks_free: int
@@ -121,9 +123,8 @@ class ControlFigures:
 class StatsSnapshot:
     """Every figure of ``stats()``, typed. See :meth:`as_dict` for the key of each.
 
-    ``active_requests`` is the canonical count of request attempts the primary
-    holds; ``stats()`` shows it as ``primary_requests`` too (an alias kept for
-    readers of that name).
+    ``active_requests`` is the canonical count of request attempts the primary holds.
+    ``stats()`` shows it as ``primary_requests`` too, an alias kept for readers of that name.
     """
 
     pool: PoolFigures

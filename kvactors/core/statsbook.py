@@ -33,7 +33,10 @@ class StatsBook:
     counters: SupervisorCounters
 
     def stats(self, primary: PrimaryFigures, internal_errors: int, now: float) -> StatsSnapshot:
-        """``stats()`` now: ``primary``'s figures and the books'; ``internal_errors`` is the supervisor's count."""
+        """``stats()`` now, from ``primary``'s figures and the books'.
+
+        ``internal_errors`` is the supervisor's count.
+        """
         counts = primary.counters
         totals = self.counters.totals()
         stuck = self.watch.stuck()

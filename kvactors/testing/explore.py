@@ -1,28 +1,26 @@
 """Explore seeds: one random workload per seed on a :class:`SimRuntime`, checked after each.
 
-``explore_one(seed)`` runs one seed and returns what it found (replay a failing
-seed with ``trace=True`` to see every scheduling choice); ``explore(seeds)``
-runs many and returns the failures. The check after each run
-(:func:`check_after_run` and :func:`check_internals`) is the contract:
+``explore_one(seed)`` runs one seed and returns what it found.
+Replay a failing seed with ``trace=True`` to see every scheduling choice.
+``explore(seeds)`` runs many and returns the failures.
+The check after each run (:func:`check_after_run` and :func:`check_internals`) is the contract.
+It checks these things.
 
-* what the recording tiers saw (no submit after finish, one finish, rows
-  unchanged while read) and what the clients saw (unexpected errors, bytes
-  served that were not the block's, misuse not rejected);
-* once everything settled: no request state left (``active_requests``,
-  the primary's records), no pending or pinned block, no job in flight or
-  queued, no lookup pending, contract violations equal to the misuse the
-  clients committed on purpose, no internal error;
-* every request attempt the clients finished was finalized exactly once at
-  every tier;
-* (simulation only) the actors' internals hold nothing but what the workload
-  left on purpose: stores never completed, jobs stalled at a tier; and every
-  ready row of the pool holds its block's bytes (a promotion's failed key
-  made ready shows up here even if no client loads it);
-* in seeds where a tier may get stuck in a call (``Faults.hang``), a *poller*
-  (a scheduler calling ``take_events``, ``stats`` and now and then
-  ``reset_cache`` between steps) is answered by each call's deadline in virtual
-  time (:meth:`~kvactors.testing.SimRuntime.expect_by`), and every stuck tier has
-  recovered once the run settled.
+* What the recording tiers saw is right: no submit after finish, one finish, rows unchanged while read.
+* What the clients saw is right: no unexpected error, no bytes served that were not the block's,
+  no misuse left unrejected.
+* Once everything settled, no request state is left (``active_requests``, the primary's records).
+  No block is pending or pinned, no job is in flight or queued, and no lookup is pending.
+  Contract violations equal the misuse the clients committed on purpose, and there is no internal error.
+* Every request attempt the clients finished was finalized exactly once at every tier.
+* (Simulation only.) The actors' internals hold nothing but what the workload left on purpose,
+  that is stores never completed and jobs stalled at a tier.
+  Every ready row of the pool holds its block's bytes.
+  A promotion's failed key made ready shows up there even if no client loads it.
+* Some seeds let a tier get stuck in a call (``Faults.hang``).
+  In those, a *poller* calls ``take_events``, ``stats`` and now and then ``reset_cache`` between steps.
+  Each of its calls is answered by its deadline in virtual time (:meth:`~kvactors.testing.SimRuntime.expect_by`).
+  Every stuck tier has recovered once the run settled.
 """
 
 from __future__ import annotations
@@ -123,10 +121,13 @@ def check_after_run(env: Env, stats: StatsSnapshot, tiers: list[RecordingTier]) 
 
 
 def check_stats(env: Env, stats: StatsSnapshot, tiers: list[Any]) -> list[str]:
-    """Once settled: no request state, pin, job or lookup left; only the deliberate misuse counted.
+    """Check that, once settled, no request state, pin, job or lookup is left.
 
-    ``stats``: the runtime's figures (:attr:`MetricsSnapshot.figures
-    <kvactors.core.counters.MetricsSnapshot.figures>`); each finding names its ``stats()`` key."""
+    Only the deliberate misuse may be counted.
+    ``stats`` is the runtime's figures
+    (:attr:`MetricsSnapshot.figures <kvactors.core.counters.MetricsSnapshot.figures>`).
+    Each finding names its ``stats()`` key.
+    """
     stalled = sum(len(tier.stalled) for tier in tiers)
     pool, totals = stats.pool, stats.totals
     # (stats() key, value, expected); primary_requests is active_requests under another name.
@@ -169,9 +170,10 @@ def check_tiers(env: Env, tiers: list[Any]) -> list[str]:
 def check_internals(runtime: SimRuntime, manager: TieringManager, env: Env, tiers: list[RecordingTier]) -> list[str]:
     """Simulation only: what the actors still hold is only what the workload left on purpose.
 
-    The actors come from the scheduler (:meth:`SimRuntime.ref`); the stats
-    already checked the counts (:func:`check_stats`): this looks at which
-    keys and jobs are held, which only the actors' state says."""
+    The actors come from the scheduler (:meth:`SimRuntime.ref`).
+    The stats already checked the counts (:func:`check_stats`).
+    This looks at which keys and jobs are held, which only the actors' state says.
+    """
     out = []
     primary = _primary(runtime)
     supervisor: Any = runtime.ref("supervisor").actor

@@ -1,49 +1,51 @@
 """A seeded, single-threaded runtime: the same actors, a scheduler instead of threads.
 
-:class:`SimRuntime` implements :class:`~kvactors.actors.runtime.Runtime`, so a
-``TieringManager`` (and everything behind it) runs on it unchanged. Each actor
-has the same :class:`~kvactors.actors.mailbox.Mailbox` as on threads (the
-queue, the turn, the claims), and :meth:`SimRuntime.step` picks, from a
-seeded ``random.Random``, what happens next:
+:class:`SimRuntime` implements :class:`~kvactors.actors.runtime.Runtime`.
+So a ``TieringManager`` (and everything behind it) runs on it unchanged.
+Each actor has the same :class:`~kvactors.actors.mailbox.Mailbox` as on threads (the queue, the turn, the claims).
+:meth:`SimRuntime.step` picks what happens next, from a seeded ``random.Random``.
+It picks one of these moves.
 
-* one step of one mailbox that its "thread" owns: deliver its next message
-  or, nothing pending, go idle (two steps, as the thread's two moves, so a
-  claim may find the actor's handler done but its thread still owning it);
-* stop a closed, idle mailbox (the stop a thread would handle after its last
-  drain);
-* run one *deferred task* (work that would happen on another thread: a tier's
-  I/O completing, a copy finishing), registered with :meth:`defer`;
-* resume a *client* (a frontend thread, registered with :meth:`spawn_client`:
-  a greenlet, or a real thread, that runs only while the scheduler hands it
-  the baton, see :mod:`kvactors.testing.clients`) until it waits again; a client's claim of
-  an idle actor (:meth:`SimActorRef.claim`) is granted or not by the seed
-  too, and the claimer pauses between the claim and the handler (as a
-  thread may be preempted there: what is told meanwhile waits, and the claim
-  hands it to the actor's thread after);
-* advance virtual time to the next timer (so deadlines race with completions).
+* One step of one mailbox that its "thread" owns.
+  The step delivers its next message or, with nothing pending, goes idle.
+  These are two steps, as the thread's two moves.
+  So a claim may find the actor's handler done but its thread still owning it.
+* Stop a closed, idle mailbox (the stop a thread would handle after its last drain).
+* Run one *deferred task*, registered with :meth:`defer`.
+  That is work that would happen on another thread, such as a tier's I/O completing or a copy finishing.
+* Resume a *client* until it waits again.
+  A client is a frontend thread, registered with :meth:`spawn_client`.
+  It is a greenlet, or a real thread, that runs only while the scheduler hands it the baton
+  (see :mod:`kvactors.testing.clients`).
+  The seed also decides whether a client's claim of an idle actor (:meth:`SimActorRef.claim`) is granted.
+  The claimer pauses between the claim and the handler, as a thread may be preempted there.
+  What is told meanwhile waits, and the claim hands it to the actor's thread after.
+* Advance virtual time to the next timer, so deadlines race with completions.
 
-A seed therefore fixes a whole interleaving, and the same seed replays it
-exactly. Real threads explore interleavings by luck; this explores them on
-purpose (``docs/performance.md``: a planted race the seeds find and thread
-runs do not).
+A seed therefore fixes a whole interleaving, and the same seed replays it exactly.
+Real threads explore interleavings by luck.
+This explores them on purpose.
+``docs/performance.md`` shows a planted race the seeds find and thread runs do not.
 
-Blocking calls work from a client (:meth:`wait` pauses it until the reply is
-set or virtual time passes the bound) and from outside any client
-(``manager.lookup(...)`` in a test: :meth:`wait` keeps stepping until the
-reply is there). A claim taken by code the scheduler itself runs (an inline
-tier call made by the supervisor's handler) runs within that step: on
-threads nothing else can reach that tier meanwhile (the supervisor, its only
-sender, is the one running), so no interleaving is lost.
+Blocking calls work from a client.
+There :meth:`wait` pauses it until the reply is set or virtual time passes the bound.
+They also work from outside any client, such as ``manager.lookup(...)`` in a test.
+There :meth:`wait` keeps stepping until the reply is there.
+When code the scheduler itself runs takes a claim, the claim runs within that step.
+An example is an inline tier call made by the supervisor's handler.
+On threads nothing else can reach that tier meanwhile, as the supervisor, its only sender, is the one running.
+So no interleaving is lost.
 
-An actor can be *stuck in a call* (:meth:`SimRuntime.hang_current`, from
-inside its handler): it handles nothing more, and cannot be claimed, until
-virtual time reaches its thaw, as a thread blocked inside that call would.
-:meth:`SimRuntime.expect_by` checks that a reply comes by its deadline: if
-the scheduler must advance time past it (nothing else left to run) while the
-reply is still missing, that reply depends on something later than its
-deadline (a stuck actor's thaw, say), and :attr:`SimRuntime.late` says so. A
-jump of time the seed chose while work was pending (a slow machine) restarts
-every expected reply's clock: only waits the runtime could not avoid count.
+An actor can be *stuck in a call* (:meth:`SimRuntime.hang_current`, from inside its handler).
+It then handles nothing more, and cannot be claimed, until virtual time reaches its thaw,
+as a thread blocked inside that call would.
+:meth:`SimRuntime.expect_by` checks that a reply comes by its deadline.
+The scheduler may have to advance time past that deadline (nothing else left to run)
+while the reply is still missing.
+Then that reply depends on something later than its deadline (a stuck actor's thaw, say),
+and :attr:`SimRuntime.late` says so.
+A jump of time the seed chose while work was pending (a slow machine) restarts every expected reply's clock.
+So only waits the runtime could not avoid count.
 
 Not thread-safe: one thread drives it (its clients run only while it waits for them).
 """
@@ -117,12 +119,12 @@ class SimulationStuck(RuntimeError):
 
 
 class SimRuntime:
-    """The deterministic scheduler; see the module docstring.
+    """The deterministic scheduler (see the module docstring).
 
-    ``time_jump_chance``: how often, when other work is possible, the scheduler
-    jumps to the next timer instead (higher makes deadlines fire "early", as a
-    slow machine would). ``claim_chance``: how often a claim of an idle actor
-    is granted. ``trace``: keep a readable log of every choice.
+    ``time_jump_chance`` is how often, when other work is possible, the scheduler jumps to the next timer instead.
+    Higher makes deadlines fire "early", as a slow machine would.
+    ``claim_chance`` is how often a claim of an idle actor is granted.
+    ``trace`` keeps a readable log of every choice.
     """
 
     def __init__(self, seed: int, *, time_jump_chance: float = 0.02, claim_chance: float = 0.5,
@@ -265,20 +267,29 @@ class SimRuntime:
         self._clients.append(self._carrier(name, client))
 
     def preempt_claimer(self) -> None:
-        """Between a claim and its handler: on a client thread, as the seed says, let the
-        scheduler run others first (the claimer's thread preempted there); elsewhere nothing."""
+        """Run between a claim and its handler.
+
+        On a client thread, as the seed says, it lets the scheduler run others first
+        (the claimer's thread preempted there).
+        Elsewhere it does nothing.
+        """
         if self._client_of and self.rng.random() < CHECKPOINT_CHANCE:
             self.checkpoint()
 
     def checkpoint(self) -> None:
-        """On a client thread: let the scheduler run others before this one goes on
-        (a thread being preempted); elsewhere nothing."""
+        """On a client thread, let the scheduler run others before this one goes on (a thread being preempted).
+
+        Elsewhere do nothing.
+        """
         client = self._client_of.get(self._carrier.current()) if self._client_of else None
         if client is not None:
             client.pause()
 
     def close(self) -> None:
-        """End the client threads still parked (a run given up); they raise nothing here."""
+        """End the client threads still parked (a run given up).
+
+        They raise nothing here.
+        """
         for client in list(self._clients):
             self._resume_client(client, cancel=True)
 
@@ -295,9 +306,11 @@ class SimRuntime:
         return sum(len(box.pending) for box in self._boxes) + len(self._tasks) + len(self._clients)
 
     def run(self, max_steps: int = 1_000_000) -> int:
-        """Step until nothing is left to do (timers included); returns the steps taken.
+        """Step until nothing is left to do (timers included).
 
-        ``SimulationStuck`` if a client still waits then: on threads it would wait for ever."""
+        Returns the steps taken.
+        Raises ``SimulationStuck`` if a client still waits then, as on threads it would wait for ever.
+        """
         start = self.steps
         while self.steps - start < max_steps:
             if not self.step():
@@ -309,9 +322,12 @@ class SimRuntime:
         return self.steps - start
 
     def advance(self, seconds: float) -> None:
-        """Let ``seconds`` pass: run everything due until then, timers included, and leave
-        the clock there (a test of deadlines: time passes while nothing else happens).
-        ``ValueError`` unless ``seconds`` is a finite number >= 0."""
+        """Let ``seconds`` pass.
+
+        Run everything due until then, timers included, and leave the clock there.
+        That is a test of deadlines, where time passes while nothing else happens.
+        Raises ``ValueError`` unless ``seconds`` is a finite number >= 0.
+        """
         check_timeout(seconds, "seconds", allow_none=False)
         until = self._now + seconds
         while True:
@@ -324,13 +340,14 @@ class SimRuntime:
     # ------------------------------------------------------------ the scheduler
 
     def step(self, until: float | None = None) -> bool:
-        """Do one thing; ``False`` if there was nothing to do.
+        """Do one thing.
 
-        Timers fire only when time advances; with ``until``, time never
-        advances past it. A client's wait with a bound ends when time reaches
-        it, which it does only once nothing else can run (then it is the next
-        thing that happens, as on threads), never by a jump chosen at random
-        (such a jump moves the bound with it).
+        Returns ``False`` if there was nothing to do.
+        Timers fire only when time advances.
+        With ``until``, time never advances past it.
+        A client's wait with a bound ends when time reaches it.
+        Time does so only once nothing else can run, and then it is the next thing that happens, as on threads.
+        It never does so by a jump chosen at random, as such a jump moves the bound with it.
         """
         options: list[object] = []  # a mailbox (its thread's step), a client, _TASKS or a _Stop
         for box in self._boxes:

@@ -1,12 +1,12 @@
 """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003), over evictable keys.
 
-``T1`` holds keys used once recently, ``T2`` keys used at least twice; the
-ghost lists ``B1``/``B2`` remember keys recently evicted from each, and a hit
-in a ghost list moves the target size ``p`` of ``T1`` towards the list that
-would have kept it. Unlike a textbook cache, the pool decides residency: keys
-that are pinned or being written are discarded from the policy and added back
-when they become evictable again, and ``victim`` is only asked when the pool
-needs room.
+``T1`` holds keys used once recently, ``T2`` keys used at least twice.
+The ghost lists ``B1``/``B2`` remember keys recently evicted from each.
+A hit in a ghost list moves the target size ``p`` of ``T1`` towards the list that would have kept it.
+Unlike a textbook cache, the pool decides residency.
+Keys that are pinned or being written are discarded from the policy,
+and added back when they become evictable again.
+``victim`` is only asked when the pool needs room.
 """
 
 from __future__ import annotations

@@ -75,10 +75,10 @@ class RowPolicy(Protocol):
         """The number of evictable rows."""
 
     def snapshot(self) -> tuple[object, ...]:
-        """A comparable copy of the policy's whole state, in eviction order. O(rows); for tests."""
+        """A comparable copy of the policy's whole state, in eviction order. O(rows), for tests."""
 
     def check(self) -> None:
-        """Assert that the policy's own structures are whole. O(rows); for tests."""
+        """Assert that the policy's own structures are whole. O(rows), for tests."""
 
 
 class EvictionPolicy(Protocol):
@@ -128,7 +128,7 @@ class EvictionPolicy(Protocol):
         """
 
     def snapshot(self) -> tuple[object, ...]:
-        """A comparable copy of the policy's whole state, in eviction order. O(keys); for tests."""
+        """A comparable copy of the policy's whole state, in eviction order. O(keys), for tests."""
 
     def __len__(self) -> int:
         """The number of evictable keys."""
