@@ -27,7 +27,7 @@ from kvactors.core.request_params import LOCALITIES, MEDIA
 from kvactors.door import PrimaryDoor
 from kvactors.logs import make_event_logger
 from kvactors.primary_pool import allocate_pool, check_pool
-from kvactors.tiers.base import SecondaryTier, hooks_of
+from kvactors.tiers.base import SecondaryTier, hooks_of, inline_calls_of
 from kvactors.types import (
     PRIMARY_TIER_NAME,
     LoadStoreSpec,
@@ -116,6 +116,8 @@ def _check_start(num_blocks: int, block_bytes: int, secondary_tiers: Sequence[Se
         if tier.medium not in MEDIA or tier.locality not in LOCALITIES:
             raise ValueError(f"tier {tier.name!r}: medium must be one of {MEDIA} and locality one of "
                              f"{LOCALITIES}, got {tier.medium!r}, {tier.locality!r}")
+        hooks_of(tier)
+        inline_calls_of(tier)  # both raise ValueError here, before any tier is attached
         names.append(tier.name)
     if len(set(map(id, tiers))) != len(tiers):
         raise ValueError("a tier instance is given twice")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvactors import TieringManager
+from kvactors import JobResult, TieringManager
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, Runtime, handles
 from kvactors.actors.threads import ThreadRuntime
@@ -118,3 +118,54 @@ def test_a_tier_that_cannot_attach_fails_the_start_and_leaves_no_thread():
         TieringManager.start(num_blocks=4, block_bytes=8,
                              secondary_tiers=[attached, _Failing(name="bad", capacity_blocks=4)])
     assert kvactors_threads() == before
+
+
+@pytest.mark.parametrize(("label", "make"), RUNTIMES, ids=[label for label, _ in RUNTIMES])
+def test_a_message_told_before_the_start_is_delivered_first_at_the_start(label, make):
+    runtime = make()
+    first = runtime.new_ref("first")
+    second = runtime.new_ref("second", colocate_with=first)
+    done: Reply[str] = Reply()
+    log: list[tuple[str, int]] = []
+    first.tell(3)  # before any actor exists: a tier may report from attach()
+    first.tell(1)
+    runtime.start(first, Ping("first", second, done, log))
+    first.tell(2)
+    runtime.start(second, Ping("second", first, done, log))
+    assert runtime.wait(done, 10)
+    # Every message to "first" in the order told, the early ones first.
+    assert [count for name, count in log if name == "first"][:3] == [3, 1, 2]
+    assert runtime.stop([first, second], 5) == []
+
+
+class ReportsOnAttach(MemoryTier):
+    """Reports a job this manager never sent, from ``attach`` (before any actor runs)."""
+
+    def attach(self, pool: torch.Tensor, report: Callable[[JobResult], None]) -> None:
+        super().attach(pool, report)
+        report(JobResult(12345, True))
+
+
+@pytest.mark.parametrize(("label", "make"), RUNTIMES, ids=[label for label, _ in RUNTIMES])
+def test_a_report_during_attach_is_counted_as_unexpected_and_the_start_succeeds(label, make):
+    with TieringManager.start(num_blocks=4, block_bytes=16, runtime=make(),
+                              secondary_tiers=[ReportsOnAttach(name="m", capacity_blocks=4)]) as manager:
+        assert manager.wait_idle(5.0)
+        assert manager.stats()["unexpected_reports"] == 1
+
+
+class CountsAttach(MemoryTier):
+    attached = 0
+
+    def attach(self, pool: torch.Tensor, report: Callable[[JobResult], None]) -> None:
+        type(self).attached += 1
+        super().attach(pool, report)
+
+
+def test_a_bad_declaration_on_a_later_tier_fails_the_start_before_any_tier_is_attached():
+    good = CountsAttach(name="a", capacity_blocks=4)
+    bad = CountsAttach(name="b", capacity_blocks=4)
+    bad.inline_calls = frozenset({"no_such_call"})  # type: ignore[misc,assignment]
+    with pytest.raises(ValueError, match="no_such_call"):
+        TieringManager.start(num_blocks=4, block_bytes=16, secondary_tiers=[good, bad])
+    assert CountsAttach.attached == 0

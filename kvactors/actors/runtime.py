@@ -115,6 +115,7 @@ class Runtime(Protocol):
         Its actor runs on a thread of its own, or on ``colocate_with``'s thread and
         mailbox (a runtime may decline and give it its own). Colocated actors stop
         together. Nothing runs and no thread starts until :meth:`start`.
+        A message told to the ref before then is delivered at the start, before any later one.
         """
         ...
 

@@ -136,7 +136,7 @@ class ThreadActorRef:
     Colocated actors' refs share their host's mailbox: closing one closes all.
     """
 
-    __slots__ = ("_actor", "_claims", "_mailbox", "_thread", "colocated", "name")
+    __slots__ = ("_actor", "_claims", "_early", "_early_lock", "_mailbox", "_thread", "colocated", "name")
 
     _actor: Actor
 
@@ -146,6 +146,10 @@ class ThreadActorRef:
         self._mailbox = thread.mailbox
         self.colocated = colocated
         self._claims = claims
+        # Messages told before the actor started (a tier may report from ``attach``), delivered by
+        # :meth:`deliver_early` once its thread runs; None from then on.
+        self._early: list[object] | None = []
+        self._early_lock = threading.Lock()
 
     def bind(self, actor: Actor) -> None:
         """Deliver this ref's messages to ``actor`` (once, at its start)."""
@@ -154,7 +158,26 @@ class ThreadActorRef:
         self._actor = actor
 
     def tell(self, message: object) -> None:
+        """Queue ``message`` for the actor.
+
+        Before the actor starts, the message waits here and is delivered first, in order, at its start.
+        """
+        if self._early is not None:
+            with self._early_lock:
+                if self._early is not None:
+                    self._early.append(message)
+                    return
         self._mailbox.put(self._actor, message, self.name)
+
+    def deliver_early(self) -> None:
+        """Queue what was told before the start, in order (once, when the actor's thread runs).
+
+        The lock is held while queueing, so a message told meanwhile comes after them.
+        """
+        with self._early_lock:
+            early, self._early = self._early, None
+            for message in early or ():
+                self._mailbox.put(self._actor, message, self.name)
 
     def claim(self) -> bool:
         """See :meth:`ActorRef.claim`.
@@ -303,6 +326,7 @@ class ThreadRuntime:
             self._timer.start()
             thread.start()
         self._refs.append(ref)
+        ref.deliver_early()
 
     def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> ThreadActorRef:
         ref = self.new_ref(name, colocate_with=colocate_with)

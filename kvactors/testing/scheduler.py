@@ -172,6 +172,7 @@ class SimRuntime:
         if not ref.colocated:
             self._boxes.append(box)
         self._refs.append(ref)
+        ref.deliver_early()
 
     def spawn(self, actor: Actor, name: str, *, colocate_with: ActorRef | None = None) -> SimActorRef:
         ref = self.new_ref(name, colocate_with=colocate_with)

@@ -68,7 +68,7 @@ class SimActorRef:
     It is made before its actor and bound to it once, at the actor's start (``actor`` is unset until then).
     """
 
-    __slots__ = ("actor", "colocated", "mailbox", "name", "runtime")
+    __slots__ = ("actor", "colocated", "early", "mailbox", "name", "runtime")
 
     actor: Actor
 
@@ -77,6 +77,7 @@ class SimActorRef:
         self.name = name
         self.mailbox = mailbox
         self.colocated = colocated
+        self.early: list[object] | None = []  # told before the start, as on threads
 
     def bind(self, actor: Actor) -> None:
         """Deliver this ref's messages to ``actor`` (once, at its start)."""
@@ -85,7 +86,16 @@ class SimActorRef:
         self.actor = actor
 
     def tell(self, message: object) -> None:
+        if self.early is not None:
+            self.early.append(message)
+            return
         self.mailbox.put(self.actor, message, self.name)
+
+    def deliver_early(self) -> None:
+        """Queue what was told before the start, in order (once, at the start)."""
+        early, self.early = self.early, None
+        for message in early or ():
+            self.mailbox.put(self.actor, message, self.name)
 
     def claim(self) -> bool:
         """Grant the claim when the mailbox is idle and the seed says so.
