@@ -34,6 +34,7 @@ from typing import TypeAlias
 from kvactors.actors import messages as m
 from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.core.admission import WRITE_THROUGH, Admission, SeenTable, seen_table_size
+from kvactors.core.alarm import Alarm
 from kvactors.core.backpressure import Backpressure
 from kvactors.core.counters import PrimaryCounters, PrimaryFigures
 from kvactors.core.deadlines import DeadlineQueue
@@ -132,7 +133,7 @@ class PrimaryTier(Actor):
         self.reserve_s = reserve_s
         self._reservations = Reservations()
         self._promoting: dict[int, tuple[str, int]] = {}
-        self._timer_due: float | None = None
+        self.alarm = Alarm(self._wake_at)
         self._forget = forget
         # Admission and back-pressure (kvactors.core.admission, kvactors.core.backpressure; docs/controls.md).
         self.block_bytes = block_bytes
@@ -173,20 +174,14 @@ class PrimaryTier(Actor):
             tier=PRIMARY_TIER_NAME
         )
 
-    def _arm_timer(self, deadline: float | None = None) -> None:
-        """Make sure a tick comes by every deadline in the books: ``deadline``, one just
-        added (the others have their tick already); ``None``, the soonest of all (after a tick)."""
-        due = self._timer_due
-        if deadline is None:
-            deadlines = [d for d in (self._store_deadlines.next_deadline(), self._reservations.next_deadline())
-                         if d is not None]
-            if not deadlines:
-                return
-            deadline = min(deadlines)
-        if due is not None and due <= deadline:
-            return  # a tick is due no later than it
-        self._timer_due = deadline
+    def _wake_at(self, deadline: float) -> None:
+        """The alarm's wake-up: a tick to this actor at ``deadline``."""
         self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
+
+    def settle(self) -> None:
+        """After a tick, once its consequences are in the books, the alarm is armed for the next deadline."""
+        if self.alarm.fired:
+            self.alarm.rearm((self._store_deadlines.next_deadline(), self._reservations.next_deadline()))
 
     # ------------------------------------------------------------ request lifecycle
 
@@ -315,7 +310,7 @@ class PrimaryTier(Actor):
             deadline = self.runtime.now() + self.transfer_timeout_s
             entry = record.store_deadlines[store_id] = (ctx, plan.keys, store_id)
             self._store_deadlines.add(entry, deadline)
-            self._arm_timer(deadline)
+            self.alarm.arm(deadline)
         msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
 
     @handles(m.CompleteStore)
@@ -497,7 +492,7 @@ class PrimaryTier(Actor):
 
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
-        self._timer_due = None
+        self.alarm.fire()  # settle arms the next tick
         for identity, reserved in self._reservations.expire(self.runtime.now()):
             self._end_reservations(identity, reserved)
         expired: Counter[ReqContext] = Counter()
@@ -529,7 +524,6 @@ class PrimaryTier(Actor):
                 record.pending_stores -= count
                 if record.finished:
                     self.supervisor.tell(m.StoresExpired(ctx, count))
-        self._arm_timer()
 
     # ------------------------------------------------------------ promotions and jobs
 
@@ -602,7 +596,7 @@ class PrimaryTier(Actor):
         new = self._reservations.grant(identity, ready, deadline)
         if new:
             self.pool.pin_for_load(new, reservation_owner(identity))
-            self._arm_timer(deadline)
+            self.alarm.arm(deadline)
         return new
 
     def _end_reservations(self, identity: tuple[str, int], keys: Sequence[OffloadKey]) -> None:

@@ -92,6 +92,7 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.actors.secondary import TierAddress, TierLink
 from kvactors.core import counters
+from kvactors.core.alarm import Alarm
 from kvactors.core.barriers import BarrierBook
 from kvactors.core.errors import LifecycleError
 from kvactors.core.gathers import Gather, GatherBook, GatherKind
@@ -145,8 +146,7 @@ class LifecycleSupervisor(Actor):
         self.resets: ResetBook[Reply[None]] = ResetBook()
         self.shutdown: Shutdown[Reply[None]] = Shutdown()
         self._watch = TierWatch(self.tier_order, transfer_timeout_s)
-        self._timer_due: float | None = None
-        self._rearm_timer = False  # a tick fired: settle arms the next one
+        self.alarm = Alarm(self._wake_at)
         self.counters = counters.SupervisorCounters(self.tier_order)  # stats() and metrics derive from these
         self._stats = StatsBook(self.tier_order, self.table, self.jobs, self.lookups, self.quarantine, self._watch,
                                 self.counters)
@@ -173,9 +173,10 @@ class LifecycleSupervisor(Actor):
             self._start_due_barriers()
         if self.shutdown.awaits_round:
             self._begin_shutdown_round()
-        if self._rearm_timer:
-            self._rearm_timer = False
-            self._arm_timer()
+        if self.alarm.fired:
+            self.alarm.rearm((self.jobs.next_deadline(), self.lookups.next_deadline(),
+                              self.gathers.next_deadline(), self._watch.next_deadline(),
+                              self.shutdown.timer_deadline()))
 
     # ------------------------------------------------------------ the finalize decision
 
@@ -280,7 +281,7 @@ class LifecycleSupervisor(Actor):
         elif step is Step.QUEUED:
             self._count(ctx, entry.counter, +1)
             if entry.deadline is not None:
-                self._arm_timer(entry.deadline)
+                self.alarm.arm(entry.deadline)
             if self.tracing:
                 self.log.debug("job_queued", kind=entry.kind, job_id=entry.job_id, tier=entry.tier,
                                req_id=ctx.req_id, attempt=ctx.attempt)
@@ -305,7 +306,7 @@ class LifecycleSupervisor(Actor):
     def _send_job(self, entry: BookedJob) -> None:
         ctx = entry.job.req_context
         self.counters.job_started(entry.tier, entry.kind)
-        self._arm_timer(entry.deadline if entry.deadline is not None else entry.submitted_at + self.transfer_timeout_s)
+        self.alarm.arm(entry.deadline if entry.deadline is not None else entry.submitted_at + self.transfer_timeout_s)
         if self.tracing:
             self.log.debug(JOB_SUBMITTED[entry.kind], job_id=entry.job_id, tier=entry.tier, keys=len(entry.job.keys),
                            req_id=ctx.req_id, attempt=ctx.attempt)
@@ -425,7 +426,7 @@ class LifecycleSupervisor(Actor):
             return
         # The other answers are messages to this actor: they come after this handler.
         self.lookups.wait(pending, now)
-        self._arm_timer(now + self._shortest_timeout)  # the lookup's deadline, or a tier's stuck one
+        self.alarm.arm(now + self._shortest_timeout)  # the lookup's deadline, or a tier's stuck one
 
     def _excluded_tiers(self, ctx: ReqContext) -> tuple[str, ...]:
         """The tiers ``ctx``'s ``kv_load_tiers`` leaves out (its ignored values were logged at its start)."""
@@ -480,35 +481,13 @@ class LifecycleSupervisor(Actor):
 
     # ------------------------------------------------------------ deadlines
 
-    def _arm_timer(self, deadline: float | None = None) -> None:
-        """Make sure a tick comes by every deadline in the books.
-
-        ``deadline``: one just added to a book. Every deadline already there has a
-        tick due by it, so a tick due by this one is all it needs: no book is read
-        (this runs for every job sent). ``None``: after a tick, the next one is
-        armed for the soonest deadline of all the books."""
-        due = self._timer_due
-        if deadline is not None:
-            if due is not None and due <= deadline:
-                return
-        else:
-            deadlines = [d for d in (self.jobs.next_deadline(), self.lookups.next_deadline(),
-                                     self.gathers.next_deadline(), self._watch.next_deadline())
-                         if d is not None]
-            stop_deadline = self.shutdown.timer_deadline()
-            if stop_deadline is not None:
-                deadlines.append(stop_deadline)
-            if not deadlines:
-                return
-            deadline = min(deadlines)
-            if due is not None and due <= deadline:
-                return
-        self._timer_due = deadline
+    def _wake_at(self, deadline: float) -> None:
+        """The alarm's wake-up: a tick to this actor at ``deadline``."""
         self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
 
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
-        self._timer_due = None
+        self.alarm.fire()  # settle arms the next tick, once this one's consequences are in the books
         now = self.runtime.now()
         for tier in self._watch.due(now):
             self._tier_stuck(tier, now)
@@ -526,7 +505,6 @@ class LifecycleSupervisor(Actor):
             # and promotions the primary has not allocated yet are not waited for. Every job is timed
             # out before the stop may go on: its answer lets stop() close the mailbox these tells use.
             self._take_steps(self.jobs.time_out_all(now))
-        self._rearm_timer = True  # by settle, once this tick's consequences are in the books
 
     # ------------------------------------------------------------ stuck tiers
 
@@ -548,7 +526,7 @@ class LifecycleSupervisor(Actor):
         if silent is not None:
             self.log.warning("tier_unstuck", tier=tier, silent_s=round(silent, 3))
         if self._watch.owed(tier):  # its clock restarted: a new deadline to be found stuck by
-            self._arm_timer(now + self.transfer_timeout_s)
+            self.alarm.arm(now + self.transfer_timeout_s)
 
     # ------------------------------------------------------------ whole-runtime operations
 
@@ -607,14 +585,14 @@ class LifecycleSupervisor(Actor):
             if tier not in stuck:
                 self._watch.asked(tier, probe, now)
         if gather.waiting:  # each asked tier may be found stuck by now + transfer_timeout_s
-            self._arm_timer(now + self.transfer_timeout_s)
+            self.alarm.arm(now + self.transfer_timeout_s)
         if not gather.waiting:
             self._end_gather(gather)
             return
         due = None if patient else now + self.transfer_timeout_s if deadline is None else deadline
         self.gathers.wait(gather, due)
         if due is not None:
-            self._arm_timer(due)
+            self.alarm.arm(due)
 
     def _end_gather(self, gather: Gather[GatherDone]) -> None:
         if not self.gathers.end(gather):
@@ -667,7 +645,7 @@ class LifecycleSupervisor(Actor):
         self.log.info("runtime_stopping", jobs_in_flight=self.jobs.in_flight(),
                       active_requests=len(self.table), budget_s=msg.budget_s,
                       tiers_stuck=",".join(self._watch.stuck()))
-        self._arm_timer(deadline)
+        self.alarm.arm(deadline)
 
     def _begin_shutdown_round(self) -> None:
         """The tiers' shutdown round, once the stop waits for nothing more (:mod:`kvactors.core.shutdown`)."""
