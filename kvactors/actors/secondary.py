@@ -105,11 +105,14 @@ microseconds; the margin is for a loaded machine's scheduling.)"""
 class TierAddress:
     """Where the supervisor reaches one tier actor, and what the tier declares. Immutable.
 
-    ``ref``: the actor's ref, made before the actor started. ``lane``: the actor's
-    lookup lane. ``wants_new_request`` / ``wants_touch``: whether the plugin
-    declares those optional hooks (:attr:`~kvactors.tiers.base.SecondaryTier.hooks`).
-    ``inline``: the plugin's methods that may run on the sender's thread
+    ``tier`` is the tier's name. ``ref`` is the actor's ref, made before the actor started.
+    ``lane`` is the actor's lookup lane.
+    ``wants_new_request`` and ``wants_touch`` say whether the plugin declares those optional hooks
+    (:attr:`~kvactors.tiers.base.SecondaryTier.hooks`).
+    ``inline`` holds the plugin's methods that may run on the sender's thread
     (:func:`~kvactors.tiers.base.inline_calls_of`).
+    ``max_inflight_jobs`` bounds the jobs the tier is sent and has not reported.
+    ``medium`` and ``locality`` are the tier's kind, which a request's ``kv_load_tiers`` selects by.
     """
 
     tier: str
@@ -118,6 +121,9 @@ class TierAddress:
     wants_new_request: bool
     wants_touch: bool
     inline: frozenset[InlineCall]
+    max_inflight_jobs: int
+    medium: str
+    locality: str
 
 
 InlineCallBlocked = Callable[[str, str, float], None]
@@ -210,8 +216,10 @@ class SecondaryTierActor(Actor):
 
     def address(self, ref: ActorRef) -> TierAddress:
         """This actor's address for the supervisor, reached at ``ref`` (its own, from the runtime)."""
-        return TierAddress(self.tier.name, ref, self._lane, self.wants_new_request, "touch" in self.hooks,
-                           self.inline)
+        tier = self.tier
+        return TierAddress(tier=tier.name, ref=ref, lane=self._lane, wants_new_request=self.wants_new_request,
+                           wants_touch="touch" in self.hooks, inline=self.inline,
+                           max_inflight_jobs=tier.max_inflight_jobs, medium=tier.medium, locality=tier.locality)
 
     def _report(self, result: JobResult) -> None:
         """The plugin's ``report``: thread-safe, called from any thread."""

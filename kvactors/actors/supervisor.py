@@ -122,23 +122,30 @@ class LifecycleSupervisor(Actor):
 
     name = "supervisor"
 
-    def __init__(self, *, primary: ActorRef, tiers: Sequence[TierAddress], tier_limits: Sequence[tuple[str, int]],
-                 transfer_timeout_s: float, lookup_timeout_s: float, log: EventLogger | None = None,
-                 tier_kinds: dict[str, tuple[str, str]] | None = None) -> None:
-        """``primary``: the primary's ref. ``tiers``: each tier actor's address, linked here."""
+    def __init__(self, *, primary: ActorRef, tiers: Sequence[TierAddress], transfer_timeout_s: float,
+                 lookup_timeout_s: float, log: EventLogger | None = None) -> None:
+        """Build the books for ``tiers`` and link each tier.
+
+        ``primary`` is the primary's ref. ``tiers`` holds each tier actor's address, in the tiers' order.
+        ``ValueError`` if two addresses name the same tier.
+        """
+        names = [address.tier for address in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each tier must have one address, got {names}")
         if log is not None:
             self.log = log
         self.table = LifecycleTable()
         self.transfer_timeout_s = transfer_timeout_s
         self.lookup_timeout_s = lookup_timeout_s
         self._shortest_timeout = min(transfer_timeout_s, lookup_timeout_s)
-        self.tier_order = tuple(name for name, _ in tier_limits)
-        # Each tier's (medium, locality), for the requests' kv_load_tiers; default STORAGE/LOCAL.
-        self.tier_kinds = {name: (tier_kinds or {}).get(name, ("STORAGE", "LOCAL")) for name in self.tier_order}
+        self.tier_order = tuple(names)
+        # Each tier's (medium, locality), for the requests' kv_load_tiers.
+        self.tier_kinds = {address.tier: (address.medium, address.locality) for address in tiers}
         self.primary = primary
         self.tiers = {address.tier: TierLink(address, self._inline_call_blocked) for address in tiers}
         self.epoch = 0
-        self.jobs = JobBook(tier_limits, transfer_timeout_s, live=lambda ctx: ctx in self.table)
+        self.jobs = JobBook([(address.tier, address.max_inflight_jobs) for address in tiers], transfer_timeout_s,
+                            live=lambda ctx: ctx in self.table)
         self.lookups: LookupBook[Reply[list[LookupResult]]] = LookupBook(self.tier_order, lookup_timeout_s)
         self.gathers: GatherBook[GatherDone] = GatherBook()
         self.quarantine = PromotionQuarantine()
