@@ -253,11 +253,9 @@ class TieringManager:
             supervisor = LifecycleSupervisor(
                 primary=primary_ref,
                 tiers=[actor.address(ref) for actor, ref in zip(tier_actors, tier_refs, strict=True)],
-                tier_limits=[(tier.name, tier.max_inflight_jobs) for tier in tiers],
                 transfer_timeout_s=float(transfer_timeout_s),
                 lookup_timeout_s=float(lookup_timeout_s),
                 log=log,
-                tier_kinds={tier.name: (tier.medium, tier.locality) for tier in tiers},
             )
         except BaseException:
             sink.close()

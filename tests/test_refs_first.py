@@ -16,6 +16,8 @@ import torch
 from kvactors import JobResult, TieringManager
 from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, Runtime, handles
+from kvactors.actors.secondary import SecondaryTierActor
+from kvactors.actors.supervisor import LifecycleSupervisor
 from kvactors.actors.threads import ThreadRuntime
 from kvactors.testing import SimRuntime
 from kvactors.tiers.memory import MemoryTier
@@ -169,3 +171,25 @@ def test_a_bad_declaration_on_a_later_tier_fails_the_start_before_any_tier_is_at
     with pytest.raises(ValueError, match="no_such_call"):
         TieringManager.start(num_blocks=4, block_bytes=16, secondary_tiers=[good, bad])
     assert CountsAttach.attached == 0
+
+
+class _Remote(MemoryTier):
+    max_inflight_jobs = 3
+    locality = "REMOTE"
+
+
+def test_the_supervisor_takes_each_tiers_limit_and_kind_from_its_address_alone():
+    runtime = SimRuntime(seed=7)
+    primary_ref, supervisor_ref = runtime.new_ref("primary"), runtime.new_ref("supervisor")
+    pool = torch.zeros((4, 8), dtype=torch.uint8)
+    actors = [SecondaryTierActor(tier, supervisor=supervisor_ref, pool=pool)
+              for tier in (_Remote(name="far", capacity_blocks=4), MemoryTier(name="near", capacity_blocks=4))]
+    addresses = [actor.address(runtime.new_ref(f"tier-{actor.tier.name}")) for actor in actors]
+    supervisor = LifecycleSupervisor(primary=primary_ref, tiers=addresses, transfer_timeout_s=1.0,
+                                     lookup_timeout_s=1.0)
+    assert supervisor.tier_order == ("far", "near")
+    assert supervisor.jobs.max_inflight == {"far": 3, "near": MemoryTier.max_inflight_jobs}
+    assert supervisor.tier_kinds == {"far": ("CPU", "REMOTE"), "near": ("CPU", "LOCAL")}
+    with pytest.raises(ValueError, match="one address"):
+        LifecycleSupervisor(primary=primary_ref, tiers=[addresses[0], addresses[1], addresses[0]],
+                            transfer_timeout_s=1.0, lookup_timeout_s=1.0)

@@ -1,27 +1,35 @@
-"""The primary tier actor: the CPU block pool and the frontend's door.
+"""The primary tier actor owns the CPU block pool and is the frontend's door.
 
 Every public call of :class:`~kvactors.TieringManager` arrives here first, in
 the order each frontend thread made it. The primary owns the
 :class:`~kvactors.core.pool.BlockPool` and a small record per live request
-attempt, which is enough to enforce the contract at this layer:
+attempt. That is enough to enforce the contract at this layer.
 
-* a submit call (``lookup``, ``prepare_load``, ``prepare_store``) for an
+* A submit call (``lookup``, ``prepare_load``, ``prepare_store``) for an
   unknown or finished request raises :class:`LifecycleError` to its caller and
-  changes nothing (vLLM #49635: never a ``KeyError`` deep in the runtime);
-* ``on_request_finished`` takes effect here at once (rule 3);
-* completions may arrive after it and are always accounted for.
+  changes nothing. It is never a ``KeyError`` deep in the runtime (vLLM #49635).
+* ``on_request_finished`` takes effect here at once (rule 3).
+* Completions may arrive after it and are always accounted for.
 
-What the secondary tiers must learn, the primary tells the supervisor, as
-facts, in the order it processed them: a request started, stores completed
-(with cascade jobs whose rows it pinned), the request finished (with the
-number of its stores still pending), and, after the finish, every completion
-or deadline that ends one of those. The supervisor decides everything else.
+The primary tells the supervisor, as facts, what the secondary tiers must learn.
+It tells them in the order it processed them.
+
+* A request started.
+* Stores completed, with the cascade jobs whose rows it pinned.
+* The request finished, with the number of its stores still pending.
+* After the finish, every completion or deadline that ends one of those.
+
+The supervisor decides everything else.
 
 "A request started" is a message of its own only when some tier wants the
 ``on_new_request`` hook. Otherwise the supervisor first hears of a request
 with its first other fact (a secondary lookup, completed stores or the
-finish), flagged ``opens``: a request that never needs the supervisor before
-its finish costs it no message.
+finish), flagged ``opens``. A request that never needs the supervisor before
+its finish therefore costs it no message.
+
+The primary's deadlines (its stores' and its reservations') wake it by a tick
+that :class:`~kvactors.core.alarm.Alarm` arms. After each tick, :meth:`PrimaryTier.settle`
+arms the next one.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import TypeAlias
 from kvactors.actors import messages as m
 from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.core.admission import WRITE_THROUGH, Admission, SeenTable, seen_table_size
+from kvactors.core.alarm import Alarm
 from kvactors.core.backpressure import Backpressure
 from kvactors.core.counters import PrimaryCounters, PrimaryFigures
 from kvactors.core.deadlines import DeadlineQueue
@@ -62,13 +71,14 @@ StoreDeadline: TypeAlias = tuple[ReqContext, tuple[OffloadKey, ...], int]
 class _RequestRecord:
     """What the primary keeps per request attempt, until the supervisor finalizes it.
 
-    ``pending_stores``: keys the request prepared whose write is still live
-    (not completed, not past its deadline, not voided by a reset).
-    ``store_of``: for each of those keys, the id of the store that prepared it,
-    so that a store's deadline only ever times out that store's own writes.
-    ``store_deadlines``: the deadline entries of this request's stores, by store
-    id, withdrawn once no write of the request is pending (they would time out
-    nothing, and held they would keep every store's keys for the whole timeout).
+    ``pending_stores`` counts the keys the request prepared whose write is still
+    live (not completed, not past its deadline, not voided by a reset).
+    ``store_of`` maps each of those keys to the id of the store that prepared it.
+    A store's deadline therefore only ever times out that store's own writes.
+    ``store_deadlines`` holds the deadline entries of this request's stores, by
+    store id. They are withdrawn once no write of the request is pending. They
+    would time out nothing then, and held they would keep every store's keys for
+    the whole timeout.
     """
 
     __slots__ = ("announced", "ctx", "finished", "pending_stores", "store_deadlines", "store_of")
@@ -90,7 +100,7 @@ class _RequestRecord:
 
 
 class PrimaryTier(Actor):
-    """The primary tier's logic. Runs on one actor; see the module docstring."""
+    """The primary tier's logic. It runs on one actor, one handler at a time (see the module docstring)."""
 
     name = "primary"
 
@@ -111,8 +121,11 @@ class PrimaryTier(Actor):
         admission: Mapping[str, Admission] | None = None,
         max_queued_bytes: Mapping[str, int] | None = None,
     ) -> None:
-        """``supervisor``: where the facts go. ``forget(identity)`` is called by a handler (on
-        whatever thread runs it) once a request's record is gone."""
+        """``supervisor`` is where the facts go.
+
+        ``forget(identity)`` is called by a handler once a request's record is gone.
+        It runs on whatever thread runs that handler.
+        """
         if log is not None:
             self.log = log
         self.pool = BlockPool(num_blocks, make_policy(eviction, num_blocks), on_events_dropped=self._events_dropped)
@@ -132,7 +145,7 @@ class PrimaryTier(Actor):
         self.reserve_s = reserve_s
         self._reservations = Reservations()
         self._promoting: dict[int, tuple[str, int]] = {}
-        self._timer_due: float | None = None
+        self.alarm = Alarm(self._wake_at)
         self._forget = forget
         # Admission and back-pressure (kvactors.core.admission, kvactors.core.backpressure; docs/controls.md).
         self.block_bytes = block_bytes
@@ -166,27 +179,21 @@ class PrimaryTier(Actor):
         return record
 
     def _violation(self, call: str, ctx: ReqContext, reason: str) -> None:
-        """Misuse in a call that cannot raise to its caller: log, count, change nothing."""
+        """Misuse in a call that cannot raise to its caller is logged and counted, and changes nothing."""
         self.counters.contract_violations += 1
         self.log.warning(
             "contract_violation", call=call, req_id=ctx.req_id, attempt=ctx.attempt, reason=reason,
             tier=PRIMARY_TIER_NAME
         )
 
-    def _arm_timer(self, deadline: float | None = None) -> None:
-        """Make sure a tick comes by every deadline in the books: ``deadline``, one just
-        added (the others have their tick already); ``None``, the soonest of all (after a tick)."""
-        due = self._timer_due
-        if deadline is None:
-            deadlines = [d for d in (self._store_deadlines.next_deadline(), self._reservations.next_deadline())
-                         if d is not None]
-            if not deadlines:
-                return
-            deadline = min(deadlines)
-        if due is not None and due <= deadline:
-            return  # a tick is due no later than it
-        self._timer_due = deadline
+    def _wake_at(self, deadline: float) -> None:
+        """The alarm's wake-up, a tick to this actor at ``deadline``."""
         self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
+
+    def settle(self) -> None:
+        """After a tick, once its consequences are in the books, the alarm is armed for the next deadline."""
+        if self.alarm.fired:
+            self.alarm.rearm((self._store_deadlines.next_deadline(), self._reservations.next_deadline()))
 
     # ------------------------------------------------------------ request lifecycle
 
@@ -315,7 +322,7 @@ class PrimaryTier(Actor):
             deadline = self.runtime.now() + self.transfer_timeout_s
             entry = record.store_deadlines[store_id] = (ctx, plan.keys, store_id)
             self._store_deadlines.add(entry, deadline)
-            self._arm_timer(deadline)
+            self.alarm.arm(deadline)
         msg.reply.set_result(PrepareStoreOutput(list(plan.keys), LoadStoreSpec(plan.rows), list(plan.evicted)))
 
     @handles(m.CompleteStore)
@@ -366,7 +373,10 @@ class PrimaryTier(Actor):
             self.supervisor.tell(m.StoresCompleted(ctx, outcome.live, tuple(cascades), opens))
 
     def _withdraw_store_deadlines(self, record: _RequestRecord) -> None:
-        """No write of ``record``'s request is pending: its stores' deadlines would time out nothing."""
+        """Drop the deadlines of ``record``'s stores, since no write of its request is pending.
+
+        They would time out nothing.
+        """
         discard = self._store_deadlines.discard
         for entry in record.store_deadlines.values():
             discard(entry)
@@ -376,10 +386,13 @@ class PrimaryTier(Actor):
 
     def _cascade(self, tier: str, keys: tuple[OffloadKey, ...], ctx: ReqContext,
                  admitted: str | None = None) -> m.CascadeJob | None:
-        """A cascade of the ready ``keys`` to ``tier`` on behalf of ``ctx``, its rows pinned; ``None``
-        when back-pressure drops it (the blocks stay in the pool, nothing pinned). ``admitted``: why a
-        cascade that no store of ``ctx`` owes is sent (``min_seen``, ``write_back``); ``None``: its
-        completed store's (traced: ``cascade_skipped`` when dropped, for ``kvactors check-log``)."""
+        """A cascade of the ready ``keys`` to ``tier`` on behalf of ``ctx``, with its rows pinned.
+
+        ``None`` when back-pressure drops it. The blocks then stay in the pool, and nothing is pinned.
+        ``admitted`` says why a cascade that no store of ``ctx`` owes is sent (``min_seen``,
+        ``write_back``). ``None`` means it is its completed store's cascade. Such a cascade is
+        traced as ``cascade_skipped`` when dropped, for ``kvactors check-log``.
+        """
         job_id = next(self.work_ids)
         verdict = self.backpressure.admit(tier, job_id, len(keys) * self.block_bytes, len(keys))
         if verdict.started:
@@ -430,7 +443,7 @@ class PrimaryTier(Actor):
         return cascades
 
     def _admit_seen(self, ctx: ReqContext, record: _RequestRecord, keys: Iterable[OffloadKey]) -> None:
-        """A lookup by ``ctx``: count it, and send the ready blocks it brought to ``min_seen`` to their tiers."""
+        """Count a lookup by ``ctx``, and send the ready blocks it brought to ``min_seen`` to their tiers."""
         assert self._seen is not None
         seen = self._seen
         counts = seen.see(keys, ctx.req_id)
@@ -450,12 +463,15 @@ class PrimaryTier(Actor):
             self.supervisor.tell(m.StoresCompleted(ctx, 0, tuple(cascades), record.opens()))
 
     def _write_back(self, ctx: ReqContext, record: _RequestRecord, keys: tuple[OffloadKey, ...]) -> None:
-        """Before ``ctx``'s store evicts: the blocks it would evict that a write-back tier has not
-        had yet go to that tier now, on behalf of ``ctx`` (the evicting request). Their rows are
-        pinned by the job, so the store evicts other blocks (which may need writing back too: asked
-        again until none does). A write-back that back-pressure drops, or that would make write-backs
-        pin more than half the pool, is not retried: its block is evicted unwritten (a pool whose
-        unwritten blocks all stayed would cache nothing new while its tier is slow)."""
+        """Send the blocks ``ctx``'s store would evict to the write-back tiers that lack them.
+
+        This runs before the store evicts. The blocks go on behalf of ``ctx``, the evicting
+        request. Their rows are pinned by the job, so the store evicts other blocks. Those may
+        need writing back too, so the pool is asked again until none does. A write-back is not
+        retried when back-pressure drops it, or when it would make write-backs pin more than
+        half the pool. Its block is then evicted unwritten. A pool whose unwritten blocks all
+        stayed would cache nothing new while its tier is slow.
+        """
         cascades = []
         pinned = sum(self._write_back_rows.values())
         while True:
@@ -482,7 +498,7 @@ class PrimaryTier(Actor):
             self.supervisor.tell(m.StoresCompleted(ctx, 0, tuple(cascades), record.opens()))
 
     def controls_figures(self) -> ControlFigures:
-        """The figures of admission and back-pressure (``stats()`` keys: docs/controls.md)."""
+        """The figures of admission and back-pressure (their ``stats()`` keys are in docs/controls.md)."""
         row_of = self.pool.row_of
         return ControlFigures(
             cascades=self.backpressure.figures(self.tier_names),
@@ -497,7 +513,7 @@ class PrimaryTier(Actor):
 
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
-        self._timer_due = None
+        self.alarm.fire()  # settle arms the next tick
         for identity, reserved in self._reservations.expire(self.runtime.now()):
             self._end_reservations(identity, reserved)
         expired: Counter[ReqContext] = Counter()
@@ -529,7 +545,6 @@ class PrimaryTier(Actor):
                 record.pending_stores -= count
                 if record.finished:
                     self.supervisor.tell(m.StoresExpired(ctx, count))
-        self._arm_timer()
 
     # ------------------------------------------------------------ promotions and jobs
 
@@ -538,13 +553,13 @@ class PrimaryTier(Actor):
         """Start the promotions of a lookup that fit the pool now, in key order, and answer it.
 
         A promotion the pool cannot hold now (every row pending, pinned, held or
-        reserved) is not started, and its key and every key after it are a
-        ``MISS``: the request computes them instead of waiting for room, so no
-        request ever waits for part of the pool while holding another part. When
-        promotions start, the request's ready keys before the first miss are
-        reserved for it with them (:mod:`kvactors.core.reservations`); they are
-        reserved before the rows are allocated, so the request's own promotions
-        never evict them."""
+        reserved) is not started. Its key and every key after it are a ``MISS``.
+        The request computes them instead of waiting for room, so no request ever
+        waits for part of the pool while holding another part. When promotions
+        start, the request's ready keys before the first miss are reserved for it
+        with them (:mod:`kvactors.core.reservations`). They are reserved before the
+        rows are allocated, so the request's own promotions never evict them.
+        """
         ctx = msg.ctx
         identity = ctx.identity
         first = {key: n for n, key in reversed(list(enumerate(msg.keys)))}
@@ -592,8 +607,10 @@ class PrimaryTier(Actor):
         msg.reply.set_result(results)
 
     def _reserve(self, identity: tuple[str, int], keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-        """Keep the ready ``keys`` for a live request until it loads them, finishes, or ``reserve_s``
-        passes; the keys it did not hold already."""
+        """Keep the ready ``keys`` for a live request until it loads them, finishes, or ``reserve_s`` passes.
+
+        Returns the keys it did not hold already.
+        """
         record = self._requests.get(identity)
         if record is None or record.finished:
             return []
@@ -602,7 +619,7 @@ class PrimaryTier(Actor):
         new = self._reservations.grant(identity, ready, deadline)
         if new:
             self.pool.pin_for_load(new, reservation_owner(identity))
-            self._arm_timer(deadline)
+            self.alarm.arm(deadline)
         return new
 
     def _end_reservations(self, identity: tuple[str, int], keys: Sequence[OffloadKey]) -> None:
@@ -694,10 +711,13 @@ class PrimaryTier(Actor):
     _job_observer: Callable[[m.JobEnded, tuple[tuple[OffloadKey, int], ...]], None] | None = None
 
     def store_deadlines_held(self) -> int:
-        """The entries this actor's store deadline queue holds (:attr:`DeadlineQueue.held`): a live one
-        per store with a write still pending (withdrawn when its request has none left, popped when it
-        fires), and withdrawn ones not dropped yet, at most as many again plus ``COMPACT_SLACK``. Ask
-        it on the actor's thread, or while nothing runs (a seeded scheduler between steps)."""
+        """The entries this actor's store deadline queue holds (:attr:`DeadlineQueue.held`).
+
+        There is a live one per store with a write still pending. It is withdrawn when its
+        request has none left, and popped when it fires. Withdrawn ones not dropped yet
+        count too, at most as many again plus ``COMPACT_SLACK``. Ask it on the actor's
+        thread, or while nothing runs (a seeded scheduler between steps).
+        """
         return self._store_deadlines.held
 
     def request_identities(self) -> tuple[tuple[str, int], ...]:
@@ -708,9 +728,12 @@ class PrimaryTier(Actor):
 
     def observe_job_ended(self, observer: Callable[[m.JobEnded, tuple[tuple[OffloadKey, int], ...]], None] | None,
                           ) -> None:
-        """Call ``observer(msg, promoted)`` in the handler, after each job's end is applied
-        (:class:`~kvactors.actors.messages.JobEnded`): ``promoted``, a promotion's ``(key, row)``
-        pairs as they were before its end (none for a cascade job), so that the observer can see
-        for itself which of them the end made ready. ``None``: no observer. For tests and tools;
-        unobserved, a job's end costs one attribute test."""
+        """Call ``observer(msg, promoted)`` in the handler, after each job's end is applied.
+
+        ``msg`` is the :class:`~kvactors.actors.messages.JobEnded`. ``promoted`` holds a
+        promotion's ``(key, row)`` pairs as they were before its end, and none for a
+        cascade job. The observer can then see for itself which of them the end made
+        ready. ``None`` removes the observer. This is for tests and tools. Unobserved,
+        a job's end costs one attribute test.
+        """
         self._job_observer = observer

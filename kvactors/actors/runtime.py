@@ -1,57 +1,57 @@
-"""Where actors run: the runtime interface the actors and the manager program against.
+"""Where actors run, as the interface the actors and the manager program against.
 
 The actors' logic (:class:`Actor` subclasses) is plain code that handles one
-message at a time and talks to the world only through its :class:`Runtime`:
-``tell`` another actor, read the clock, schedule a message for later. Two
-runtimes implement that interface, on one mailbox
-(:mod:`kvactors.actors.mailbox`: the queue, the turn, the claims):
+message at a time. It talks to the world only through its :class:`Runtime`.
+It may ``tell`` another actor, read the clock, and schedule a message for later.
+Two runtimes implement that interface, on one mailbox
+(:mod:`kvactors.actors.mailbox`, which keeps the queue, the turn and the claims).
 
-* :class:`~kvactors.actors.threads.ThreadRuntime` (production): each actor on
-  a pykka thread, its own or that of the actor it is colocated with;
-* :class:`kvactors.testing.SimRuntime` (tests, race hunting): a seeded
-  scheduler choosing what runs next.
+* :class:`~kvactors.actors.threads.ThreadRuntime` is for production. Each actor
+  runs on a pykka thread, its own or that of the actor it is colocated with.
+* :class:`kvactors.testing.SimRuntime` is for tests and race hunting. A seeded
+  scheduler chooses what runs next.
 
-This module imports no pykka: the seeded scheduler runs without it.
+This module imports no pykka, so the seeded scheduler runs without it.
 
 Besides ``tell``, a ref lets a caller *claim* an idle actor and run one
-message on its own thread (:meth:`ActorRef.claim`): the handler still runs
-alone, and after everything told before it, but no thread is woken and the
+message on its own thread (:meth:`ActorRef.claim`). The handler still runs
+alone, and after everything told before it. No thread is woken, and the
 caller does not wait for one. The manager uses this for the frontend's calls
-to the primary tier; it is an interleaving the actors already allow (the
+to the primary tier. It is an interleaving the actors already allow (the
 actor handling the message the moment it is put), taken on purpose.
 
-An actor may also be spawned *colocated with* another: it keeps its own
-logic, state and ref, but shares the other's thread and mailbox, so the two
-handle their messages one at a time, in the order they were told, across
+An actor may also be spawned *colocated with* another. It keeps its own
+logic, state and ref, but shares the other's thread and mailbox. The two
+then handle their messages one at a time, in the order they were told, across
 both.
 
 Refs come before actors. Actors that talk to each other (the primary and the
 supervisor, the supervisor and the tiers) each take their peers' refs in
-their constructor, so a runtime hands out refs first
+their constructor. A runtime therefore hands out refs first
 (:meth:`Runtime.new_ref`), the actors are built with them, and then each is
 started (:meth:`Runtime.start`). A ref is bound to its actor once, by the
 runtime, at its start. Nothing may be told to a ref before its actor starts.
 :meth:`Runtime.spawn` does both steps for an actor that needs no peers.
 
-Failures, one policy, stated here: what fails is contained where it
+Failures follow one policy, stated here. What fails is contained where it
 happened, except an interrupt of the process.
 
-* A handler's ``Exception`` is its failure: :meth:`Actor.deliver` catches
-  it; a failed ask gets the exception; a failed tell is logged and counted,
+* A handler's ``Exception`` is its failure, and :meth:`Actor.deliver` catches
+  it. A failed ask gets the exception. A failed tell is logged and counted,
   and the actor lives on.
-* A tier plugin's call is foreign code: anything it raises, ``SystemExit``
-  and ``KeyboardInterrupt`` included, is that tier's failure (logged,
-  counted, a job it was running fails), caught by its actor
+* A tier plugin's call is foreign code. Anything it raises is that tier's
+  failure, ``SystemExit`` and ``KeyboardInterrupt`` included. It is logged and
+  counted, a job it was running fails, and its actor catches it
   (:mod:`kvactors.actors.secondary`). A plugin that calls ``sys.exit()``
-  must not kill an actor's thread, and no real interrupt can land there: on
-  threads, plugin calls never run on the main thread, the only one Python
-  delivers signals to (a claim made there runs its own message alone,
-  :meth:`~kvactors.actors.threads.ThreadActorRef.run_claimed`).
+  must not kill an actor's thread. No real interrupt can land there either.
+  On threads, plugin calls never run on the main thread, the only one Python
+  delivers signals to. A claim made there runs its own message alone
+  (:meth:`~kvactors.actors.threads.ThreadActorRef.run_claimed`).
 * A callback of a :class:`~kvactors.TransferEngine` future is foreign code
-  too, run on an engine thread: anything it raises is logged there
+  too, run on an engine thread. Anything it raises is logged there
   (``completion_failed``), and the engine goes on.
 * ``KeyboardInterrupt`` and ``SystemExit`` in a handler (a Ctrl-C while the
-  main thread runs a claimed call) are not caught: they reach the thread
+  main thread runs a claimed call) are not caught. They reach the thread
   that ran it, after the claim is given back.
 """
 
@@ -75,34 +75,36 @@ class ActorStoppedError(RuntimeError):
 
 
 class ActorRef(Protocol):
-    """Where to send messages to one actor. Thread-safe; nothing here blocks."""
+    """Where to send messages to one actor. Thread-safe, and nothing here blocks."""
 
     name: str
 
     def tell(self, message: object) -> None:
-        """Queue ``message``; the actor handles it after everything queued before it."""
+        """Queue ``message``. The actor handles it after everything queued before it."""
         ...
 
     def claim(self) -> bool:
         """Take the actor's turn for the calling thread if the actor is idle.
 
-        Idle: no handler running and every message told to it handled. True:
-        the caller holds the turn and must call :meth:`run_claimed` exactly
-        once; until then the actor handles nothing else. False: nothing
-        changed (the caller should ``tell`` instead).
+        Idle means no handler running and every message told to it handled.
+        ``True`` means the caller holds the turn and must call :meth:`run_claimed`
+        exactly once. Until then the actor handles nothing else. ``False`` means
+        nothing changed, and the caller should ``tell`` instead.
         """
         ...
 
     def run_claimed(self, message: object, until: Callable[[], bool] | None = None) -> None:
-        """Handle ``message`` on the calling thread, then the messages told meanwhile, in
-        order, until ``until()`` is true (the caller's reply is in) or none is left (a
-        bounded number: :data:`~kvactors.actors.mailbox.CLAIM_FOLLOW_LIMIT`), then give the
-        turn back."""
+        """Handle ``message`` on the calling thread, then the messages told meanwhile, in order.
+
+        The messages told meanwhile run until ``until()`` is true (the caller's reply is in)
+        or none is left. Their number is bounded by
+        :data:`~kvactors.actors.mailbox.CLAIM_FOLLOW_LIMIT`. Then the turn is given back.
+        """
         ...
 
 
 def alone() -> bool:
-    """An ``until`` for :meth:`ActorRef.run_claimed`: the claimed message alone, nothing told meanwhile."""
+    """An ``until`` for :meth:`ActorRef.run_claimed` that runs the claimed message alone, nothing told meanwhile."""
     return True
 
 
@@ -140,15 +142,16 @@ class Runtime(Protocol):
         ...
 
     def wait(self, future: Reply[Any] | Future[Any], timeout_s: float | None) -> bool:
-        """Block until ``future`` is done or ``timeout_s`` passed; return whether done."""
+        """Block until ``future`` is done or ``timeout_s`` passed, and return whether it is done."""
         ...
 
     def stop(self, refs: list[ActorRef], timeout_s: float | None) -> list[str]:
         """Stop ``refs`` after the messages already queued to them, then the timers.
 
-        Returns the names of the actors that did not stop within ``timeout_s``
-        (stuck in a handler: they are left behind, and never block the
-        interpreter's exit)."""
+        Returns the names of the actors that did not stop within ``timeout_s``.
+        Those are stuck in a handler. They are left behind, and never block the
+        interpreter's exit.
+        """
         ...
 
 
@@ -163,12 +166,12 @@ def handles(*message_types: type) -> Callable[[Callable[..., None]], Callable[..
 
 
 class Actor:
-    """The logic of one actor: a message handler, free of threads and pykka.
+    """The logic of one actor, a message handler free of threads and pykka.
 
-    Subclasses mark their handlers with :func:`handles`; :meth:`deliver` runs
+    Subclasses mark their handlers with :func:`handles`. :meth:`deliver` runs
     the handler of a message's type. The runtime calls :meth:`deliver` for one
-    message at a time (on the actor's thread, or on a caller's that claimed
-    it), so a subclass needs no locks for its own state, but must not assume
+    message at a time, on the actor's thread or on a caller's that claimed it.
+    A subclass therefore needs no locks for its own state, but must not assume
     which thread it runs on.
     """
 
@@ -183,8 +186,11 @@ class Actor:
 
     @property
     def tracing(self) -> bool:
-        """Whether ``DEBUG`` events are kept now (asked at each use: a level set later counts at once); hot
-        paths skip building the ones that are not."""
+        """Whether ``DEBUG`` events are kept now.
+
+        It is asked at each use, so a level set later counts at once. Hot paths skip
+        building the events that are not kept.
+        """
         return self._enabled_for(_DEBUG)
 
     @property
@@ -212,9 +218,12 @@ class Actor:
         self.ref = ref
 
     def deliver(self, message: object) -> None:
-        """Handle one message, then :meth:`settle`. An ``Exception`` of either is contained (see the
-        module docstring); a ``BaseException`` that is not one (``KeyboardInterrupt``,
-        ``SystemExit``) propagates to the thread running the handler."""
+        """Handle one message, then :meth:`settle`.
+
+        An ``Exception`` of either is contained (see the module docstring). A
+        ``BaseException`` that is not one (``KeyboardInterrupt``, ``SystemExit``)
+        propagates to the thread running the handler.
+        """
         handler = self._handlers.get(type(message))
         try:
             if handler is None:
@@ -236,11 +245,13 @@ class Actor:
             )
 
     def settle(self) -> None:
-        """Called after every handler that returned, on the same turn: what must follow any message.
+        """Act on what must follow any message. Called after every handler that returned, on the same turn.
 
         An actor whose state has consequences that any handler may bring about
-        (a barrier now due, say) acts on them here, once, instead of at the end
-        of each handler. A failure here counts as the handler's."""
+        acts on them here, once, instead of at the end of each handler. A barrier
+        now due is one such consequence, and the next tick after one fired is
+        another. A failure here counts as the handler's.
+        """
 
     def on_stop(self) -> None:
         """Called once, after the last message."""

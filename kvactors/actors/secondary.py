@@ -1,16 +1,18 @@
 """The actor that owns one :class:`~kvactors.tiers.base.SecondaryTier` plugin.
 
-It calls the plugin's methods one at a time on its own thread, and turns
-everything the plugin does wrong into that tier's failure: an exception in
-``submit_*`` is a failed job, an exception in ``lookup`` a failed answer (a miss),
-an exception in a hook is logged and counted. Nothing a plugin raises reaches
-the supervisor or the other tiers.
+It calls the plugin's methods one at a time on its own thread. It turns
+everything the plugin does wrong into that tier's failure.
 
-The only sender of messages to this actor is the supervisor (see
-:mod:`kvactors.actors.supervisor` for why that matters), through a
-:class:`TierLink`. The actor takes the supervisor's ref in its constructor;
-the supervisor takes the actor's :class:`TierAddress` in its own and makes
-the link from it.
+* An exception in ``submit_*`` is a failed job.
+* An exception in ``lookup`` is a failed answer (a miss).
+* An exception in a hook is logged and counted.
+
+Nothing a plugin raises reaches the supervisor or the other tiers.
+
+The only sender of messages to this actor is the supervisor, through a
+:class:`TierLink` (:mod:`kvactors.actors.supervisor` says why that matters).
+The actor takes the supervisor's ref in its constructor. The supervisor takes
+the actor's :class:`TierAddress` in its own and makes the link from it.
 
 Lookups take a fast lane. A tier whose ``submit_*`` blocks (a call to a slow
 disk or server on the submit path) would otherwise make every lookup wait
@@ -20,19 +22,21 @@ the lane before each submit it runs. A lookup may overtake submits (it never
 submits anything, so the contract is unaffected) but never the
 ``on_new_request`` of its request.
 
-A tier's *inline* calls (:attr:`~kvactors.tiers.base.SecondaryTier.inline_calls`:
-the methods that never block) skip the hand-off when its actor is idle: the
-supervisor claims the actor and runs the call on its own thread (the
-primary's, or a caller's that claimed the primary), still alone and after
-everything sent before it. That is the tier's promise, and the one place
-where a tier can stall the primary and that thread: nothing can interrupt a
-call running there. A call that breaks it is caught afterwards: one
-that took longer than :data:`INLINE_LIMIT_S` is never run inline again
-(``inline_call_demoted``), so it can stall the primary once, not on every call.
+A tier's *inline* calls are the methods that never block
+(:attr:`~kvactors.tiers.base.SecondaryTier.inline_calls`). They skip the
+hand-off when the tier's actor is idle. The supervisor then claims the actor
+and runs the call on its own thread, which is the primary's or that of a
+caller that claimed the primary. The call still runs alone and after
+everything sent before it. Never blocking there is the tier's promise.
+It is the one place where a tier can stall the primary and that thread,
+since nothing can interrupt a call running there. A call that breaks the
+promise is caught afterwards. One that took longer than :data:`INLINE_LIMIT_S`
+is never run inline again (``inline_call_demoted``). It can therefore stall the
+primary once, not on every call.
 
 A plugin stuck inside any call (inline or not, on this actor's thread) never
-holds up the supervisor beyond a deadline: see "Nothing here waits for a tier
-without a deadline" in :mod:`kvactors.actors.supervisor`. This actor's
+holds up the supervisor beyond a deadline. "Nothing here waits for a tier
+without a deadline" in :mod:`kvactors.actors.supervisor` says how. This actor's
 answers to a supervisor that is gone (a stuck call that returned after
 ``stop()``) are dropped, not raised.
 """
@@ -59,9 +63,9 @@ from kvactors.types import JobResult, LookupResult, OffloadKey, ReqContext
 class LookupLane:
     """Lookups waiting for one tier actor, shared by their sender and that actor.
 
-    Thread-safe: one lock around every operation. (A bare ``deque`` is not
-    enough: ``deque.remove`` compares with ``==``, which runs Python code, and
-    an append from the other thread meanwhile makes it raise.)
+    Thread-safe, with one lock around every operation. A bare ``deque`` is not
+    enough. ``deque.remove`` compares with ``==``, which runs Python code, and
+    an append from the other thread meanwhile makes it raise.
     """
 
     __slots__ = ("_items", "_lock")
@@ -78,7 +82,7 @@ class LookupLane:
             self._items.append(lookup)
 
     def take(self, lookup: m.TierLookup) -> bool:
-        """Remove ``lookup`` (by identity); ``False`` if it was served already."""
+        """Remove ``lookup`` (by identity). ``False`` if it was served already."""
         with self._lock:
             for index, item in enumerate(self._items):
                 if item is lookup:
@@ -96,20 +100,25 @@ class LookupLane:
 
 
 INLINE_LIMIT_S = 0.25
-"""An inline call that took longer than this on the sender's thread is demoted:
-sent to the tier's thread from then on. (A call that keeps its promise takes
-microseconds; the margin is for a loaded machine's scheduling.)"""
+"""An inline call that took longer than this on the sender's thread is demoted.
+
+It is sent to the tier's thread from then on. A call that keeps its promise takes
+microseconds, and the margin is for a loaded machine's scheduling.
+"""
 
 
 @dataclass(frozen=True, slots=True)
 class TierAddress:
     """Where the supervisor reaches one tier actor, and what the tier declares. Immutable.
 
-    ``ref``: the actor's ref, made before the actor started. ``lane``: the actor's
-    lookup lane. ``wants_new_request`` / ``wants_touch``: whether the plugin
-    declares those optional hooks (:attr:`~kvactors.tiers.base.SecondaryTier.hooks`).
-    ``inline``: the plugin's methods that may run on the sender's thread
+    ``tier`` is the tier's name. ``ref`` is the actor's ref, made before the actor started.
+    ``lane`` is the actor's lookup lane.
+    ``wants_new_request`` and ``wants_touch`` say whether the plugin declares those optional hooks
+    (:attr:`~kvactors.tiers.base.SecondaryTier.hooks`).
+    ``inline`` holds the plugin's methods that may run on the sender's thread
     (:func:`~kvactors.tiers.base.inline_calls_of`).
+    ``max_inflight_jobs`` bounds the jobs the tier is sent and has not reported.
+    ``medium`` and ``locality`` are the tier's kind, which a request's ``kv_load_tiers`` selects by.
     """
 
     tier: str
@@ -118,6 +127,9 @@ class TierAddress:
     wants_new_request: bool
     wants_touch: bool
     inline: frozenset[InlineCall]
+    max_inflight_jobs: int
+    medium: str
+    locality: str
 
 
 InlineCallBlocked = Callable[[str, str, float], None]
@@ -127,11 +139,11 @@ InlineCallBlocked = Callable[[str, str, float], None]
 class TierLink:
     """How the supervisor reaches one tier actor. Used by the supervisor's thread only.
 
-    Made by the supervisor from the tier's :class:`TierAddress`.
-    ``wants_new_request`` / ``wants_touch``: a hook message is not worth sending
-    unless the plugin declares the hook. ``on_request_finished`` is always sent:
-    the actor logs its arrival for ``check-log``.
-    ``inline``: the plugin's methods run on the sender's thread when the actor is idle.
+    The supervisor makes it from the tier's :class:`TierAddress`.
+    ``wants_new_request`` and ``wants_touch`` say whether a hook message is worth
+    sending, which it is only if the plugin declares the hook.
+    ``on_request_finished`` is always sent, since the actor logs its arrival for ``check-log``.
+    ``inline`` holds the plugin's methods that run on the sender's thread when the actor is idle.
     One that overruns :data:`INLINE_LIMIT_S` there leaves the set, and ``on_blocked``
     is told.
     """
@@ -156,9 +168,11 @@ class TierLink:
             self.on_blocked(self.tier, call, took)
 
     def send(self, message: object, call: InlineCall) -> None:
-        """Send a hook or a submit (the plugin's method ``call``); if that method is
-        inline and the actor idle, run it here (a claim: alone, after everything
-        sent to the tier before)."""
+        """Send a hook or a submit, which the plugin's method ``call`` handles.
+
+        If that method is inline and the actor idle, it runs here instead. That is a
+        claim, so it runs alone and after everything sent to the tier before.
+        """
         if call in self.inline and self.ref.claim():
             self._run_inline(message, call)
         else:
@@ -169,10 +183,10 @@ class TierLink:
         """Ask the tier about ``keys``.
 
         A tier whose lookup is inline and whose actor is idle answers here, on the
-        caller's thread (a claim: alone, after everything sent to the tier
-        before): ``(True, answer)``, the answer ``None`` if the tier failed.
-        Otherwise the lookup is sent, ``(False, None)`` is returned, and the
-        answer comes back as a :class:`~kvactors.actors.messages.TierLookupAnswered`.
+        caller's thread. That is a claim, so it runs alone and after everything sent
+        to the tier before. It returns ``(True, answer)``, the answer ``None`` if the
+        tier failed. Otherwise the lookup is sent, and ``(False, None)`` is returned.
+        The answer then comes back as a :class:`~kvactors.actors.messages.TierLookupAnswered`.
         """
         if "lookup" in self.inline and self.ref.claim():
             answer: list[tuple[LookupResult, ...] | None] = []
@@ -185,13 +199,13 @@ class TierLink:
 
 
 class SecondaryTierActor(Actor):
-    """Runs one tier plugin; see the module docstring."""
+    """Runs one tier plugin, one call at a time (see the module docstring)."""
 
     def __init__(self, tier: SecondaryTier, *, supervisor: ActorRef, pool: torch.Tensor,
                  log: EventLogger | None = None) -> None:
-        """Attach the plugin to ``pool``; its reports go to ``supervisor``.
+        """Attach the plugin to ``pool``. Its reports go to ``supervisor``.
 
-        The plugin is attached here, before the actor starts: it gets no message before.
+        The plugin is attached here, before the actor starts, so it gets no message before.
         ``ValueError`` if the plugin's ``inline_calls`` or ``hooks`` name a method it lacks.
         """
         if log is not None:
@@ -210,11 +224,13 @@ class SecondaryTierActor(Actor):
 
     def address(self, ref: ActorRef) -> TierAddress:
         """This actor's address for the supervisor, reached at ``ref`` (its own, from the runtime)."""
-        return TierAddress(self.tier.name, ref, self._lane, self.wants_new_request, "touch" in self.hooks,
-                           self.inline)
+        tier = self.tier
+        return TierAddress(tier=tier.name, ref=ref, lane=self._lane, wants_new_request=self.wants_new_request,
+                           wants_touch="touch" in self.hooks, inline=self.inline,
+                           max_inflight_jobs=tier.max_inflight_jobs, medium=tier.medium, locality=tier.locality)
 
     def _report(self, result: JobResult) -> None:
-        """The plugin's ``report``: thread-safe, called from any thread."""
+        """The plugin's ``report``. Thread-safe, called from any thread."""
         if not isinstance(result, JobResult):
             self.log.error("job_report_invalid", tier=self.tier.name, value=repr(result))
             return
@@ -225,7 +241,7 @@ class SecondaryTierActor(Actor):
             self.log.info("report_after_stop", tier=self.tier.name, job_id=result.job_id)
 
     def _answer(self, message: object) -> None:
-        """Tell the supervisor; after ``stop()`` (a call stuck past it) there is nobody to tell."""
+        """Tell the supervisor. After ``stop()`` (a call stuck past it) there is nobody to tell."""
         with contextlib.suppress(ActorStoppedError):
             self.supervisor.tell(message)
 

@@ -1,51 +1,51 @@
-"""The lifecycle supervisor: every request's counts, every job, every tier call.
+"""The lifecycle supervisor keeps every request's counts, every job and every tier call.
 
 Why no submit can overtake a finish at any tier
 -----------------------------------------------
-pykka orders messages per sender only: two actors telling a third may be
+pykka orders messages per sender only. Two actors telling a third may be
 interleaved in any order. kvactors therefore never lets two actors talk to a
-secondary tier:
+secondary tier.
 
 1. The supervisor is the **only sender** to every tier actor. Submits
    (``submit_store`` for cascades, ``submit_load`` for promotions), hooks and
-   ``on_request_finished`` all leave from this one actor, so each tier receives
-   them in exactly the order the supervisor sent them.
+   ``on_request_finished`` all leave from this one actor. Each tier therefore
+   receives them in exactly the order the supervisor sent them.
 2. The supervisor sends ``on_request_finished(ctx)`` only from
-   :meth:`LifecycleSupervisor._maybe_finalize_request`, when
+   :meth:`LifecycleSupervisor._maybe_finalize_request`. It does so when
    :meth:`~kvactors.core.lifecycle.LifecycleTable.maybe_finalize` finds the
-   request finished and nothing counted that could still produce a submit:
-   no pending primary store (each may cascade when it completes), no secondary
-   lookup in progress (each may promote), no promotion allocated or queued but
-   unsent, no cascade parked for a tier slot. After that the request's state
-   is gone, and the job book refuses any job whose request has no state
-   (:attr:`~kvactors.core.jobbook.Step.REFUSED`).
+   request finished and nothing counted that could still produce a submit.
+   That means no pending primary store (each may cascade when it completes)
+   and no secondary lookup in progress (each may promote). It also means no
+   promotion allocated or queued but unsent, and no cascade parked for a tier
+   slot. After that the request's state is gone. The job book refuses any job
+   whose request has no state (:attr:`~kvactors.core.jobbook.Step.REFUSED`).
 3. Those counts are fed by the primary, which is also a single sender. Its
    "request finished" carries the number of the request's stores still
-   pending at that moment, and it reports every completion or deadline that
-   ends one of them afterwards. The primary rejects every submit call after
-   a finish, so no new pending store can appear once the finish is sent, and
-   before the finish nothing can finalize, so the count is not needed sooner.
-   A request's state opens with the primary's first fact about it (flagged
-   ``opens``; a separate "request started" only when a tier wants that
-   hook), so a fact without the flag for a request with no state is about a
-   request already finalized, and the job book still refuses its jobs.
+   pending at that moment. Afterwards it reports every completion or deadline
+   that ends one of them. The primary rejects every submit call after a
+   finish, so no new pending store can appear once the finish is sent. Before
+   the finish nothing can finalize, so the count is not needed sooner.
+   A request's state opens with the primary's first fact about it, flagged
+   ``opens``. A separate "request started" is sent only when a tier wants that
+   hook. A fact without the flag for a request with no state is therefore about
+   a request already finalized, and the job book still refuses its jobs.
 
-The supervisor runs colocated with the primary (one thread and mailbox, see
-:mod:`kvactors.actors.runtime`): that orders the two actors' messages
-further, removing interleavings; the argument above needs none of them.
+The supervisor runs colocated with the primary, on one thread and mailbox (see
+:mod:`kvactors.actors.runtime`). That orders the two actors' messages further
+and removes interleavings. The argument above needs none of them.
 
 Hence at every tier, for every request attempt, every submit is processed
 before the one ``on_request_finished``, and none after it. State is keyed by
 ``(req_id, attempt)``, so a late completion of a preempted attempt never
 touches the next attempt's counts (vLLM #51637).
 
-Everything else here serves the same contract: deadlines fail jobs that are
-not reported in time (their rows stay held until the late report, since the
-tier may still be touching them), per-tier queues bound the jobs in flight,
-and ``reset_cache`` zeroes the counts and finalizes finished requests while
+Everything else here serves the same contract. Deadlines fail jobs that are
+not reported in time. Their rows stay held until the late report, since the
+tier may still be touching them. Per-tier queues bound the jobs in flight.
+``reset_cache`` zeroes the counts and finalizes finished requests while
 in-flight jobs drain.
 
-The books are plain classes in ``kvactors/core/``; this actor routes facts to
+The books are plain classes in ``kvactors/core/``. This actor routes facts to
 them and performs the steps they return.
 
 * :mod:`~kvactors.core.jobbook` keeps the queues, slots, deadlines, held jobs and report routing.
@@ -55,6 +55,7 @@ them and performs the steps they return.
 * :mod:`~kvactors.core.barriers` keeps the ``wait_idle`` barriers until no work holds them.
 * :mod:`~kvactors.core.resets` keeps the ``reset_cache`` calls until their jobs and round are over.
 * :mod:`~kvactors.core.shutdown` keeps the stop's phases (drain, the tiers' round, the reply).
+* :mod:`~kvactors.core.alarm` keeps the next tick, armed for the soonest deadline of all the books.
 
 What any handler may bring about is acted on in one place,
 :meth:`LifecycleSupervisor.settle`, which the runtime calls after every
@@ -65,20 +66,26 @@ therefore never checks them itself, and a new one cannot forget to.
 Nothing here waits for a tier without a deadline
 ------------------------------------------------
 A tier's actor may be stuck inside one of its plugin's calls for minutes. Every
-round through the tiers (a *gather*: events, barrier, shutdown) and every
-lookup therefore has a deadline, and a :class:`~kvactors.core.tierwatch.TierWatch`
-keeps the books of what each tier owes: a tier that owes an answer and has
-given none for ``transfer_timeout_s`` is *stuck* (``tier_stuck`` in the log,
-``tiers_stuck`` and ``tier_stuck.<name>`` in the stats). A stuck tier is left
-out of what waits on it: open gathers and lookups go on without it, later
-ones do not wait for it at all (a caller polling ``take_events`` every step
-pays nothing for it), its lookups are ``RETRY``, its queued jobs and new jobs
-fail at once without being sent (no row is held for it), and the jobs it was
-given time out as any other. Its hooks and finishes are still sent: the
-contract holds at that tier too once it moves again. Its first answer is
-``tier_unstuck``; its late answers are accounted for (events a late gather
-brings are handed out by the next ``take_events``; late reports release
-their rows as before).
+round through the tiers (a *gather* of events, a barrier or the shutdown) and
+every lookup therefore has a deadline. A :class:`~kvactors.core.tierwatch.TierWatch`
+keeps the books of what each tier owes. A tier that owes an answer and has
+given none for ``transfer_timeout_s`` is *stuck*. The log says ``tier_stuck``,
+and the stats count it in ``tiers_stuck`` and ``tier_stuck.<name>``.
+
+A stuck tier is left out of what waits on it.
+
+* Open gathers and lookups go on without it.
+* Later ones do not wait for it at all, so a caller polling ``take_events``
+  every step pays nothing for it.
+* Its lookups are ``RETRY``.
+* Its queued jobs and new jobs fail at once without being sent, so no row is
+  held for it.
+* The jobs it was given time out as any other.
+
+Its hooks and finishes are still sent, so the contract holds at that tier too
+once it moves again. Its first answer is logged as ``tier_unstuck``. Its late
+answers are accounted for. Events a late gather brings are handed out by the
+next ``take_events``, and late reports release their rows as before.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ from kvactors.actors.reply import Reply
 from kvactors.actors.runtime import Actor, ActorRef, handles
 from kvactors.actors.secondary import TierAddress, TierLink
 from kvactors.core import counters
+from kvactors.core.alarm import Alarm
 from kvactors.core.barriers import BarrierBook
 from kvactors.core.errors import LifecycleError
 from kvactors.core.gathers import Gather, GatherBook, GatherKind
@@ -111,33 +119,42 @@ from kvactors.tiers.base import InlineCall
 from kvactors.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, TransferJob
 
 GatherDone = Callable[[dict[str, tuple[Any, ...]], frozenset[str]], None]
-"""Called once a gather ends: the tiers' payloads, and the tiers that did not answer in time."""
+"""Called once a gather ends, with the tiers' payloads and the tiers that did not answer in time."""
 
 
 class LifecycleSupervisor(Actor):
-    """The supervisor: owns the lifecycle table and the job, lookup, gather, barrier, reset and
-    stop books, and routes messages between them, the primary and the tiers. Runs on one actor;
-    see the module docstring."""
+    """The supervisor owns the lifecycle table and the job, lookup, gather, barrier, reset and stop books.
+
+    It routes messages between them, the primary and the tiers. It runs on one actor, so one
+    handler at a time touches its state. The module docstring says why it is built this way.
+    """
 
     name = "supervisor"
 
-    def __init__(self, *, primary: ActorRef, tiers: Sequence[TierAddress], tier_limits: Sequence[tuple[str, int]],
-                 transfer_timeout_s: float, lookup_timeout_s: float, log: EventLogger | None = None,
-                 tier_kinds: dict[str, tuple[str, str]] | None = None) -> None:
-        """``primary``: the primary's ref. ``tiers``: each tier actor's address, linked here."""
+    def __init__(self, *, primary: ActorRef, tiers: Sequence[TierAddress], transfer_timeout_s: float,
+                 lookup_timeout_s: float, log: EventLogger | None = None) -> None:
+        """Build the books for ``tiers`` and link each tier.
+
+        ``primary`` is the primary's ref. ``tiers`` holds each tier actor's address, in the tiers' order.
+        ``ValueError`` if two addresses name the same tier.
+        """
+        names = [address.tier for address in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each tier must have one address, got {names}")
         if log is not None:
             self.log = log
         self.table = LifecycleTable()
         self.transfer_timeout_s = transfer_timeout_s
         self.lookup_timeout_s = lookup_timeout_s
         self._shortest_timeout = min(transfer_timeout_s, lookup_timeout_s)
-        self.tier_order = tuple(name for name, _ in tier_limits)
-        # Each tier's (medium, locality), for the requests' kv_load_tiers; default STORAGE/LOCAL.
-        self.tier_kinds = {name: (tier_kinds or {}).get(name, ("STORAGE", "LOCAL")) for name in self.tier_order}
+        self.tier_order = tuple(names)
+        # Each tier's (medium, locality), for the requests' kv_load_tiers.
+        self.tier_kinds = {address.tier: (address.medium, address.locality) for address in tiers}
         self.primary = primary
         self.tiers = {address.tier: TierLink(address, self._inline_call_blocked) for address in tiers}
         self.epoch = 0
-        self.jobs = JobBook(tier_limits, transfer_timeout_s, live=lambda ctx: ctx in self.table)
+        self.jobs = JobBook([(address.tier, address.max_inflight_jobs) for address in tiers], transfer_timeout_s,
+                            live=lambda ctx: ctx in self.table)
         self.lookups: LookupBook[Reply[list[LookupResult]]] = LookupBook(self.tier_order, lookup_timeout_s)
         self.gathers: GatherBook[GatherDone] = GatherBook()
         self.quarantine = PromotionQuarantine()
@@ -145,20 +162,19 @@ class LifecycleSupervisor(Actor):
         self.resets: ResetBook[Reply[None]] = ResetBook()
         self.shutdown: Shutdown[Reply[None]] = Shutdown()
         self._watch = TierWatch(self.tier_order, transfer_timeout_s)
-        self._timer_due: float | None = None
-        self._rearm_timer = False  # a tick fired: settle arms the next one
+        self.alarm = Alarm(self._wake_at)
         self.counters = counters.SupervisorCounters(self.tier_order)  # stats() and metrics derive from these
         self._stats = StatsBook(self.tier_order, self.table, self.jobs, self.lookups, self.quarantine, self._watch,
                                 self.counters)
 
     def _inline_call_blocked(self, tier: str, call: str, seconds: float) -> None:
-        """A call the tier declared inline took ``seconds`` on this thread: it is not inline any more."""
+        """A call the tier declared inline took ``seconds`` on this thread, so it is not inline any more."""
         self.counters.inline_calls_demoted += 1
         self.log.warning("inline_call_demoted", tier=tier, call=call, seconds=round(seconds, 3))
 
     @property
     def stopping(self) -> bool:
-        """A stop was asked: new lookups and jobs are not taken."""
+        """Whether a stop was asked. New lookups and jobs are not taken then."""
         return self.shutdown.stopping
 
     # ------------------------------------------------------------ after every message
@@ -166,16 +182,19 @@ class LifecycleSupervisor(Actor):
     def settle(self) -> None:
         """What any handler may have brought about, acted on once after each message.
 
-        Barriers now due get their round through the tiers, a stop with nothing
-        left to wait for begins its shutdown round, and after a tick the next one
-        is armed. Barriers come before the stop, whose end answers the rest."""
+        Barriers now due get their round through the tiers. A stop with nothing
+        left to wait for begins its shutdown round. After a tick, the alarm is
+        armed for the soonest deadline of all the books. Barriers come before the
+        stop, whose end answers the rest.
+        """
         if self.barriers:
             self._start_due_barriers()
         if self.shutdown.awaits_round:
             self._begin_shutdown_round()
-        if self._rearm_timer:
-            self._rearm_timer = False
-            self._arm_timer()
+        if self.alarm.fired:
+            self.alarm.rearm((self.jobs.next_deadline(), self.lookups.next_deadline(),
+                              self.gathers.next_deadline(), self._watch.next_deadline(),
+                              self.shutdown.timer_deadline()))
 
     # ------------------------------------------------------------ the finalize decision
 
@@ -215,10 +234,10 @@ class LifecycleSupervisor(Actor):
                 self.tiers[tier].send(m.TierNewRequest(msg.ctx), "on_new_request")
 
     def _open(self, ctx: ReqContext) -> None:
-        """The primary's first fact about ``ctx``: its state starts here."""
+        """The primary's first fact about ``ctx`` came, and its state starts here."""
         try:
             self.table.start(ctx)
-        except LifecycleError as exc:  # the primary announces each lifetime once: unreachable
+        except LifecycleError as exc:  # unreachable, since the primary announces each lifetime once
             self.internal_errors += 1
             self.log.error("invariant_broken", req_id=ctx.req_id, attempt=ctx.attempt, error=str(exc))
 
@@ -280,7 +299,7 @@ class LifecycleSupervisor(Actor):
         elif step is Step.QUEUED:
             self._count(ctx, entry.counter, +1)
             if entry.deadline is not None:
-                self._arm_timer(entry.deadline)
+                self.alarm.arm(entry.deadline)
             if self.tracing:
                 self.log.debug("job_queued", kind=entry.kind, job_id=entry.job_id, tier=entry.tier,
                                req_id=ctx.req_id, attempt=ctx.attempt)
@@ -305,7 +324,7 @@ class LifecycleSupervisor(Actor):
     def _send_job(self, entry: BookedJob) -> None:
         ctx = entry.job.req_context
         self.counters.job_started(entry.tier, entry.kind)
-        self._arm_timer(entry.deadline if entry.deadline is not None else entry.submitted_at + self.transfer_timeout_s)
+        self.alarm.arm(entry.deadline if entry.deadline is not None else entry.submitted_at + self.transfer_timeout_s)
         if self.tracing:
             self.log.debug(JOB_SUBMITTED[entry.kind], job_id=entry.job_id, tier=entry.tier, keys=len(entry.job.keys),
                            req_id=ctx.req_id, attempt=ctx.attempt)
@@ -313,14 +332,14 @@ class LifecycleSupervisor(Actor):
         self.tiers[entry.tier].send(m.TierSubmit(entry.job), call)
 
     def _end_unsubmitted(self, entry: BookedJob, reason: DropReason) -> None:
-        """A job that never reached its tier fails: release its rows at once."""
+        """A job that never reached its tier fails, and its rows are released at once."""
         self.counters.job_dropped(entry.tier, entry.kind)
         self.log.info("job_dropped", kind=entry.kind, job_id=entry.job_id, tier=entry.tier, reason=reason,
                       req_id=entry.job.req_context.req_id, attempt=entry.job.req_context.attempt)
         self.primary.tell(m.JobEnded(entry.job_id, entry.job.is_promotion, success=False, hold=False))
 
     def _drop_queued(self, reason: DropReason, tiers: Sequence[str] | None = None) -> list[ReqContext]:
-        """Fail every job still waiting for a slot at ``tiers`` (default: all); returns their requests."""
+        """Fail every job still waiting for a slot at ``tiers`` (all tiers by default), and return their requests."""
         touched = []
         for entry in self.jobs.drop_queued(tiers):
             self._count(entry.job.req_context, entry.counter, -1)
@@ -329,7 +348,7 @@ class LifecycleSupervisor(Actor):
         return touched
 
     def _job_over(self, job_id: int) -> None:
-        """A job sent to its tier ended (reported or timed out): the resets waiting on it hear."""
+        """A job sent to its tier ended, reported or timed out. The resets waiting on it hear of it."""
         self._answer_resets(self.resets.job_over(job_id))
 
     @handles(m.JobReported)
@@ -374,7 +393,7 @@ class LifecycleSupervisor(Actor):
         self._take_steps(report.steps)
 
     def _back_off(self, entry: BookedJob, keys: Sequence[OffloadKey]) -> None:
-        """Promotions of ``keys`` from ``entry``'s tier failed: that tier is not asked for them for a while."""
+        """Promotions of ``keys`` from ``entry``'s tier failed, so that tier is not asked for them for a while."""
         if not keys:
             return
         now = self.runtime.now()
@@ -383,7 +402,7 @@ class LifecycleSupervisor(Actor):
                       backoff_s=backoff)
 
     def _time_out(self, entry: BookedJob) -> None:
-        """A job past its deadline failed (the book holds it until its late report): its rows stay held."""
+        """A job past its deadline failed. The book holds it until its late report, and its rows stay held."""
         now = self.runtime.now()
         self.counters.job_ended(entry.tier, entry.kind, JobOutcome.TIMED_OUT, 0, now - entry.submitted_at)
         if entry.job.is_promotion:
@@ -425,7 +444,7 @@ class LifecycleSupervisor(Actor):
             return
         # The other answers are messages to this actor: they come after this handler.
         self.lookups.wait(pending, now)
-        self._arm_timer(now + self._shortest_timeout)  # the lookup's deadline, or a tier's stuck one
+        self.alarm.arm(now + self._shortest_timeout)  # the lookup's deadline, or a tier's stuck one
 
     def _excluded_tiers(self, ctx: ReqContext) -> tuple[str, ...]:
         """The tiers ``ctx``'s ``kv_load_tiers`` leaves out (its ignored values were logged at its start)."""
@@ -442,8 +461,10 @@ class LifecycleSupervisor(Actor):
             self._resolve_lookup(pending)
 
     def _resolve_lookup(self, pending: PendingLookup[Reply[list[LookupResult]]], *, promote: bool = True) -> None:
-        """Combine the tiers' answers (:meth:`~kvactors.core.lookupbook.LookupBook.resolve`);
-        ask the primary to allocate promotions, if any, else answer the frontend."""
+        """Combine the tiers' answers (:meth:`~kvactors.core.lookupbook.LookupBook.resolve`).
+
+        With promotions to start, ask the primary to allocate them. Otherwise answer the frontend.
+        """
         self.counters.answered(pending.answers)
         blocked = None
         if self.quarantine:  # a tier's HIT for a key it failed to promote lately is taken as a MISS
@@ -480,35 +501,13 @@ class LifecycleSupervisor(Actor):
 
     # ------------------------------------------------------------ deadlines
 
-    def _arm_timer(self, deadline: float | None = None) -> None:
-        """Make sure a tick comes by every deadline in the books.
-
-        ``deadline``: one just added to a book. Every deadline already there has a
-        tick due by it, so a tick due by this one is all it needs: no book is read
-        (this runs for every job sent). ``None``: after a tick, the next one is
-        armed for the soonest deadline of all the books."""
-        due = self._timer_due
-        if deadline is not None:
-            if due is not None and due <= deadline:
-                return
-        else:
-            deadlines = [d for d in (self.jobs.next_deadline(), self.lookups.next_deadline(),
-                                     self.gathers.next_deadline(), self._watch.next_deadline())
-                         if d is not None]
-            stop_deadline = self.shutdown.timer_deadline()
-            if stop_deadline is not None:
-                deadlines.append(stop_deadline)
-            if not deadlines:
-                return
-            deadline = min(deadlines)
-            if due is not None and due <= deadline:
-                return
-        self._timer_due = deadline
+    def _wake_at(self, deadline: float) -> None:
+        """The alarm's wake-up, a tick to this actor at ``deadline``."""
         self.runtime.call_later(deadline - self.runtime.now(), self.ref, m.Tick())
 
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
-        self._timer_due = None
+        self.alarm.fire()  # settle arms the next tick, once this one's consequences are in the books
         now = self.runtime.now()
         for tier in self._watch.due(now):
             self._tier_stuck(tier, now)
@@ -526,12 +525,11 @@ class LifecycleSupervisor(Actor):
             # and promotions the primary has not allocated yet are not waited for. Every job is timed
             # out before the stop may go on: its answer lets stop() close the mailbox these tells use.
             self._take_steps(self.jobs.time_out_all(now))
-        self._rearm_timer = True  # by settle, once this tick's consequences are in the books
 
     # ------------------------------------------------------------ stuck tiers
 
     def _tier_stuck(self, tier: str, now: float) -> None:
-        """``tier`` owes answers and gave none for ``transfer_timeout_s``: go on without it."""
+        """``tier`` owes answers and gave none for ``transfer_timeout_s``, so everything goes on without it."""
         self.log.warning("tier_stuck", tier=tier, silent_s=round(self._watch.silent_for(tier, now), 3),
                          owed=self._watch.owed(tier), jobs_in_flight=self.jobs.in_flight(tier))
         for gather in self.gathers.tier_stuck(tier):
@@ -542,13 +540,13 @@ class LifecycleSupervisor(Actor):
             self._maybe_finalize_request(ctx)
 
     def _heard_from(self, tier: str, probe: tuple[str, int]) -> None:
-        """An answer from ``tier``'s actor: it is moving."""
+        """An answer came from ``tier``'s actor, so it is moving."""
         now = self.runtime.now()
         silent = self._watch.answered(tier, probe, now)
         if silent is not None:
             self.log.warning("tier_unstuck", tier=tier, silent_s=round(silent, 3))
-        if self._watch.owed(tier):  # its clock restarted: a new deadline to be found stuck by
-            self._arm_timer(now + self.transfer_timeout_s)
+        if self._watch.owed(tier):  # its clock restarted, with a new deadline to be found stuck by
+            self.alarm.arm(now + self.transfer_timeout_s)
 
     # ------------------------------------------------------------ whole-runtime operations
 
@@ -588,13 +586,15 @@ class LifecycleSupervisor(Actor):
 
     def _gather(self, what: GatherKind, on_done: GatherDone, *, drain_timeout_s: float | None = None,
                 deadline: float | None = None, patient: bool = False) -> None:
-        """One round through the tiers: ``on_done`` once each answered, or was found
-        stuck, or ``deadline`` (default: ``transfer_timeout_s`` from now) passed.
+        """One round through the tiers, ended by ``on_done``.
 
-        A tier already stuck is not waited for (it is in ``missing`` at once); it
-        is sent only a shutdown (so that it shuts down if it ever moves again).
-        ``patient``: no deadline, and every tier is waited for, stuck or not (a
-        caller's own timeout bounds it: ``wait_idle``)."""
+        The round ends once each tier answered or was found stuck, or once ``deadline``
+        passed. The default deadline is ``transfer_timeout_s`` from now.
+        A tier already stuck is not waited for, and it is in ``missing`` at once.
+        It is sent only a shutdown, so that it shuts down if it ever moves again.
+        A ``patient`` round has no deadline and waits for every tier, stuck or not.
+        Its caller's own timeout bounds it (``wait_idle``).
+        """
         stuck = () if patient else self._watch.stuck()
         gather = self.gathers.begin(what, on_done, waiting=(t for t in self.tier_order if t not in stuck),
                                     missing=stuck, patient=patient)
@@ -607,14 +607,14 @@ class LifecycleSupervisor(Actor):
             if tier not in stuck:
                 self._watch.asked(tier, probe, now)
         if gather.waiting:  # each asked tier may be found stuck by now + transfer_timeout_s
-            self._arm_timer(now + self.transfer_timeout_s)
+            self.alarm.arm(now + self.transfer_timeout_s)
         if not gather.waiting:
             self._end_gather(gather)
             return
         due = None if patient else now + self.transfer_timeout_s if deadline is None else deadline
         self.gathers.wait(gather, due)
         if due is not None:
-            self._arm_timer(due)
+            self.alarm.arm(due)
 
     def _end_gather(self, gather: Gather[GatherDone]) -> None:
         if not self.gathers.end(gather):
@@ -667,7 +667,7 @@ class LifecycleSupervisor(Actor):
         self.log.info("runtime_stopping", jobs_in_flight=self.jobs.in_flight(),
                       active_requests=len(self.table), budget_s=msg.budget_s,
                       tiers_stuck=",".join(self._watch.stuck()))
-        self._arm_timer(deadline)
+        self.alarm.arm(deadline)
 
     def _begin_shutdown_round(self) -> None:
         """The tiers' shutdown round, once the stop waits for nothing more (:mod:`kvactors.core.shutdown`)."""
