@@ -42,7 +42,7 @@ if [ -n "$vllm_setup" ]; then
   suite vllm-imports env VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python -c "import vllm.v1.core.sched.scheduler"
   suite vllm-imports .venv-vllmcpu032/bin/python -c "import vllm.v1.core.sched.scheduler"
   suite vllm033 env VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python -m pytest -q tests/vllm/test_scheduler_033.py tests/vllm/test_stats_033.py \
-    tests/vllm/test_no_leaks_033.py tests/vllm/test_engine_config_033.py tests/vllm/test_controls_033.py
+    tests/vllm/test_no_leaks_033.py tests/vllm/test_engine_config_033.py tests/vllm/test_controls_033.py tests/vllm/test_attempts_033.py
   suite vllmcpu032 .venv-vllmcpu032/bin/python -m pytest -q tests/vllm/test_engine_032.py tests/vllm/test_bench_vllm_032.py \
     tests/vllm/test_serve_032.py tests/vllm/test_serve_tokenizer_032.py tests/vllm/test_bench_serve_032.py \
     tests/vllm/test_chaos_serve_032.py

@@ -98,8 +98,27 @@ def test_a_new_attempt_keeps_the_completions_the_old_one_owes(tm):
     first.storing(first.ctx, {b"k": 3})
     requests.finish_attempt(first)
     second = requests.start_attempt("r", None)
-    assert second.ctx.attempt == first.ctx.attempt + 1 and second.stores == {b"k": (first.ctx, 3)}
+    assert second.ctx.attempt == first.ctx.attempt + 1 and second.stores == {b"k": [(first.ctx, 3)]}
     assert requests.current("r", None) is second and requests.counters["untracked_requests"] == 0
+
+
+def test_two_attempts_owing_a_store_of_one_key_are_matched_by_their_rows_copy_then_by_age(tm):
+    requests = Requests(tm, Counter())
+    first = requests.start_attempt("r", None)
+    first.storing(first.ctx, {b"k": 3})  # its store passed kvactors' deadline; its row stays held
+    requests.finish_attempt(first)
+    second = requests.start_attempt("r", None)
+    second.storing(second.ctx, {b"k": 5})
+    assert second.stores == {b"k": [(first.ctx, 3), (second.ctx, 5)]}  # the first one stays owed
+    assert second.take_store(b"k", lambda row: row == 5) == (second.ctx, 5)  # row 5's copy ended first
+    assert second.take_store(b"k", lambda row: False) == (first.ctx, 3) and not second.stores
+    second.storing(first.ctx, {b"k": 3})
+    second.storing(second.ctx, {b"k": 5})
+    assert second.take_store(b"k", lambda row: True) == (first.ctx, 3)  # both ended: the oldest
+    assert second.take_store(b"k") == (second.ctx, 5) and not second.stores
+    second.storing(first.ctx, {b"k": 3})
+    second.storing(second.ctx, {b"k": 5})
+    assert take_owed(second) == [("store", b"k", first.ctx, 3), ("store", b"k", second.ctx, 5)]
 
 
 def test_stale_stores_end_as_failed_after_the_flush_steps_without_a_fence(tm):

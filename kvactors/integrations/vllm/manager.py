@@ -340,8 +340,10 @@ class KvactorsOffloadingManager(OffloadingManager):
         with self._lock:
             req = self._requests.get(req_context.req_id)
             groups: dict[tuple[ReqContext, bool], list[OffloadKey]] = defaultdict(list)
+            # Two attempts may owe a store of one key: the report is for the one whose copy ended.
+            copy_ended = None if self.shared is None else self.shared.copy_ended
             for k in map(bytes, keys):
-                entry = req.take_store(k) if req is not None else None
+                entry = req.take_store(k, copy_ended) if req is not None else None
                 if entry is None:
                     continue  # already present when prepared, or stale after a reset
                 ctx, row = entry

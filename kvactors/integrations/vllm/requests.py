@@ -17,7 +17,7 @@ The exception is the body of :meth:`Requests.unlocked`, which releases that lock
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,9 @@ MAX_ATTEMPT_BUMPS = 64
 
 Pins = dict[OffloadKey, int]
 """Pinned pool rows by key: loads prepared inside kvactors that vLLM has not taken yet."""
+
+OwedStore = tuple[ReqContext, int]
+"""A store vLLM has yet to complete: the attempt that prepared it and its pool row."""
 
 
 @dataclass
@@ -54,9 +57,11 @@ class OwedCompletions:
 
     One object is shared by all attempts of a ``req_id``, so a late completion finds its entry
     whichever attempt is current.
+    A key may be owed by two attempts at once, oldest first.
+    That happens when an attempt's store passed kvactors' deadline and the next attempt stored the key again.
     """
 
-    stores: dict[OffloadKey, tuple[ReqContext, int]] = field(default_factory=dict)
+    stores: dict[OffloadKey, list[OwedStore]] = field(default_factory=dict)
     loads: dict[OffloadKey, list[ReqContext]] = field(default_factory=dict)
 
 
@@ -129,8 +134,8 @@ class Request:
         return self._pinned_since
 
     @property
-    def stores(self) -> Mapping[OffloadKey, tuple[ReqContext, int]]:
-        """The stores it owes a completion for: key -> (attempt, row)."""
+    def stores(self) -> Mapping[OffloadKey, list[OwedStore]]:
+        """The stores it owes a completion for: key -> (attempt, row) of each, oldest first."""
         return self._owed.stores
 
     @property
@@ -268,13 +273,29 @@ class Request:
         self.sure()
 
     def storing(self, ctx: ReqContext, rows: Mapping[OffloadKey, int]) -> None:
-        """vLLM stores ``rows`` (key -> pool row) for attempt ``ctx``: each owes a completion."""
-        for k, row in rows.items():
-            self._owed.stores[k] = (ctx, row)
+        """vLLM stores ``rows`` (key -> pool row) for attempt ``ctx``: each owes a completion.
 
-    def take_store(self, key: OffloadKey) -> tuple[ReqContext, int] | None:
-        """The attempt and row of ``key``'s store, which is completed now; None if none is owed."""
-        return self._owed.stores.pop(key, None)
+        A store still owed for a key by an earlier attempt stays owed: each is completed by its own report."""
+        for k, row in rows.items():
+            self._owed.stores.setdefault(k, []).append((ctx, row))
+
+    def take_store(self, key: OffloadKey, copy_ended: Callable[[int], bool] | None = None) -> OwedStore | None:
+        """The attempt and row of the store of ``key`` that vLLM completes now; None if none is owed.
+
+        vLLM's report names only the key.
+        When two attempts owe a store of it, the report is for the one whose row's copy ended
+        (``copy_ended(row)``, from the worker's status in shared memory), else for the oldest.
+        """
+        owed = self._owed.stores.get(key)
+        if not owed:
+            return None
+        i = 0
+        if len(owed) > 1 and copy_ended is not None:
+            i = next((j for j, (_, row) in enumerate(owed) if copy_ended(row)), 0)
+        store = owed.pop(i)
+        if not owed:
+            del self._owed.stores[key]
+        return store
 
     def take_load(self, key: OffloadKey) -> ReqContext | None:
         """The attempt of ``key``'s oldest load, which is completed now; None if none is owed."""
@@ -288,7 +309,8 @@ class Request:
 
     def take_owed(self) -> OwedCompletions:
         """Every completion still owed, taken from it (it owes nothing after)."""
-        owed = OwedCompletions(dict(self._owed.stores), {k: list(v) for k, v in self._owed.loads.items()})
+        owed = OwedCompletions({k: list(v) for k, v in self._owed.stores.items()},
+                               {k: list(v) for k, v in self._owed.loads.items()})
         self._owed.stores.clear()
         self._owed.loads.clear()
         return owed

@@ -373,6 +373,10 @@ class SharedPool:
         """True once every writer reported its bytes of ``row`` stored."""
         return bool((self.status[row] == STORE_OK).all())
 
+    def copy_ended(self, row: int) -> bool:
+        """True once every writer reported its copy into ``row`` ended, stored or failed."""
+        return bool((self.status[row] != STORE_PENDING).all())
+
     def close(self, *, unlink: bool) -> None:
         """Drop this mapping (the tensors must not be used after) and, with
         ``unlink``, remove the file (if its name is still this file's). Safe to call twice."""

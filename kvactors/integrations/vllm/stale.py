@@ -27,7 +27,7 @@ Entry = tuple[str, OffloadKey, ReqContext, int]
 def take_owed(req: Request) -> list[Entry]:
     """The stores and loads ``req`` still owes, taken from it (it owes nothing after)."""
     taken = req.take_owed()
-    owed: list[Entry] = [("store", k, ctx, row) for k, (ctx, row) in taken.stores.items()]
+    owed: list[Entry] = [("store", k, ctx, row) for k, stores in taken.stores.items() for ctx, row in stores]
     owed += [("load", k, ctx, -1) for k, ctxs in taken.loads.items() for ctx in ctxs]
     return owed
 
