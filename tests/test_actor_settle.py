@@ -35,13 +35,34 @@ class Settling(Actor):
             raise RuntimeError("settle failed")
 
 
-def test_settle_follows_every_handler_that_returned_and_no_failed_one():
+def test_settle_follows_every_handler_even_a_failed_one():
+    """A handler cut short may have brought consequences about (a tick fired its alarm): settle acts on them."""
     actor = Settling()
     actor.deliver(1)
-    actor.deliver(-1)  # the handler fails: contained, not settled (as a handler cut short never was)
+    actor.deliver(-1)  # the handler fails: contained, then settled
     actor.deliver(2)
-    assert actor.trace == ["handle 1", "settle", "handle 2", "settle"]
+    assert actor.trace == ["handle 1", "settle", "settle", "handle 2", "settle"]
     assert actor.internal_errors == 1
+
+
+def test_a_failed_handler_and_a_failed_settle_are_each_counted():
+    actor = Settling()
+    actor.fail_settle = True
+    actor.deliver(-1)
+    assert actor.trace == ["settle"] and actor.internal_errors == 2
+
+
+def test_each_contained_acts_on_every_item_and_counts_each_failure():
+    actor = Settling()
+    seen: list[int] = []
+
+    def act(value: int) -> None:
+        seen.append(value)
+        if value % 2:
+            raise ValueError("odd")
+
+    assert actor.each_contained(range(5), act, "Tick") == [1, 3]
+    assert seen == [0, 1, 2, 3, 4] and actor.internal_errors == 2
 
 
 def test_a_failed_settle_is_the_handlers_failure():

@@ -8,8 +8,9 @@ seeded scheduler and lists every tick the primary and the supervisor scheduled.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -17,6 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvactors import MemoryTier, ReqContext, TieringManager, TransferJob
 from kvactors.actors import messages as m
 from kvactors.actors.runtime import ActorRef
+from kvactors.core import pool as pool_module
+from kvactors.core import reservations as reservations_module
 from kvactors.core.alarm import Alarm
 from kvactors.testing import SimRuntime
 
@@ -189,3 +192,50 @@ def test_each_actor_schedules_one_tick_per_deadline_that_needs_one() -> None:
     runtime.run()
     assert runtime.wakes == [("supervisor", 5.0), ("primary", 30.0), ("supervisor", 30.0), ("primary", 31.0),
                              ("supervisor", 71.0)]
+
+
+def _raise_once(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[bool]:
+    """Make ``cls.name`` raise at its first call, as a bug met by a tick's handler would; the calls that raised."""
+    original: Callable = getattr(cls, name)
+    raised: list[bool] = []
+
+    def raising_once(self, *args):
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("planted: a bug met by a tick's handler")
+        return original(self, *args)
+
+    monkeypatch.setattr(cls, name, raising_once)
+    return raised
+
+
+def _two_stores_then_idle(runtime: SimRuntime) -> dict:
+    """Stores a (deadline 30) and b (deadline 40), never completed, then 100 idle seconds: the stats after."""
+    manager = TieringManager.start(num_blocks=8, block_bytes=16, transfer_timeout_s=30.0, runtime=runtime)
+    ctx = ReqContext("r")
+    manager.on_new_request(ctx)
+    assert manager.prepare_store([b"a" * 8], ctx) is not None
+    runtime.advance(10.0)
+    assert manager.prepare_store([b"b" * 8], ctx) is not None  # the tick at 30 covers it
+    runtime.advance(100.0)  # nothing else happens: only ticks can time the stores out
+    return manager.stats()
+
+
+def test_a_tick_handler_that_raised_still_arms_the_next_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next tick is armed in settle, which follows a handler that raised too (review2)."""
+    raised = _raise_once(monkeypatch, reservations_module.Reservations, "expire")  # first in the primary's tick
+    stats = _two_stores_then_idle(SimRuntime(3, time_jump_chance=0.0))
+    assert raised, "the tick at 30 ran"
+    # Store a's deadline stayed in the book, and the rearm's tick found it; store b's tick came at 40.
+    assert (stats["blocks_pending"], stats["stores_timed_out"], stats["internal_errors"]) == (0, 2, 1), stats
+
+
+def test_an_expired_store_whose_timeout_raised_is_tried_again_and_the_others_still_time_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deadline a book gave up is not lost when acting on it raises (review2)."""
+    cls = next(c for c in vars(pool_module).values() if isinstance(c, type) and "detach_writes" in vars(c))
+    raised = _raise_once(monkeypatch, cls, "detach_writes")  # store a's timeout, at 30
+    stats = _two_stores_then_idle(SimRuntime(3, time_jump_chance=0.0))
+    assert raised, "the tick at 30 ran"
+    # Store b timed out at 40; store a, tried again a timeout later (60), too. The failure is counted.
+    assert (stats["blocks_pending"], stats["stores_timed_out"], stats["internal_errors"]) == (0, 2, 1), stats

@@ -514,37 +514,54 @@ class PrimaryTier(Actor):
     @handles(m.Tick)
     def _on_tick(self, msg: m.Tick) -> None:
         self.alarm.fire()  # settle arms the next tick
-        for identity, reserved in self._reservations.expire(self.runtime.now()):
-            self._end_reservations(identity, reserved)
+        # An entry a book gives up here is acted on here only: one that raises must not drop the others.
+        self.each_contained(self._reservations.expire(self.runtime.now()),
+                            lambda expired_reservation: self._end_reservations(*expired_reservation), "Tick")
         expired: Counter[ReqContext] = Counter()
-        for ctx, keys, store_id in self._store_deadlines.pop_expired(self.runtime.now()):
-            live = self._requests.get(ctx.identity)
-            if live is not None:
-                live.store_deadlines.pop(store_id, None)  # withdrawn already if popped with an earlier one
-                # Only this store's own writes still pending: a key it failed or completed may
-                # be written again by a later store of the request, under that store's deadline.
-                of = live.store_of
-                keys = tuple(key for key in keys if of.get(key) == store_id)
-                for key in keys:
-                    del of[key]
-                if not of and live.store_deadlines:  # its last pending writes timed out here
-                    self._withdraw_store_deadlines(live)
-            detached = self.pool.detach_writes(ctx.identity, keys)
-            expired[ctx] += detached
-            self.counters.store_timed_out += detached > 0
-            self.counters.store_keys_timed_out += detached
-        for ctx, count in expired.items():
-            if not count:
-                continue  # every key of that store completed in time
-            self.log.warning(
-                "job_timed_out", kind="store", req_id=ctx.req_id, attempt=ctx.attempt, keys=count,
-                tier=PRIMARY_TIER_NAME
-            )
-            record = self._requests.get(ctx.identity)
-            if record is not None:
-                record.pending_stores -= count
-                if record.finished:
-                    self.supervisor.tell(m.StoresExpired(ctx, count))
+        failed = self.each_contained(self._store_deadlines.pop_expired(self.runtime.now()),
+                                     lambda entry: self._expire_store(entry, expired), "Tick")
+        # Its writes would stay pending for good: tried again a timeout later, each failure counted.
+        for entry in failed:
+            self._store_deadlines.add(entry, self.runtime.now() + self.transfer_timeout_s)
+        self.each_contained(expired.items(), lambda timed_out: self._stores_timed_out(*timed_out), "Tick")
+
+    def _expire_store(self, entry: StoreDeadline, expired: Counter[ReqContext]) -> None:
+        """A store's deadline passed: its writes still pending are detached, their rows held for their writer.
+
+        The count of keys detached is added to ``expired``.
+        The detach comes first, so a failure leaves the store's books as they were, to be tried again.
+        """
+        ctx, keys, store_id = entry
+        live = self._requests.get(ctx.identity)
+        if live is not None:
+            # Only this store's own writes still pending: a key it failed or completed may
+            # be written again by a later store of the request, under that store's deadline.
+            of = live.store_of
+            keys = tuple(key for key in keys if of.get(key) == store_id)
+        detached = self.pool.detach_writes(ctx.identity, keys)
+        if live is not None:
+            live.store_deadlines.pop(store_id, None)  # withdrawn already if popped with an earlier one
+            for key in keys:
+                del of[key]
+            if not of and live.store_deadlines:  # its last pending writes timed out here
+                self._withdraw_store_deadlines(live)
+        expired[ctx] += detached
+        self.counters.store_timed_out += detached > 0
+        self.counters.store_keys_timed_out += detached
+
+    def _stores_timed_out(self, ctx: ReqContext, count: int) -> None:
+        """``count`` of the request's keys timed out at this tick: they no longer count as its pending stores."""
+        if not count:
+            return  # every key of that store completed in time
+        self.log.warning(
+            "job_timed_out", kind="store", req_id=ctx.req_id, attempt=ctx.attempt, keys=count,
+            tier=PRIMARY_TIER_NAME
+        )
+        record = self._requests.get(ctx.identity)
+        if record is not None:
+            record.pending_stores -= count
+            if record.finished:
+                self.supervisor.tell(m.StoresExpired(ctx, count))
 
     # ------------------------------------------------------------ promotions and jobs
 

@@ -39,6 +39,9 @@ happened, except an interrupt of the process.
 * A handler's ``Exception`` is its failure, and :meth:`Actor.deliver` catches
   it. A failed ask gets the exception. A failed tell is logged and counted,
   and the actor lives on.
+  :meth:`Actor.settle` still follows it, so a tick cut short arms the next one.
+  Entries a book gave up at a tick are acted on one at a time
+  (:meth:`Actor.each_contained`), so one that raises is counted and the others go on.
 * A tier plugin's call is foreign code. Anything it raises is that tier's
   failure, ``SystemExit`` and ``KeyboardInterrupt`` included. It is logged and
   counted, a job it was running fails, and its actor catches it
@@ -59,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -67,6 +70,7 @@ from kvactors.actors.reply import Reply
 from kvactors.logs import EventLogger, null_logger
 
 M = TypeVar("M")
+T = TypeVar("T")
 _DEBUG = logging.DEBUG
 
 
@@ -218,34 +222,71 @@ class Actor:
         self.ref = ref
 
     def deliver(self, message: object) -> None:
-        """Handle one message, then :meth:`settle`.
+        """Handle one message, then :meth:`settle`, even after a handler that raised.
 
-        An ``Exception`` of either is contained (see the module docstring). A
-        ``BaseException`` that is not one (``KeyboardInterrupt``, ``SystemExit``)
-        propagates to the thread running the handler.
+        An ``Exception`` of either is contained (see the module docstring).
+        A handler that failed still leaves its consequences to :meth:`settle`.
+        So a tick whose handler raised part-way still arms the next one.
+        A ``BaseException`` that is not one (``KeyboardInterrupt``, ``SystemExit``)
+        propagates to the thread running the handler, with no :meth:`settle`.
         """
         handler = self._handlers.get(type(message))
         try:
             if handler is None:
                 raise TypeError(f"{self.name} has no handler for {type(message).__name__}")
             getattr(self, handler)(message)
+        except Exception as exc:
+            self._contain(message, exc)
+        try:
             self.settle()
         except Exception as exc:
-            reply = getattr(message, "reply", None)
-            if reply is not None and not reply.done():
-                reply.set_exception(exc)
-                return
-            self.internal_errors += 1
-            self.log.error(
-                "actor_handler_failed",
-                actor=self.name,
-                message=type(message).__name__,
-                error=repr(exc),
-                traceback=traceback.format_exc(),
-            )
+            self._contain(message, exc)
+
+    def _contain(self, message: object, exc: Exception) -> None:
+        """``message``'s handling failed with ``exc``.
+
+        An ask not answered yet gets the exception.
+        Otherwise it is an internal error, counted and logged.
+        """
+        reply = getattr(message, "reply", None)
+        if reply is not None and not reply.done():
+            reply.set_exception(exc)
+            return
+        self.count_internal_error(type(message).__name__, exc)
+
+    def each_contained(self, items: Iterable[T], act: Callable[[T], object], what: str) -> list[T]:
+        """Call ``act`` on each of ``items``; returns the items whose call raised an ``Exception``.
+
+        Each such failure is counted and logged as an internal error (:meth:`count_internal_error`).
+        The items after it are still acted on.
+        It is for entries a book has given up already (expired at a tick), which nothing else would act on.
+        ``what`` names the message being handled, for the log.
+        """
+        failed = []
+        for item in items:
+            try:
+                act(item)
+            except Exception as exc:
+                self.count_internal_error(what, exc)
+                failed.append(item)
+        return failed
+
+    def count_internal_error(self, what: str, exc: Exception) -> None:
+        """Count and log ``exc``, a failure inside this actor while it handled ``what``.
+
+        Call it from an ``except`` block, so that the traceback is the failure's.
+        """
+        self.internal_errors += 1
+        self.log.error(
+            "actor_handler_failed",
+            actor=self.name,
+            message=what,
+            error=repr(exc),
+            traceback=traceback.format_exc(),
+        )
 
     def settle(self) -> None:
-        """Act on what must follow any message. Called after every handler that returned, on the same turn.
+        """Act on what must follow any message. Called after every handler, even one that raised, on the same turn.
 
         An actor whose state has consequences that any handler may bring about
         acts on them here, once, instead of at the end of each handler. A barrier

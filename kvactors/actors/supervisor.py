@@ -509,22 +509,26 @@ class LifecycleSupervisor(Actor):
     def _on_tick(self, msg: m.Tick) -> None:
         self.alarm.fire()  # settle arms the next tick, once this one's consequences are in the books
         now = self.runtime.now()
-        for tier in self._watch.due(now):
-            self._tier_stuck(tier, now)
-        for gather in self.gathers.expire(now):
-            self.log.warning("gather_timed_out", what=gather.what, tiers=",".join(sorted(gather.waiting)))
-            self._end_gather(gather)
-        self._take_steps(self.jobs.expire(now))
-        for pending in self.lookups.expire(now):
-            self.counters.lookups_timed_out += 1
-            self.log.warning("lookup_timed_out", req_id=pending.ctx.req_id, attempt=pending.ctx.attempt,
-                             tiers=",".join(sorted(pending.waiting)))
-            self._resolve_lookup(pending)
+        # An entry a book gives up here is acted on here only: one that raises must not drop the others.
+        self.each_contained(self._watch.due(now), lambda tier: self._tier_stuck(tier, now), "Tick")
+        self.each_contained(self.gathers.expire(now), self._gather_timed_out, "Tick")
+        self.each_contained(self.jobs.expire(now), lambda step: self._take_step(*step), "Tick")
+        self.each_contained(self.lookups.expire(now), self._lookup_timed_out, "Tick")
         if self.shutdown.out_of_time(now):
             # The stop's budget is spent: what is still in flight fails now, as at its own deadline,
             # and promotions the primary has not allocated yet are not waited for. Every job is timed
             # out before the stop may go on: its answer lets stop() close the mailbox these tells use.
-            self._take_steps(self.jobs.time_out_all(now))
+            self.each_contained(self.jobs.time_out_all(now), lambda step: self._take_step(*step), "Tick")
+
+    def _gather_timed_out(self, gather: Gather[GatherDone]) -> None:
+        self.log.warning("gather_timed_out", what=gather.what, tiers=",".join(sorted(gather.waiting)))
+        self._end_gather(gather)
+
+    def _lookup_timed_out(self, pending: PendingLookup[Reply[list[LookupResult]]]) -> None:
+        self.counters.lookups_timed_out += 1
+        self.log.warning("lookup_timed_out", req_id=pending.ctx.req_id, attempt=pending.ctx.attempt,
+                         tiers=",".join(sorted(pending.waiting)))
+        self._resolve_lookup(pending)
 
     # ------------------------------------------------------------ stuck tiers
 
