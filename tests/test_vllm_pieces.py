@@ -138,6 +138,25 @@ def test_stale_stores_end_as_failed_after_the_flush_steps_without_a_fence(tm):
     assert tm.stats()["blocks_pending"] == 0
 
 
+def test_stale_stores_complete_a_key_an_attempt_wrote_twice_once_a_call():
+    """An attempt whose store of a key passed the deadline may store it again: each write is completed."""
+    calls: list[tuple[str, list[bytes], int]] = []
+
+    class Recording:
+        def complete_store(self, keys, ctx, success):
+            calls.append(("store", list(keys), ctx.attempt))
+
+        def complete_load(self, keys, ctx):
+            calls.append(("load", list(keys), ctx.attempt))
+
+    first, second = ReqContext("r", 0), ReqContext("r", 1)
+    stale = StaleJobs(Recording(), has_reset_fence=True, flush_steps=1)  # type: ignore[arg-type]
+    stale.add("reset", [("store", b"k", first, 3), ("store", b"j", first, 4), ("store", b"k", first, 5),
+                        ("store", b"k", second, 6), ("load", b"j", second, -1)])
+    stale.release()
+    assert calls == [("store", [b"k", b"j"], 0), ("store", [b"k"], 0), ("store", [b"k"], 1), ("load", [b"j"], 1)]
+
+
 def test_with_the_fence_stale_jobs_wait_for_release(tm):
     stale = StaleJobs(tm, has_reset_fence=True, flush_steps=1)
     stale.add("reset", [])

@@ -91,3 +91,29 @@ def test_each_attempts_store_of_one_key_is_completed_by_its_own_report(tmp_path,
         assert mgr.stats()["vllm_tracked_requests"] == 0
     finally:
         mgr.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("with_status", [False, True])
+def test_an_attempt_that_stores_a_key_again_after_its_deadline_owes_both_reports(tmp_path, with_status):
+    """The pool holds both rows of a key written again by one attempt until both writes end (a rewrite)."""
+    from vllm.v1.kv_offload.base import ReqContext as VReqContext
+
+    from kvactors.integrations.vllm.shm import STORE_OK
+
+    mgr, runtime = _manager(tmp_path, with_status)
+    try:
+        rc = VReqContext("r1")
+        mgr.on_new_request(rc)
+        rows = [_store(mgr, rc)]
+        runtime.advance(TIMEOUT_S + 1)
+        rows.append(_store(mgr, rc))  # the same attempt stores K again, on a new row
+        for row in rows:
+            if with_status:
+                mgr.shared.mark([row], 0, STORE_OK)
+            mgr.complete_store([K], rc, success=True)
+        mgr.on_request_finished(rc)
+        assert _blocks(mgr) == {"pending": 0, "ready": 1, "detached": 0, "free": ROWS - 1}
+        assert mgr.stats()["vllm_tracked_requests"] == 0
+    finally:
+        mgr.shutdown()

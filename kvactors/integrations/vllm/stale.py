@@ -15,6 +15,7 @@ Threading: none of its own. It is called with the adapter's lock held.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from kvactors.integrations.vllm.requests import Request
 from kvactors.manager import TieringManager
@@ -30,6 +31,23 @@ def take_owed(req: Request) -> list[Entry]:
     owed: list[Entry] = [("store", k, ctx, row) for k, stores in taken.stores.items() for ctx, row in stores]
     owed += [("load", k, ctx, -1) for k, ctxs in taken.loads.items() for ctx in ctxs]
     return owed
+
+
+def stores_by_attempt(stores: Iterable[tuple[ReqContext, OffloadKey]]) -> list[tuple[ReqContext, list[OffloadKey]]]:
+    """The ``complete_store`` calls that end ``stores``: by attempt, each key once a call.
+
+    An attempt whose store of a key passed kvactors' deadline may store the key again.
+    It then owes a completion of each write, and one call may not complete a key twice.
+    """
+    calls: dict[ReqContext, list[dict[OffloadKey, None]]] = defaultdict(list)
+    for ctx, k in stores:
+        for keys in calls[ctx]:
+            if k not in keys:
+                keys[k] = None
+                break
+        else:
+            calls[ctx].append({k: None})
+    return [(ctx, list(keys)) for ctx, of_ctx in calls.items() for keys in of_ctx]
 
 
 class StaleJobs:
@@ -65,11 +83,11 @@ class StaleJobs:
     def release(self) -> None:
         """End the held jobs inside kvactors, as the workers are done with them."""
         for _, entries in self._batches:
-            stores: dict[ReqContext, list[OffloadKey]] = defaultdict(list)
             loads: dict[ReqContext, list[OffloadKey]] = defaultdict(list)
             for kind, k, ctx, _row in entries:
-                (stores if kind == "store" else loads)[ctx].append(k)
-            for ctx, ks in stores.items():
+                if kind == "load":
+                    loads[ctx].append(k)
+            for ctx, ks in stores_by_attempt((ctx, k) for kind, k, ctx, _row in entries if kind == "store"):
                 self.tm.complete_store(ks, ctx, False)  # never known to be complete: not made ready
             for ctx, ks in loads.items():
                 self.tm.complete_load(ks, ctx)
