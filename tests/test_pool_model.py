@@ -288,6 +288,17 @@ SCENARIOS: dict[str, list[tuple[Any, ...]]] = {
         ("prepare_store", [B], R2), ("complete_store", [C, B], R1, True), ("complete_store", [A, D], R1, False),
         ("complete_store", [B], R2, True), ("prepare_store", [A, B, C, D, E], R1), ("reset",),
         ("complete_store", [A, B], R1, True), ("complete_store", [C, D, E], R1, False)],
+    # Hypothesis found this (ARC): a job's rows become evictable once all its pins end, a row
+    # pinned twice at its first place (the fast path once added it at its last).
+    "a cascade job that pins a row twice ends": [
+        ("prepare_store", [A, B], R1), ("complete_store", [A, B], R1, True), ("pin_for_load", [A, B], R1),
+        ("unpin_load", [], R1), ("unpin_load", [A, B], R1), ("complete_store", [], R1, False),
+        ("pin_for_job", 1, [A, B, A]), ("end_job", 1, {"hold": False})],
+    "cascade jobs that pin a row twice end, held, and on a detached row": [
+        ("prepare_store", [A, B, C], R1), ("complete_store", [A, B, C], R1, True), ("pin_for_job", 1, [C, A, B, A]),
+        ("pin_for_job", 2, [B, C, B]), ("end_job", 2, {"hold": True}), ("end_job", 1, {"hold": False}),
+        ("release_hold", 2), ("pin_for_job", 3, [A, C, A]), ("reset",), ("end_job", 3, {"hold": False}),
+        ("prepare_store", [D, E, A, B, C], R1)],
     "failed stores and errors change nothing": [
         ("prepare_store", [A, B], R1), ("complete_store", [A, A], R1, True), ("complete_store", [A, C], R1, True),
         ("complete_store", [A], R2, True), ("complete_store", [B, A], R1, False), ("pin_for_load", [A], R1),

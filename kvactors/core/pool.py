@@ -533,14 +533,17 @@ class BlockPool:
             for row in rows:
                 self._settle(row)
             return True
-        # _unpin then _settle, row by row, in one loop. The rows that become evictable go to
-        # the policy in one call, in order (the other outcomes of _settle add none to it).
+        # Every pin of the job ends before any row settles (the job ends at once), as on the hold
+        # path: a row pinned twice settles at its first place, not where its last pin ends. The
+        # rows that become evictable go to the policy in one call, in order (the other outcomes
+        # of _settle add none to it).
         pins, holds, writers, indexed, ready = self._pins, self._holds, self._writer, self._indexed, self._ready
-        freed = 0
-        evictable = []
         for row in rows:
             assert pins[row] > 0, "every unpin matches one pin"
             pins[row] -= 1
+        freed = 0
+        evictable = []
+        for row in dict.fromkeys(rows):
             if pins[row]:
                 continue
             freed += 1
