@@ -30,7 +30,8 @@ supervisor, the supervisor and the tiers) each take their peers' refs in
 their constructor. A runtime therefore hands out refs first
 (:meth:`Runtime.new_ref`), the actors are built with them, and then each is
 started (:meth:`Runtime.start`). A ref is bound to its actor once, by the
-runtime, at its start. Nothing may be told to a ref before its actor starts.
+runtime, at its start. A message told to a ref before then waits in the ref
+and is delivered first, at the start (a tier may report from ``attach``).
 :meth:`Runtime.spawn` does both steps for an actor that needs no peers.
 
 Failures follow one policy, stated here. What fails is contained where it
