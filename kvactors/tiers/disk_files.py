@@ -32,6 +32,7 @@ MAX_NAME_CHARS = 200
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Without it, opening a FIFO put where a file was would wait for a writer, for ever.
 _OPEN_READ = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
 
@@ -61,15 +62,25 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def open_to_read(path: str) -> int:
+def open_to_read(path: str, *, direct: bool = False) -> int:
     """A descriptor of the regular file ``path``, opened to read. Never waits.
+
+    With ``direct`` it is opened with ``O_DIRECT`` where the file system allows, else without.
 
     A symlink (``O_NOFOLLOW``), a FIFO, a device or a socket where a tier file was is an ``OSError``.
     Once opened, such a file raises ``EINVAL``, as an unreadable file does.
     It is never a wait or a read of something else.
     The caller fails what it meant to read from it.
     """
-    fd = os.open(path, _OPEN_READ)
+    if direct and O_DIRECT:
+        try:
+            fd = os.open(path, _OPEN_READ | O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            fd = os.open(path, _OPEN_READ)  # the file system refuses O_DIRECT
+    else:
+        fd = os.open(path, _OPEN_READ)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

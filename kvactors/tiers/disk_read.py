@@ -10,13 +10,16 @@ A key is reported good only once its bytes, in its row, matched its checksum.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvactors.tiers import codec
-from kvactors.tiers.disk_files import SUFFIX, TMP_PREFIX, describe, open_to_read, read_key, read_record_into
-from kvactors.tiers.disk_group import GROUP_SUFFIX, key_checksum, read_run, read_table
+from kvactors.tiers.disk_files import O_DIRECT, SUFFIX, TMP_PREFIX, describe, open_to_read, read_key, read_record_into
+from kvactors.tiers.disk_group import ALIGN, GROUP_SUFFIX, key_checksum, read_run, read_table
 from kvactors.tiers.disk_index import DiskFile, Entry, Slot
 from kvactors.types import OffloadKey
 
@@ -120,16 +123,19 @@ def _open_legacy(path: str, fname: str, size: int) -> tuple[DiskFile, list[Entry
     return DiskFile(fname, size, size - head, legacy=True), [(key, head, 0)]
 
 
-def load_group(path: str, file: DiskFile, items: list[Item]) -> dict[int, str]:
+def load_group(path: str, file: DiskFile, items: list[Item], *, direct: bool = False) -> dict[int, str]:
     """Read and verify ``items`` into their rows, with one ``open``. Returns the failed positions and why.
 
     ``items`` are slots of the group ``file`` at ``path``.
     The file must still begin with the head it was indexed with.
     It must be no longer than it was written.
     A file cut short fails the keys past the cut only.
+    With ``direct`` the file is read with ``O_DIRECT``, which skips the page cache's copy and page allocation.
+    The rows must then start on an ``ALIGN`` boundary in memory and be multiples of ``ALIGN``.
+    A file system that refuses ``O_DIRECT`` is read through the page cache.
     """
     try:
-        fd = open_to_read(path)
+        fd = open_to_read(path, direct=direct)
     except (FileNotFoundError, NotADirectoryError) as exc:
         return dict.fromkeys((i for i, *_ in items), f"DiskTierError: file is missing: {describe(exc)}")
     except Exception as exc:
@@ -139,7 +145,7 @@ def load_group(path: str, file: DiskFile, items: list[Item]) -> dict[int, str]:
         size = os.fstat(fd).st_size
         if size > file.size:
             raise codec.CorruptRecordError(f"file is {size} bytes, expected {file.size}")
-        if os.pread(fd, len(file.head), 0) != file.head:
+        if _read_head(fd, len(file.head)) != file.head:
             raise codec.CorruptRecordError("its table changed")
         items.sort(key=lambda item: item[1].offset)
         step = max(1, VERIFY_BYTES // file.block_bytes)
@@ -157,6 +163,25 @@ def load_group(path: str, file: DiskFile, items: list[Item]) -> dict[int, str]:
     finally:
         os.close(fd)
     return failed
+
+
+def _read_head(fd: int, size: int) -> bytes:
+    """The first ``size`` bytes of ``fd`` (fewer at its end), opened with ``O_DIRECT`` or not.
+
+    ``O_DIRECT`` reads whole pages into a page-aligned buffer.
+    A file system that refuses that read (``EINVAL``) is read through the page cache from then on.
+    """
+    if not O_DIRECT or not fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT:
+        return os.pread(fd, size, 0)
+    with mmap.mmap(-1, -(-size // ALIGN) * ALIGN) as buf:
+        try:
+            got = os.preadv(fd, [buf], 0)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+            return os.pread(fd, size, 0)
+        return buf[: min(got, size)]
 
 
 def _read_verify(fd: int, file: DiskFile, run: Sequence[Item], failed: dict[int, str]) -> None:
