@@ -8,6 +8,7 @@ Bytes come back exact, a corrupt or cut file is a failed key and never data, and
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -32,12 +33,24 @@ _ids = itertools.count(1)
 
 
 class Opens:
-    """Records the flags of every ``os.open``; ``refuse`` makes an ``O_DIRECT`` open fail with ``EINVAL``."""
+    """Counts the ``os.open`` calls (stores) and ``F_SETFL`` calls (loads) that ask for ``O_DIRECT``.
+
+    ``refuse`` makes an ``O_DIRECT`` open fail with ``EINVAL``.
+    """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, *, refuse: bool = False) -> None:
         self.direct = 0
         self.plain = 0
+        self.direct_reads = 0
         real = os.open
+        real_fcntl = fcntl.fcntl
+
+        def spy_fcntl(fd: int, cmd: int, arg: int = 0) -> int:
+            if cmd == fcntl.F_SETFL and arg & O_DIRECT:
+                self.direct_reads += 1
+            return real_fcntl(fd, cmd, arg)
+
+        monkeypatch.setattr(fcntl, "fcntl", spy_fcntl)
 
         def spy(path: str, flags: int, mode: int = 0o777, *args: object, **kwargs: object) -> int:
             if flags & O_DIRECT:
@@ -103,7 +116,7 @@ def test_an_aligned_pool_stores_and_loads_with_o_direct_byte_exact(harness, monk
     result = _store_and_load(h)
     assert result.success
     assert torch.equal(h.pool[8:12], h.pool[0:4])
-    assert opens.direct >= 2  # the store's file and the load's
+    assert opens.direct == 1 and opens.direct_reads == 1  # the store's file, then the load's payloads
 
 
 @pytest.mark.parametrize("kwargs", [{"aligned": False}, {"direct_io": False}])
@@ -112,7 +125,7 @@ def test_an_unaligned_pool_or_direct_io_off_uses_the_page_cache(harness, monkeyp
     h = harness(**kwargs)
     result = _store_and_load(h)
     assert result.success and torch.equal(h.pool[8:12], h.pool[0:4])
-    assert opens.direct == 0
+    assert opens.direct == 0 and opens.direct_reads == 0
 
 
 def test_a_file_system_that_refuses_o_direct_gets_the_page_cache(harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -120,7 +133,7 @@ def test_a_file_system_that_refuses_o_direct_gets_the_page_cache(harness, monkey
     h = harness()
     result = _store_and_load(h)
     assert result.success and torch.equal(h.pool[8:12], h.pool[0:4])
-    assert opens.direct == 1  # refused once: later stores and loads do not try again
+    assert opens.direct == 1 and opens.direct_reads == 0  # refused once: later stores and loads do not try again
 
 
 def test_a_write_refused_under_o_direct_is_rewritten_through_the_page_cache(harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -128,8 +141,6 @@ def test_a_write_refused_under_o_direct_is_rewritten_through_the_page_cache(harn
     refused = []
 
     def refuse_direct(fd: int, buffers: list[memoryview]) -> int:
-        import fcntl
-
         if fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT:
             refused.append(fd)
             raise OSError(errno.EINVAL, "Invalid argument")
@@ -198,3 +209,22 @@ def test_files_written_with_o_direct_survive_a_restart(harness, tmp_path: Path) 
     assert h2.tier.lookup(KEYS, CTX) == [LookupResult.HIT] * 4
     assert h2.run(KEYS, [8, 9, 10, 11], True).success
     assert torch.equal(h2.pool[8:12], h.pool[0:4])
+
+
+def test_a_read_refused_under_o_direct_is_read_through_the_page_cache(harness, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    h = harness()
+    assert h.run(KEYS, [0, 1, 2, 3], False).success
+    real = os.preadv
+    refused = []
+
+    def refuse_direct(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)
+    h.pool[8:12].zero_()
+    assert h.run(KEYS, [8, 9, 10, 11], True).success
+    assert refused
+    assert torch.equal(h.pool[8:12], h.pool[0:4])

@@ -62,25 +62,15 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def open_to_read(path: str, *, direct: bool = False) -> int:
+def open_to_read(path: str) -> int:
     """A descriptor of the regular file ``path``, opened to read. Never waits.
-
-    With ``direct`` it is opened with ``O_DIRECT`` where the file system allows, else without.
 
     A symlink (``O_NOFOLLOW``), a FIFO, a device or a socket where a tier file was is an ``OSError``.
     Once opened, such a file raises ``EINVAL``, as an unreadable file does.
     It is never a wait or a read of something else.
     The caller fails what it meant to read from it.
     """
-    if direct and O_DIRECT:
-        try:
-            fd = os.open(path, _OPEN_READ | O_DIRECT)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            fd = os.open(path, _OPEN_READ)  # the file system refuses O_DIRECT
-    else:
-        fd = os.open(path, _OPEN_READ)
+    fd = os.open(path, _OPEN_READ)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
