@@ -40,7 +40,7 @@ CONTROL_KEYS = ("admission", "max_queued_bytes")
 
 # Per tier type: (required keys, optional keys) besides "type" and CONTROL_KEYS.
 TIER_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "disk": (("root", "capacity_bytes"), ("name", "io_workers", "fsync")),
+    "disk": (("root", "capacity_bytes"), ("name", "io_workers", "fsync", "direct_io")),
     "redis": (("url",), ("name", "namespace", "capacity_bytes", "cluster", "timeout_s", "io_workers",
                          "retry_after_s")),
     "memory": (("capacity_blocks",), ("name",)),
@@ -97,7 +97,7 @@ def _check_tier(index: int, entry: object) -> Mapping[str, Any]:
     for key in ("capacity_bytes", "capacity_blocks", "io_workers"):
         if key in entry and not (key == "capacity_bytes" and kind == "redis" and entry[key] is None):
             _positive_int(f"{where}.{key}", entry[key])
-    for key in ("fsync", "cluster"):
+    for key in ("fsync", "direct_io", "cluster"):
         if key in entry and type(entry[key]) is not bool:
             raise ValueError(f"kvactors: {where}.{key} must be true or false, got {entry[key]!r}")
     for key in ("root", "url", "master", "name", "namespace", "class"):
