@@ -1,6 +1,6 @@
 """Quick DiskTier throughput check against plain files of the same block size.
 
-    python scripts/bench_disk_quick.py [--block-kib 256] [--blocks 256] [--dir DIR]
+    PYTHONPATH=. python scripts/bench_disk_quick.py [--block-kib 256] [--blocks 256] [--dir DIR] [--keep-files]
 
 Baseline: one file per block, written with open/write/close and read back into
 a preallocated buffer, on one thread, no checksum. DiskTier: the same bytes as
@@ -40,7 +40,7 @@ def timed(fn, *args) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def plain(root: str, pool: torch.Tensor) -> Timing:
+def plain(root: str, pool: torch.Tensor, keep: bool) -> Timing:
     n, block = pool.shape
     os.makedirs(root, exist_ok=True)
 
@@ -59,11 +59,12 @@ def plain(root: str, pool: torch.Tensor) -> Timing:
             pool[i].copy_(torch.frombuffer(buf, dtype=torch.uint8))
 
     (w, cw), (r, cr) = timed(write), timed(read)
-    shutil.rmtree(root)
+    if not keep:
+        shutil.rmtree(root)
     return w, r, cw, cr
 
 
-def tier_run(root: str, pool: torch.Tensor, per_job: int, workers: int) -> Timing:
+def tier_run(root: str, pool: torch.Tensor, per_job: int, workers: int, keep: bool) -> Timing:
     n, block = pool.shape
     half = n // 2
     tier = DiskTier(root, capacity_bytes=4 * n * block, io_workers=workers)
@@ -85,7 +86,8 @@ def tier_run(root: str, pool: torch.Tensor, per_job: int, workers: int) -> Timin
     (w, cw), (r, cr) = timed(run, False, 0), timed(run, True, half)
     assert torch.equal(pool[:half], pool[half:])
     tier.shutdown()
-    shutil.rmtree(root)
+    if not keep:
+        shutil.rmtree(root)
     return w, r, cw, cr
 
 
@@ -96,6 +98,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--keep-files", action="store_true",
+                    help="keep every run's files to the end: each run then writes into fresh page-cache pages, "
+                         "as a filling tier does, not into those the previous run's deletion freed")
     args = ap.parse_args()
     block = args.block_kib * 1024
     nbytes = args.blocks * block
@@ -108,10 +113,11 @@ def main() -> None:
         pool_tier[: args.blocks] = pool_plain
         rows: dict[str, list[Timing]] = {"plain": [], "tier 1 job": [], "tier 1 job/block": []}
         for r in range(args.repeats):
-            rows["plain"].append(plain(os.path.join(base, f"p{r}"), pool_plain))
-            one_job = tier_run(os.path.join(base, f"a{r}"), pool_tier, args.blocks, args.workers)
+            keep = args.keep_files
+            rows["plain"].append(plain(os.path.join(base, f"p{r}"), pool_plain, keep))
+            one_job = tier_run(os.path.join(base, f"a{r}"), pool_tier, args.blocks, args.workers, keep)
             rows["tier 1 job"].append(one_job)
-            rows["tier 1 job/block"].append(tier_run(os.path.join(base, f"b{r}"), pool_tier, 1, args.workers))
+            rows["tier 1 job/block"].append(tier_run(os.path.join(base, f"b{r}"), pool_tier, 1, args.workers, keep))
         gb = nbytes / 1e9
         best = {name: [min(t[k] for t in v) for k in range(4)] for name, v in rows.items()}
         print(f"{args.blocks} blocks x {args.block_kib} KiB, {args.workers} workers, {os.cpu_count()} CPUs, "
