@@ -101,7 +101,7 @@ class DiskTier(SecondaryTier):
     ``direct_io=True`` (the default) writes group files with ``O_DIRECT`` where the pool's rows start on page
     boundaries and are whole pages, as a pool mapped from a file (vLLM's) is.
     The bytes then skip the page cache, whose copy and page allocation were most of a store's CPU.
-    Loads then read group files with ``O_DIRECT`` too, into the rows.
+    Loads then read the payloads of group files with ``O_DIRECT`` too, into the rows.
     Elsewhere, or on a file system that refuses ``O_DIRECT``, both go through the page cache.
 
     A new tier on the same ``root`` finds the blocks stored before.
