@@ -75,6 +75,7 @@ class Harness:
         self.pool[: ROWS // 2] = torch.randint(0, 256, (ROWS // 2, BLOCK), dtype=torch.uint8,
                                                generator=torch.Generator().manual_seed(5))
         self.root = root
+        kwargs.setdefault("direct_io", True)
         self.tier = DiskTier(root, capacity_bytes=1 << 30, **kwargs)  # type: ignore[arg-type]
         self.results: queue.Queue[JobResult] = queue.Queue()
         self.tier.attach(self.pool, self.results.put)
@@ -228,3 +229,22 @@ def test_a_read_refused_under_o_direct_is_read_through_the_page_cache(harness, m
     assert h.run(KEYS, [8, 9, 10, 11], True).success
     assert refused
     assert torch.equal(h.pool[8:12], h.pool[0:4])
+
+
+def test_the_default_keeps_the_page_cache_even_for_an_aligned_pool(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    opens = Opens(monkeypatch)
+    mapped = mmap.mmap(-1, ROWS * BLOCK)
+    pool = torch.frombuffer(mapped, dtype=torch.uint8).view(ROWS, BLOCK)
+    pool[:4] = 7
+    tier = DiskTier(tmp_path / "tier", capacity_bytes=1 << 30)
+    results: queue.Queue[JobResult] = queue.Queue()
+    tier.attach(pool, results.put)
+    try:
+        tier.submit_store(TransferJob(next(_ids), tuple(KEYS), (0, 1, 2, 3), CTX, False))
+        assert results.get(timeout=WAIT).success
+        tier.submit_load(TransferJob(next(_ids), tuple(KEYS), (8, 9, 10, 11), CTX, True))
+        assert results.get(timeout=WAIT).success
+        assert torch.equal(pool[8:12], pool[0:4])
+        assert opens.direct == 0 and opens.direct_reads == 0
+    finally:
+        tier.shutdown()

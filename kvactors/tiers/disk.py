@@ -98,11 +98,13 @@ class DiskTier(SecondaryTier):
     A job cancelled by :meth:`shutdown` is reported from the thread that shut the tier down.
     ``fsync=True`` makes a store durable before it is reported, by syncing the file and the directory entry.
     The default leaves that to the OS, which survives a crash of the process but not of the machine.
-    ``direct_io=True`` (the default) writes group files with ``O_DIRECT`` where the pool's rows start on page
+    ``direct_io=True`` writes group files with ``O_DIRECT`` where the pool's rows start on page
     boundaries and are whole pages, as a pool mapped from a file (vLLM's) is.
     The bytes then skip the page cache, whose copy and page allocation were most of a store's CPU.
     Loads then read the payloads of group files with ``O_DIRECT`` too, into the rows.
     Elsewhere, or on a file system that refuses ``O_DIRECT``, both go through the page cache.
+    The default (``False``) keeps the page cache: a promotion read from it is 3-4x faster, and under
+    ``vllm serve`` that outweighed the CPU saved (docs/performance.md, "The disk tier's CPU").
 
     A new tier on the same ``root`` finds the blocks stored before.
     It reads both group files and the one-file-per-block ``KVA2`` files of earlier versions.
@@ -159,7 +161,7 @@ class DiskTier(SecondaryTier):
         capacity_bytes: int,
         io_workers: int = DEFAULT_IO_WORKERS,
         fsync: bool = False,
-        direct_io: bool = True,
+        direct_io: bool = False,
     ) -> None:
         super().__init__(name=name)
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
