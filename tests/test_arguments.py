@@ -361,21 +361,25 @@ def _flag_cases(root: str) -> list[tuple[str, Callable[[object], object]]]:
 
     return [
         ("DiskTier(fsync)", lambda v: DiskTier(root, capacity_bytes=1 << 20, fsync=v).shutdown()),  # type: ignore[arg-type]
+        ("DiskTier(direct_io)", lambda v: DiskTier(root, capacity_bytes=1 << 20, direct_io=v).shutdown()),  # type: ignore[arg-type]
         ("RedisTier(cluster)", lambda v: RedisTier("redis://127.0.0.1:1", cluster=v).shutdown()),  # type: ignore[arg-type]
         ("vllm config tiers[0].fsync", lambda v: parse_config(
             {"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "disk", "root": root, "capacity_bytes": 1 << 20,
                                                      "fsync": v}]})),
+        ("vllm config tiers[0].direct_io", lambda v: parse_config(
+            {"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "disk", "root": root, "capacity_bytes": 1 << 20,
+                                                     "direct_io": v}]})),
         ("vllm config tiers[0].cluster", lambda v: parse_config(
             {"cpu_bytes_to_use": 1 << 20, "tiers": [{"type": "redis", "url": "redis://127.0.0.1:1", "cluster": v}]})),
     ]
 
 
 @pytest.mark.parametrize("value", FLAG_VALUES, ids=repr)
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(6))
 def test_a_flag_given_anything_but_a_bool_is_refused(tmp_path, case: int, value: object) -> None:
     """``fsync="no"`` is truthy: taken as a flag it would turn fsync on. A flag is a bool."""
     label, call = _flag_cases(str(tmp_path / "tier"))[case]
-    with pytest.raises(ValueError, match=r"fsync|cluster"):
+    with pytest.raises(ValueError, match=r"fsync|direct_io|cluster"):
         call(value)
     assert not (tmp_path / "tier").exists() or label.startswith("vllm"), "a refused tier made its directory"
 

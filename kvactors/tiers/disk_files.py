@@ -32,6 +32,7 @@ MAX_NAME_CHARS = 200
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Without it, opening a FIFO put where a file was would wait for a writer, for ever.
 _OPEN_READ = os.O_RDONLY | O_CLOEXEC | O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
 

@@ -21,6 +21,9 @@ Plain functions on descriptors and paths, with no state and no locks. Thread-saf
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
 import os
 import struct
 from collections.abc import Iterator, Sequence
@@ -30,7 +33,7 @@ import xxhash
 
 from kvactors.tiers.codec import CorruptRecordError
 from kvactors.tiers.codec import checksum as key_checksum  # XXH3-64 of key then payload, as in KVA2
-from kvactors.tiers.disk_files import O_CLOEXEC, open_to_read
+from kvactors.tiers.disk_files import O_CLOEXEC, O_DIRECT, open_to_read
 from kvactors.types import OffloadKey
 
 __all__ = ["ALIGN", "ENTRY_BYTES", "GROUP_MAGIC", "GROUP_SUFFIX", "HEAD_BYTES", "MAX_KEYS", "GroupTable", "data_offset",
@@ -172,31 +175,69 @@ def read_table(path: str) -> GroupTable:
         os.close(fd)
 
 
-def write_group(path: str, table: GroupTable, payloads: Sequence[memoryview], *, fsync: bool) -> None:
+def write_group(path: str, table: GroupTable, payloads: Sequence[memoryview], *, fsync: bool,
+                direct: bool = False) -> bool:
     """Create ``path``, which must not exist, with mode 0600.
 
     It holds ``table``'s head, padding, then ``payloads``.
     One ``writev`` writes the head and the payload views.
     The views are the pool rows, so nothing is copied.
+    With ``direct`` the file is opened with ``O_DIRECT``.
+    The rows then go to the device without a copy into the page cache, which was most of a store's CPU.
+    The caller must then pass views that start on an ``ALIGN`` boundary in memory and are multiples of ``ALIGN``.
+    A file system that refuses ``O_DIRECT`` (``EINVAL``) gets the same bytes through the page cache.
+    Returns whether the file was written with ``O_DIRECT``.
     """
-    pad = table.offsets[0] - len(table.head_bytes)
-    bufs: list[bytes | memoryview] = [table.head_bytes + bytes(pad), *payloads]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+    direct = direct and bool(O_DIRECT)
+    start = table.offsets[0]
+    head: bytes | mmap.mmap
+    if direct:
+        head = mmap.mmap(-1, start)  # page-aligned and zero-filled, as O_DIRECT needs
+        head[: len(table.head_bytes)] = table.head_bytes
+    else:
+        head = table.head_bytes + bytes(start - len(table.head_bytes))
+    bufs: list[bytes | mmap.mmap | memoryview] = [head, *payloads]
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC
     try:
-        total = table.file_size
-        done = os.writev(fd, bufs)
-        while done < total:  # short write (rare on regular files): go on from where it stopped
-            n = os.pwritev(fd, _skip(bufs, done), done)
-            if n <= 0:
-                raise OSError(f"write returned {n}")
-            done += n
-        if fsync:
-            os.fsync(fd)
+        try:
+            fd = os.open(path, flags | (O_DIRECT if direct else 0), 0o600)
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                raise
+            # Some file systems create the file, then refuse O_DIRECT: the name is ours, so no O_EXCL.
+            direct = False
+            fd = os.open(path, (flags & ~os.O_EXCL) | os.O_TRUNC, 0o600)
+        try:
+            try:
+                _write_all(fd, bufs, table.file_size)
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise
+                direct = False  # the file system took the open but not the write: the same bytes, buffered
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+                os.lseek(fd, 0, os.SEEK_SET)
+                _write_all(fd, bufs, table.file_size)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        if isinstance(head, mmap.mmap):
+            head.close()
+    return direct
 
 
-def _skip(bufs: Sequence[bytes | memoryview], skip: int) -> list[memoryview]:
+def _write_all(fd: int, bufs: Sequence[bytes | mmap.mmap | memoryview], total: int) -> None:
+    """Write ``bufs`` from the start of ``fd``, whose position is 0, ``total`` bytes in all."""
+    done = os.writev(fd, bufs)
+    while done < total:  # short write (rare on regular files): go on from where it stopped
+        n = os.pwritev(fd, _skip(bufs, done), done)
+        if n <= 0:
+            raise OSError(f"write returned {n}")
+        done += n
+
+
+def _skip(bufs: Sequence[bytes | mmap.mmap | memoryview], skip: int) -> list[memoryview]:
     """``bufs`` without their first ``skip`` bytes."""
     rest: list[memoryview] = []
     for b in bufs:
@@ -217,7 +258,12 @@ def read_run(fd: int, offset: int, rows: Sequence[memoryview], need: int) -> int
     """
     got = os.preadv(fd, rows, offset)
     while 0 < got < need:  # short read: go on, from where it stopped
-        n = os.preadv(fd, _skip(rows, got), offset + got)
+        try:
+            n = os.preadv(fd, _skip(rows, got), offset + got)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and got % ALIGN:
+                break  # O_DIRECT ended mid-page: the file ends there
+            raise
         if n <= 0:
             break
         got += n

@@ -10,12 +10,14 @@ A key is reported good only once its bytes, in its row, matched its checksum.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvactors.tiers import codec
-from kvactors.tiers.disk_files import SUFFIX, TMP_PREFIX, describe, open_to_read, read_key, read_record_into
+from kvactors.tiers.disk_files import O_DIRECT, SUFFIX, TMP_PREFIX, describe, open_to_read, read_key, read_record_into
 from kvactors.tiers.disk_group import GROUP_SUFFIX, key_checksum, read_run, read_table
 from kvactors.tiers.disk_index import DiskFile, Entry, Slot
 from kvactors.types import OffloadKey
@@ -120,13 +122,17 @@ def _open_legacy(path: str, fname: str, size: int) -> tuple[DiskFile, list[Entry
     return DiskFile(fname, size, size - head, legacy=True), [(key, head, 0)]
 
 
-def load_group(path: str, file: DiskFile, items: list[Item]) -> dict[int, str]:
+def load_group(path: str, file: DiskFile, items: list[Item], *, direct: bool = False) -> dict[int, str]:
     """Read and verify ``items`` into their rows, with one ``open``. Returns the failed positions and why.
 
     ``items`` are slots of the group ``file`` at ``path``.
     The file must still begin with the head it was indexed with.
     It must be no longer than it was written.
     A file cut short fails the keys past the cut only.
+    With ``direct`` the payloads are read with ``O_DIRECT``, which skips the page cache's copy and page allocation.
+    The rows must then start on an ``ALIGN`` boundary in memory and be multiples of ``ALIGN``.
+    The head is read through the page cache, where it stays for the file's later loads.
+    A file system that refuses ``O_DIRECT`` is read through the page cache.
     """
     try:
         fd = open_to_read(path)
@@ -141,6 +147,8 @@ def load_group(path: str, file: DiskFile, items: list[Item]) -> dict[int, str]:
             raise codec.CorruptRecordError(f"file is {size} bytes, expected {file.size}")
         if os.pread(fd, len(file.head), 0) != file.head:
             raise codec.CorruptRecordError("its table changed")
+        if direct:
+            _read_direct(fd)
         items.sort(key=lambda item: item[1].offset)
         step = max(1, VERIFY_BYTES // file.block_bytes)
         run: list[Item] = []
@@ -159,6 +167,24 @@ def load_group(path: str, file: DiskFile, items: list[Item]) -> dict[int, str]:
     return failed
 
 
+def _read_direct(fd: int) -> None:
+    """Switch ``fd`` to ``O_DIRECT`` for the reads that follow, where the file system allows it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+
+
+def _drop_direct(fd: int) -> bool:
+    """Switch ``fd`` back to the page cache. Returns whether it was reading with ``O_DIRECT``."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not O_DIRECT or not flags & O_DIRECT:
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
+    return True
+
+
 def _read_verify(fd: int, file: DiskFile, run: Sequence[Item], failed: dict[int, str]) -> None:
     """One ``preadv`` of consecutive slots into their rows, then each key verified in place
     (its row still in the CPU's cache). A read that fails for several keys is retried key
@@ -168,6 +194,9 @@ def _read_verify(fd: int, file: DiskFile, run: Sequence[Item], failed: dict[int,
     try:
         end = start + read_run(fd, start, [view for *_, view in run], len(run) * block)
     except OSError as exc:
+        if exc.errno == errno.EINVAL and _drop_direct(fd):  # took the flag, not the read: the page cache then
+            _read_verify(fd, file, run, failed)
+            return
         if len(run) == 1:
             failed[run[0][0]] = f"DiskTierError: unreadable file {file.name}: {describe(exc)}"
         else:

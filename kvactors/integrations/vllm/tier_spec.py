@@ -45,7 +45,7 @@ CONTROL_KEYS = ("admission", "max_queued_bytes")
 """Keys every entry may carry besides its type's (docs/controls.md); they go to ``TieringManager.start``."""
 
 TIER_KEYS: Mapping[TierType, TierKeys] = MappingProxyType({
-    TierType.DISK: TierKeys(("root", "capacity_bytes"), ("name", "io_workers", "fsync")),
+    TierType.DISK: TierKeys(("root", "capacity_bytes"), ("name", "io_workers", "fsync", "direct_io")),
     TierType.REDIS: TierKeys(("url",), ("name", "namespace", "capacity_bytes", "cluster", "timeout_s", "io_workers",
                                         "retry_after_s")),
     TierType.MEMORY: TierKeys(("capacity_blocks",), ("name",)),
@@ -55,7 +55,7 @@ TIER_KEYS: Mapping[TierType, TierKeys] = MappingProxyType({
 })
 
 _COUNTS = ("capacity_bytes", "capacity_blocks", "io_workers")  # ints >= 1
-_FLAGS = ("fsync", "cluster")  # bools
+_FLAGS = ("fsync", "direct_io", "cluster")  # bools
 _NAMES = ("root", "url", "master", "name", "namespace", "class")  # non-empty strings (or paths)
 
 Admission = str | Mapping[str, Any]
