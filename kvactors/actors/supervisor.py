@@ -187,7 +187,7 @@ class LifecycleSupervisor(Actor):
         armed for the soonest deadline of all the books. Barriers come before the
         stop, whose end answers the rest.
         """
-        if self.barriers:
+        if self.barriers.waiting:
             self._start_due_barriers()
         if self.shutdown.awaits_round:
             self._begin_shutdown_round()

@@ -25,23 +25,19 @@ class Alarm:
     Actors do that in :meth:`~kvactors.actors.runtime.Actor.settle`.
     """
 
-    __slots__ = ("_due", "_fired", "_wake")
+    __slots__ = ("_due", "_wake", "fired")
 
     def __init__(self, wake: Callable[[float], None]) -> None:
         """``wake(deadline)`` schedules a tick for ``deadline``. Only :meth:`arm` calls it."""
         self._wake = wake
         self._due: float | None = None
-        self._fired = False
+        self.fired = False
+        """Whether a tick came since the last :meth:`rearm` (a plain attribute: read after every message)."""
 
     @property
     def due(self) -> float | None:
         """The soonest wake-up armed since the last tick, or ``None``."""
         return self._due
-
-    @property
-    def fired(self) -> bool:
-        """Whether a tick came since the last :meth:`rearm`."""
-        return self._fired
 
     def arm(self, deadline: float) -> None:
         """Make sure a tick comes by ``deadline``.
@@ -64,7 +60,7 @@ class Alarm:
         waits for :meth:`rearm`.
         """
         self._due = None
-        self._fired = True
+        self.fired = True
 
     def rearm(self, deadlines: Iterable[float | None]) -> None:
         """After a tick, arm the soonest of ``deadlines``.
@@ -72,7 +68,7 @@ class Alarm:
         ``deadlines`` are the books' next ones, ``None`` for a book with none.
         Read them only when :attr:`fired` is true, since that is when they count.
         """
-        self._fired = False
+        self.fired = False
         soonest = min((deadline for deadline in deadlines if deadline is not None), default=None)
         if soonest is not None:
             self.arm(soonest)

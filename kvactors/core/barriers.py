@@ -20,17 +20,18 @@ R = TypeVar("R")
 class BarrierBook(Generic[R]):
     """Barriers waiting for the work at or before their snapshot (see the module docstring)."""
 
-    __slots__ = ("_waiting",)
+    __slots__ = ("waiting",)
 
     def __init__(self) -> None:
-        self._waiting: list[tuple[int, R]] = []  # in arrival order
+        self.waiting: list[tuple[int, R]] = []
+        """The barriers not due yet, in arrival order, with their snapshots (read-only outside)."""
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self.waiting)
 
     def add(self, snapshot: int, reply: R) -> None:
         """A barrier behind every work id up to ``snapshot``."""
-        self._waiting.append((snapshot, reply))
+        self.waiting.append((snapshot, reply))
 
     def due(self, oldest_origin: int | None) -> list[R]:
         """The barriers no work holds any more, in arrival order, forgotten here.
@@ -38,15 +39,15 @@ class BarrierBook(Generic[R]):
         ``oldest_origin`` is the smallest origin of the work still in the books
         (``None``: no work is left)."""
         if oldest_origin is None:
-            due, self._waiting = self._waiting, []
+            due, self.waiting = self.waiting, []
         else:
-            due = [b for b in self._waiting if oldest_origin > b[0]]
+            due = [b for b in self.waiting if oldest_origin > b[0]]
             if due:
-                self._waiting = [b for b in self._waiting if oldest_origin <= b[0]]
+                self.waiting = [b for b in self.waiting if oldest_origin <= b[0]]
         return [reply for _, reply in due]
 
     def cut_short(self) -> list[R]:
         """Every barrier still waiting, in arrival order, forgotten here (a stop answers them)."""
-        replies = [reply for _, reply in self._waiting]
-        self._waiting.clear()
+        replies = [reply for _, reply in self.waiting]
+        self.waiting.clear()
         return replies

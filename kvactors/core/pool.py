@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import asdict
 
 from kvactors.core.events import EventBuffer
 from kvactors.core.load_pins import LoadPinBook, LoadPins
@@ -53,7 +52,7 @@ from kvactors.core.pool_types import (
     StorePlan,
     Writer,
 )
-from kvactors.core.snapshot import PoolFigures
+from kvactors.core.snapshot import PoolFigures, flat_dict
 from kvactors.types import PRIMARY_TIER_NAME, LookupResult, OffloadingEvent, OffloadKey
 
 __all__ = ["BlockPool", "Identity", "LoadPins", "PoolError", "StoreOutcome", "StorePlan", "Writer"]
@@ -175,7 +174,7 @@ class BlockPool:
 
     def stats(self) -> dict[str, int]:
         """:meth:`figures` by their ``stats()`` keys, in O(1)."""
-        return asdict(self.figures())
+        return flat_dict(self.figures())
 
     def state_counts(self) -> dict[str, int]:
         """Rows by exclusive state, summing to ``num_blocks``: ``ready`` (indexed,
