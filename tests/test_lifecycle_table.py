@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvactors import LifecycleError, ReqContext
-from kvactors.core.lifecycle import COUNTERS, InvariantError, LifecycleTable
+from kvactors.core.lifecycle import COUNTERS, InvariantError, LifecycleTable, Pending
 
 CTX = ReqContext("r")
 
@@ -40,7 +40,7 @@ def test_counter_below_zero_is_an_invariant_error_and_changes_nothing():
     table.add(CTX, "pending_primary_stores", 1)
     with pytest.raises(InvariantError):
         table.add(CTX, "pending_primary_stores", -2)
-    assert table.get(CTX).pending_primary_stores == 1
+    assert table.get(CTX).pending[Pending.PRIMARY_STORES] == 1
 
 
 def test_attempts_are_separate_identities():
@@ -51,7 +51,7 @@ def test_attempts_are_separate_identities():
     table.add(CTX, "pending_primary_stores", 1)
     table.finish(retry)
     assert table.maybe_finalize(retry) is not None
-    assert table.get(CTX).pending_primary_stores == 1
+    assert table.get(CTX).pending[Pending.PRIMARY_STORES] == 1
 
 
 def test_duplicate_start_is_a_lifecycle_error():

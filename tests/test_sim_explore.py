@@ -68,7 +68,7 @@ def _hunt(seeds: int, min_fraction: float, needle: str, base: WorkloadConfig | N
 def _finalize_ignores_queued_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM PR #49022: queued/unsent promotions (and parked cascades, lookups) not counted."""
     monkeypatch.setattr(lifecycle.RequestState, "may_submit",
-                        property(lambda state: bool(state.pending_primary_stores)))
+                        property(lambda state: bool(state.pending[lifecycle.Pending.PRIMARY_STORES])))
 
 
 def test_planted_finalize_ignoring_queued_promotions_is_caught_by_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:

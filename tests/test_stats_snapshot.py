@@ -139,7 +139,7 @@ def test_lifecycle_counts_are_typed_and_log_by_name():
     ctx = ReqContext("r")
     table.start(ctx)
     state = table.add(ctx, Pending.LOOKUPS, 2)
-    assert state is not None and state.pending_lookups == 2 and state.may_submit
+    assert state is not None and state.pending[Pending.LOOKUPS] == 2 and state.may_submit
     assert state.counts() == {"pending_primary_stores": 0, "pending_lookups": 2, "unsent_promotions": 0,
                               "parked_cascades": 0}
     assert all(type(name) is str for name in state.counts())

@@ -53,22 +53,6 @@ class RequestState:
     is_finished: bool = False
 
     @property
-    def pending_primary_stores(self) -> int:
-        return self.pending[Pending.PRIMARY_STORES]
-
-    @property
-    def pending_lookups(self) -> int:
-        return self.pending[Pending.LOOKUPS]
-
-    @property
-    def unsent_promotions(self) -> int:
-        return self.pending[Pending.UNSENT_PROMOTIONS]
-
-    @property
-    def parked_cascades(self) -> int:
-        return self.pending[Pending.PARKED_CASCADES]
-
-    @property
     def may_submit(self) -> bool:
         """Whether anything counted here can still submit to a tier for this request."""
         return any(self.pending.values())
